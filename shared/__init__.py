@@ -1,0 +1,22 @@
+"""What the sidecar and the middleware agree on: the load snapshot, its codec, config helpers."""
+
+from ._config import ConfigError, parse_duration
+from ._errors import SnapshotError
+from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file
+from ._snapshot import MAX_SNAPSHOT_BYTES, SCHEMA_VERSION, EngineSample, GpuSample, Snapshot
+
+__all__ = [
+    "MAX_SNAPSHOT_BYTES",
+    "SCHEMA_VERSION",
+    "ConfigError",
+    "EngineSample",
+    "FreshnessCheck",
+    "GpuSample",
+    "SigningKey",
+    "Snapshot",
+    "SnapshotError",
+    "decode",
+    "encode",
+    "load_key_file",
+    "parse_duration",
+]

@@ -1,0 +1,37 @@
+"""Helpers every config object uses, so that bad values fail the same clear way everywhere."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["ConfigError", "parse_duration"]
+
+
+class ConfigError(ValueError):
+    """A config value is wrong. ``key`` names it the way the user wrote it."""
+
+    def __init__(self, key: str, value: object, expected: str) -> None:
+        self.key = key
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{key}: got {value!r}, expected {expected}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|µs|ms|s|m|h)?\s*$")
+_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(key: str, value: object) -> float:
+    """Seconds from ``"250ms"``, ``"5s"``, ``"1.5m"`` or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(key, value, "a duration such as '250ms' or '5s'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise ConfigError(key, value, "a duration such as '250ms' or '5s'")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(key, value, "a non-negative duration")
+    return seconds

@@ -1,0 +1,135 @@
+"""Snapshot signing (HMAC-SHA256 with a key id) and the freshness check.
+
+The signature is the last entry of the map, ``"sig": bin(32)``, and covers every byte before that
+entry (map header included). A verifier therefore checks the exact bytes it received: no
+re-encoding, so no canonical-form rules to get wrong, and verifying costs one HMAC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import msgpack
+
+from ._errors import SnapshotError
+from ._snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_unverified, encode_unsigned
+
+__all__ = ["FreshnessCheck", "SigningKey", "decode", "encode", "load_key_file"]
+
+_SIG_LEN = 32
+_SIG_KEY: bytes = msgpack.packb("sig")
+# msgpack "bin 8" header for 32 bytes; together with the key, the fixed prefix of the sig entry.
+_SIG_PREFIX = _SIG_KEY + b"\xc4" + bytes([_SIG_LEN])
+_SIG_ENTRY_LEN = len(_SIG_PREFIX) + _SIG_LEN
+_PLACEHOLDER = bytes(_SIG_LEN)
+_MIN_SECRET = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """A shared secret and the id that names it, so keys can be rotated without a flag day."""
+
+    kid: str
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        if not self.kid or len(self.kid) > 128:
+            raise ValueError("signing key id must be 1..128 characters")
+        if len(self.secret) < _MIN_SECRET:
+            raise ValueError(f"signing key {self.kid!r} must be at least {_MIN_SECRET} bytes")
+
+    def __repr__(self) -> str:
+        return f"SigningKey(kid={self.kid!r}, secret=<{len(self.secret)} bytes>)"
+
+
+def load_key_file(path: str | Path) -> SigningKey:
+    """Read ``KID:SECRET`` (or a bare ``SECRET``, key id ``default``) from the first line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read signing key file {str(path)!r}: {exc}") from None
+    line = text[0].strip() if text else ""
+    kid, sep, secret = line.partition(":")
+    if not sep:
+        kid, secret = "default", line
+    return SigningKey(kid.strip(), secret.strip().encode())
+
+
+def encode(snapshot: Snapshot, key: SigningKey | None = None) -> bytes:
+    """Encode a snapshot; with a key, stamp its id and sign it."""
+    if key is None:
+        if snapshot.kid is not None:
+            snapshot = replace(snapshot, kid=None)
+        return encode_unsigned(snapshot)
+    wire = snapshot.to_wire()
+    wire["kid"] = key.kid
+    wire["sig"] = _PLACEHOLDER  # last key: dicts keep insertion order, so it is packed last
+    data: bytes = msgpack.packb(wire, use_bin_type=True)
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
+    body = data[:-_SIG_ENTRY_LEN]
+    return data[:-_SIG_LEN] + hmac.digest(key.secret, body, hashlib.sha256)
+
+
+def decode(data: bytes, keys: Mapping[str, SigningKey] | None = None) -> Snapshot:
+    """Decode and validate a snapshot. With ``keys`` (by key id), it must be signed by one."""
+    snapshot, raw = decode_unverified(data)
+    if keys is None:
+        return snapshot
+    if snapshot.sig is None or snapshot.kid is None:
+        raise SnapshotError("snapshot is not signed, and a signing key is configured")
+    key = keys.get(snapshot.kid)
+    if key is None:
+        raise SnapshotError(f"snapshot is signed with unknown key id {snapshot.kid!r}")
+    data = bytes(data)
+    if data[-_SIG_ENTRY_LEN:-_SIG_LEN] != _SIG_PREFIX or raw.get("sig") is None:
+        raise SnapshotError("snapshot signature must be the last map entry")
+    expected = hmac.digest(key.secret, data[:-_SIG_ENTRY_LEN], hashlib.sha256)
+    if not hmac.compare_digest(expected, data[-_SIG_LEN:]):
+        raise SnapshotError(f"snapshot signature does not verify with key {key.kid!r}")
+    return snapshot
+
+
+class FreshnessCheck:
+    """Rejects snapshots older than ``window_s`` and replays within a boot.
+
+    It remembers, per node, the newest ``(boot, seq)`` accepted. A new boot id starts a new
+    sequence; a ``seq`` that is not newer than the last one of the same boot is rejected.
+    Timestamps more than ``window_s`` in the future are rejected too (a clock far ahead would
+    otherwise make a snapshot immortal).
+    """
+
+    __slots__ = ("_last", "window_s")
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        if not math.isfinite(window_s) or window_s <= 0:
+            raise ValueError(f"freshness window must be a positive number of seconds: {window_s!r}")
+        self.window_s = window_s
+        self._last: dict[str, tuple[str, int]] = {}
+
+    def __repr__(self) -> str:
+        return f"FreshnessCheck(window_s={self.window_s!r})"
+
+    def check(self, snapshot: Snapshot, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        age = now - snapshot.ts
+        if age > self.window_s:
+            raise SnapshotError(f"snapshot from {snapshot.node!r} is {age:.1f}s old")
+        if age < -self.window_s:
+            raise SnapshotError(f"snapshot from {snapshot.node!r} is {-age:.1f}s in the future")
+        last = self._last.get(snapshot.node)
+        if last is not None and last[0] == snapshot.boot and snapshot.seq <= last[1]:
+            raise SnapshotError(
+                f"snapshot from {snapshot.node!r} has seq {snapshot.seq}, "
+                f"not newer than {last[1]} of boot {snapshot.boot!r}"
+            )
+        self._last[snapshot.node] = (snapshot.boot, snapshot.seq)
+
+    def forget(self, node: str) -> None:
+        self._last.pop(node, None)

@@ -1,0 +1,383 @@
+"""Load snapshot schema v1 and its msgpack codec.
+
+The wire form is one msgpack map (see docs/design.md, "Wire format"). Readers are forward
+compatible: unknown keys are ignored, missing optional keys take their defaults, and ``v`` may be
+higher than 1. Every value is type- and range-checked when a `Snapshot` is built, so a decoded
+snapshot is as trustworthy as one built in process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgpack
+
+from ._errors import SnapshotError
+
+__all__ = [
+    "MAX_SNAPSHOT_BYTES",
+    "SCHEMA_VERSION",
+    "EngineSample",
+    "GpuSample",
+    "Snapshot",
+    "decode_unverified",
+    "encode_unsigned",
+]
+
+SCHEMA_VERSION = 1
+MAX_SNAPSHOT_BYTES = 64 * 1024
+
+_MAX_NAME = 253  # a DNS name: node names are usually host names
+_MAX_LABEL = 128
+_MAX_LIST = 64
+_MAX_GPUS = 64
+_MAX_COUNT = 2**53  # counts beyond this are nonsense, and lose precision as floats
+
+# msgpack's own limits, well above anything valid and far below anything harmful.
+_UNPACK_LIMITS: dict[str, int] = {
+    "max_str_len": 4096,
+    "max_bin_len": 256,
+    "max_array_len": 256,
+    "max_map_len": 64,
+    "max_ext_len": 0,
+}
+
+
+def _bad(key: str, value: object, expected: str) -> SnapshotError:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return SnapshotError(f"snapshot field {key!r}: got {text}, expected {expected}")
+
+
+def _int(key: str, value: object, lo: int = 0, hi: int = _MAX_COUNT) -> int:
+    # bool is an int subclass; a bool where a count belongs is a writer bug, not a count.
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(key, value, f"an integer in {lo}..{hi}")
+    return value
+
+
+def _float(key: str, value: object, lo: float = -math.inf, hi: float = math.inf) -> float:
+    if type(value) is not float and type(value) is not int:
+        raise _bad(key, value, "a number")
+    # Ints stay ints: NVML's whole degrees and watts then pack in 1-3 bytes, not 9.
+    if not lo <= value <= hi or not math.isfinite(value):
+        raise _bad(key, value, f"a finite number in {lo:g}..{hi:g}")
+    return value
+
+
+def _opt_float(
+    key: str, value: object, lo: float = -math.inf, hi: float = math.inf
+) -> float | None:
+    return None if value is None else _float(key, value, lo, hi)
+
+
+def _str(key: str, value: object, max_len: int, *, empty: bool = True) -> str:
+    if type(value) is not str or len(value) > max_len or (not empty and not value):
+        size = f"1..{max_len}" if not empty else f"at most {max_len}"
+        raise _bad(key, value, f"a string of {size} characters")
+    return value
+
+
+def _strs(key: str, value: object) -> tuple[str, ...]:
+    if type(value) is not tuple and type(value) is not list:
+        raise _bad(key, value, f"a list of at most {_MAX_LIST} strings")
+    if len(value) > _MAX_LIST:
+        raise _bad(key, value, f"a list of at most {_MAX_LIST} strings")
+    return tuple(_str(key, item, _MAX_LABEL, empty=False) for item in value)
+
+
+def _all_labels(values: tuple[object, ...]) -> bool:
+    return len(values) <= _MAX_LIST and all(
+        type(v) is str and 0 < len(v) <= _MAX_LABEL for v in values
+    )
+
+
+def _bool(key: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise _bad(key, value, "true or false")
+    return value
+
+
+class GpuSample(NamedTuple):
+    """One GPU. On the wire it is a positional array, which keeps an 8-GPU snapshot small.
+
+    Memory is in MiB. Later schema versions may append fields; readers ignore them.
+    """
+
+    i: int
+    util: float
+    mem_used: int
+    mem_total: int
+    temp_c: float | None = None
+    power_w: float | None = None
+
+    @classmethod
+    def checked(cls, raw: object) -> GpuSample:
+        """Validate a wire array (or a GpuSample); a snapshot carries up to 64 of these, so the
+        common, valid case is checked in one expression and only a failure pays for a message."""
+        kind = type(raw)
+        if kind is cls:
+            raw = tuple(raw)  # type: ignore[arg-type]
+            kind = tuple
+        if (kind is list or kind is tuple) and 4 <= len(raw) <= 64:  # type: ignore[arg-type]
+            if len(raw) == 6:  # type: ignore[arg-type]
+                i, util, used, total, temp, power = raw  # type: ignore[misc]
+            else:
+                i, util, used, total, temp, power = (*raw[:6], None, None)[:6]  # type: ignore[index]
+            if (
+                type(i) is int
+                and 0 <= i <= 4096
+                and (type(util) is float or type(util) is int)
+                and 0 <= util <= 1
+                and type(used) is int
+                and 0 <= used <= _MAX_COUNT
+                and type(total) is int
+                and 0 <= total <= _MAX_COUNT
+                and (
+                    temp is None
+                    or ((type(temp) is float or type(temp) is int) and -100 <= temp <= 200)
+                )
+                and (
+                    power is None
+                    or ((type(power) is float or type(power) is int) and 0 <= power <= 100_000)
+                )
+            ):
+                # _make skips NamedTuple's Python-level __new__: this runs 8x per snapshot.
+                return cls._make((i, util, used, total, temp, power))
+            _int("gpus.i", i, 0, 4096)
+            _float("gpus.util", util, 0.0, 1.0)
+            _int("gpus.mem_used", used)
+            _int("gpus.mem_total", total)
+            _opt_float("gpus.temp_c", temp, -100.0, 200.0)
+            _opt_float("gpus.power_w", power, 0.0, 100_000.0)
+        raise _bad("gpus", raw, "[i, util, mem_used, mem_total, temp_c?, power_w?]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSample:
+    """The model engine's own view of its load, from its /metrics."""
+
+    running: int
+    waiting: int
+    kv_cache: float | None = None
+    tps: float | None = None
+
+    def __post_init__(self) -> None:
+        kv, tps = self.kv_cache, self.tps
+        if (
+            type(self.running) is int
+            and 0 <= self.running <= _MAX_COUNT
+            and type(self.waiting) is int
+            and 0 <= self.waiting <= _MAX_COUNT
+            and (kv is None or ((type(kv) is float or type(kv) is int) and 0 <= kv <= 1))
+            and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps < math.inf))
+        ):
+            return
+        _int("engine.running", self.running)
+        _int("engine.waiting", self.waiting)
+        _opt_float("engine.kv_cache", self.kv_cache, 0.0, 1.0)
+        _opt_float("engine.tps", self.tps, 0.0)
+
+    @classmethod
+    def checked(cls, raw: object) -> EngineSample:
+        if isinstance(raw, EngineSample):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise _bad("engine", raw, "a map {running, waiting, kv_cache?, tps?}")
+        try:
+            return cls(
+                running=raw["running"],
+                waiting=raw["waiting"],
+                kv_cache=raw.get("kv_cache"),
+                tps=raw.get("tps"),
+            )
+        except KeyError as exc:
+            raise SnapshotError(f"snapshot field 'engine.{exc.args[0]}' is missing") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """A node's load and state at one instant, as a sidecar reports it (schema v1).
+
+    Load fields that the sidecar could not measure are ``None``: unknown, never zero.
+    """
+
+    node: str
+    boot: str
+    seq: int
+    ts: float
+    v: int = SCHEMA_VERSION
+    ready: bool = False
+    warm: bool = False
+    draining: bool = False
+    models: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    tier: str = ""
+    cpu: float | None = None
+    mem: float | None = None
+    gpus: tuple[GpuSample, ...] = ()
+    engine: EngineSample | None = None
+    rss: int | None = None
+    rss_slope: float | None = None
+    kid: str | None = None
+    sig: bytes | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Lists become tuples, so that a snapshot is immutable all the way down.
+        put = object.__setattr__
+        for key in ("models", "tags"):
+            value = getattr(self, key)
+            if type(value) is not tuple or not _all_labels(value):
+                put(self, key, _strs(key, value))
+        gpus: object = self.gpus
+        if (type(gpus) is not tuple and type(gpus) is not list) or len(gpus) > _MAX_GPUS:
+            raise _bad("gpus", gpus, f"a list of at most {_MAX_GPUS} GPUs")
+        if gpus:
+            put(self, "gpus", tuple([GpuSample.checked(g) for g in gpus]))
+        if self.engine is not None and type(self.engine) is not EngineSample:
+            put(self, "engine", EngineSample.checked(self.engine))
+        # The common, valid case in one expression; only a failure pays for finding which field.
+        cpu, mem, slope, ts = self.cpu, self.mem, self.rss_slope, self.ts
+        if (
+            type(self.v) is int
+            and 1 <= self.v <= 2**31
+            and type(self.node) is str
+            and 0 < len(self.node) <= _MAX_NAME
+            and type(self.boot) is str
+            and 0 < len(self.boot) <= _MAX_LABEL
+            and type(self.seq) is int
+            and 0 <= self.seq <= 2**63
+            and type(ts) is float
+            and 0.0 <= ts < math.inf
+            and type(self.ready) is bool
+            and type(self.warm) is bool
+            and type(self.draining) is bool
+            and type(self.tier) is str
+            and len(self.tier) <= _MAX_LABEL
+            and (cpu is None or (type(cpu) is float and 0.0 <= cpu <= 1.0))
+            and (mem is None or (type(mem) is float and 0.0 <= mem <= 1.0))
+            and (self.rss is None or (type(self.rss) is int and 0 <= self.rss <= _MAX_COUNT))
+            and (slope is None or (type(slope) is float and math.isfinite(slope)))
+            and (self.kid is None or (type(self.kid) is str and 0 < len(self.kid) <= _MAX_LABEL))
+            and (self.sig is None or (type(self.sig) is bytes and len(self.sig) == 32))
+        ):
+            return
+        self._check_slowly()
+
+    def _check_slowly(self) -> None:
+        put = object.__setattr__
+        _int("v", self.v, 1, 2**31)
+        _str("node", self.node, _MAX_NAME, empty=False)
+        _str("boot", self.boot, _MAX_LABEL, empty=False)
+        _int("seq", self.seq, 0, 2**63)
+        put(self, "ts", float(_float("ts", self.ts, 0.0)))
+        _bool("ready", self.ready)
+        _bool("warm", self.warm)
+        _bool("draining", self.draining)
+        _str("tier", self.tier, _MAX_LABEL)
+        if self.cpu is not None:
+            put(self, "cpu", float(_float("cpu", self.cpu, 0.0, 1.0)))
+        if self.mem is not None:
+            put(self, "mem", float(_float("mem", self.mem, 0.0, 1.0)))
+        if self.rss is not None:
+            _int("rss", self.rss)
+        if self.rss_slope is not None:
+            put(self, "rss_slope", float(_float("rss_slope", self.rss_slope)))
+        if self.kid is not None:
+            _str("kid", self.kid, _MAX_LABEL, empty=False)
+        if self.sig is not None and (type(self.sig) is not bytes or len(self.sig) != 32):
+            raise _bad("sig", self.sig, "32 bytes")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map, without ``sig``; ``None`` fields are left out (they are defaults)."""
+        wire: dict[str, Any] = {
+            "v": self.v,
+            "node": self.node,
+            "boot": self.boot,
+            "seq": self.seq,
+            "ts": self.ts,
+            "ready": self.ready,
+            "warm": self.warm,
+            "draining": self.draining,
+            "models": self.models,
+            "tags": self.tags,
+        }
+        if self.tier:
+            wire["tier"] = self.tier
+        if self.cpu is not None:
+            wire["cpu"] = self.cpu
+        if self.mem is not None:
+            wire["mem"] = self.mem
+        if self.rss is not None:
+            wire["rss"] = self.rss
+        if self.rss_slope is not None:
+            wire["rss_slope"] = self.rss_slope
+        if self.kid is not None:
+            wire["kid"] = self.kid
+        if self.gpus:
+            wire["gpus"] = self.gpus
+        if self.engine is not None:
+            engine = self.engine
+            wire["engine"] = {"running": engine.running, "waiting": engine.waiting}
+            if engine.kv_cache is not None:
+                wire["engine"]["kv_cache"] = engine.kv_cache
+            if engine.tps is not None:
+                wire["engine"]["tps"] = engine.tps
+        return wire
+
+    @classmethod
+    def from_wire(cls, raw: Mapping[str, Any]) -> Snapshot:
+        """Build from a decoded map: unknown keys ignored, optional keys defaulted."""
+        try:
+            return cls(
+                node=raw["node"],
+                boot=raw["boot"],
+                seq=raw["seq"],
+                ts=raw["ts"],
+                v=raw.get("v", SCHEMA_VERSION),
+                ready=raw.get("ready", False),
+                warm=raw.get("warm", False),
+                draining=raw.get("draining", False),
+                models=raw.get("models", ()),
+                tags=raw.get("tags", ()),
+                tier=raw.get("tier", ""),
+                cpu=raw.get("cpu"),
+                mem=raw.get("mem"),
+                gpus=raw.get("gpus", ()),
+                engine=raw.get("engine"),
+                rss=raw.get("rss"),
+                rss_slope=raw.get("rss_slope"),
+                kid=raw.get("kid"),
+                sig=raw.get("sig"),
+            )
+        except KeyError as exc:
+            raise SnapshotError(f"snapshot field {exc.args[0]!r} is missing") from None
+
+
+def encode_unsigned(snapshot: Snapshot) -> bytes:
+    data: bytes = msgpack.packb(snapshot.to_wire(), use_bin_type=True)
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
+    return data
+
+
+def decode_unverified(data: object) -> tuple[Snapshot, dict[str, Any]]:
+    """Decode and validate, without looking at the signature. Returns the raw map too."""
+    if type(data) is not bytes and type(data) is not bytearray and type(data) is not memoryview:
+        raise SnapshotError(f"snapshot must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
+    try:
+        # use_list=False: arrays arrive as the tuples a Snapshot keeps, with no copy to make.
+        raw = msgpack.unpackb(
+            data, raw=False, use_list=False, strict_map_key=True, **_UNPACK_LIMITS
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean "not msgpack"
+        raise SnapshotError(f"snapshot is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if type(raw) is not dict:
+        raise SnapshotError(f"snapshot must be a msgpack map, got {type(raw).__name__}")
+    return Snapshot.from_wire(raw), raw

@@ -1,0 +1,356 @@
+"""The sidecar service: ``create_app()`` serves the CLI and the tests alike."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from promptlb.shared import EngineSample
+
+from ._config import SidecarConfig
+from ._engine import EngineMetricsError, parse_engine_metrics
+from ._gpu import GpuCollector
+from ._host import HostCollector
+from ._live import Live, Problem
+from ._model_server import WarmupReport, list_models, probe, warmup
+from ._process import ProcessCollector
+
+__all__ = ["LIVE", "create_app"]
+
+log = logging.getLogger("promptlb.sidecar")
+
+LIVE = web.AppKey("promptlb_sidecar_live", Live)
+_SESSION = web.AppKey("promptlb_sidecar_session", aiohttp.ClientSession)
+_REGISTRY = web.AppKey("promptlb_sidecar_registry", CollectorRegistry)
+_COUNTS = web.AppKey("promptlb_sidecar_counts", dict[str, Counter])
+_WARMUP_LOCK = web.AppKey("promptlb_sidecar_warmup_lock", asyncio.Lock)
+
+
+class _LiveMetrics(Collector):
+    """Gauges read from the live view at scrape time: one source of truth, nothing to keep in
+    step."""
+
+    def __init__(self, live: Live) -> None:
+        self._live = live
+
+    def collect(self) -> Iterator[Metric]:
+        live = self._live
+
+        def gauge(name: str, doc: str, value: float | None) -> Iterator[GaugeMetricFamily]:
+            if value is not None:
+                yield GaugeMetricFamily(f"promptlb_sidecar_{name}", doc, value=value)
+
+        yield from gauge("ready", "1 when the model server answers and is warm.", float(live.ready))
+        yield from gauge("draining", "1 while draining.", float(live.draining))
+        yield from gauge("cpu_utilization", "Host CPU use, 0..1.", live.host and live.host[0])
+        yield from gauge("memory_utilization", "Host memory use, 0..1.", live.host and live.host[1])
+        if live.engine is not None:
+            yield from gauge("engine_running", "Requests the engine runs.", live.engine.running)
+            yield from gauge("engine_waiting", "Requests the engine queues.", live.engine.waiting)
+            yield from gauge("engine_kv_cache", "Engine KV-cache use, 0..1.", live.engine.kv_cache)
+        yield from gauge("model_rss_bytes", "Model-server resident memory.", live.rss)
+        yield from gauge(
+            "model_rss_slope_bytes_per_second", "Trend of that memory.", live.rss_slope
+        )
+        if live.gpus:
+            util = GaugeMetricFamily(
+                "promptlb_sidecar_gpu_utilization", "GPU use, 0..1.", labels=["gpu"]
+            )
+            for g in live.gpus:
+                util.add_metric([str(g.i)], g.util)
+            yield util
+
+
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _auth_middleware(config: SidecarConfig) -> Callable[..., Awaitable[web.StreamResponse]]:
+    token = config.token.encode() if config.token else None
+
+    @web.middleware
+    async def auth(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        guarded = request.method == "POST" or config.protect_reads
+        if not guarded:
+            return await handler(request)
+        if token is None:
+            return _json_error(
+                403,
+                "control endpoints are disabled: no token configured "
+                "(--token-file or PROMPTLB_SIDECAR_TOKEN)",
+            )
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+            return web.json_response(
+                {"error": "a valid bearer token is required"},
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return auth
+
+
+async def _every(interval: float, step: Callable[[], Awaitable[None]], name: str) -> None:
+    """Run ``step`` every ``interval`` (deadline-based, so slow steps do not drift the rest)."""
+    loop = asyncio.get_running_loop()
+    # A random phase keeps the collectors (and many sidecars on one host) from firing together.
+    next_at = loop.time() + random.uniform(0, interval)
+    while True:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a collector bug must not stop the others or the service
+            log.exception("collector %s failed", name)
+        next_at = max(next_at + interval, loop.time())
+        await asyncio.sleep(next_at - loop.time())
+
+
+class _Collectors:
+    """The background sampling, one task per collector."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.live = app[LIVE]
+        self.config = self.live.config
+        self.host = HostCollector()
+        self.gpu = GpuCollector(enabled=self.config.gpu)
+        self.process = ProcessCollector(
+            pid=self.config.model_pid,
+            port=self.config.model_port,
+            window_s=self.config.rss_window_s,
+        )
+        self.engine_problem = Problem(log, "engine metrics")
+        self.process_problem = Problem(log, "model-server process")
+        self.server_problem = Problem(log, "model server")
+        self._last_tokens: tuple[float, float] | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self.app[_SESSION]
+
+    async def sample_host(self) -> None:
+        self.live.host = self.host.sample()
+        self.live.gpus = self.gpu.sample()
+        self.live.changed()
+
+    async def sample_process(self) -> None:
+        # psutil's port lookup walks /proc: keep it off the event loop.
+        self.live.rss, self.live.rss_slope = await asyncio.to_thread(self.process.sample)
+        if self.process.reason:
+            self.process_problem.report(self.process.reason)
+        else:
+            self.process_problem.clear()
+        self.live.changed()
+
+    async def sample_engine(self) -> None:
+        cfg = self.config
+        engine: EngineSample | None = None
+        try:
+            async with self.session.get(
+                cfg.model_url + "/metrics",
+                timeout=aiohttp.ClientTimeout(total=cfg.probe_timeout_s),
+            ) as response:
+                text = await response.text(errors="replace")
+                if response.status != 200:
+                    raise EngineMetricsError(f"/metrics answered {response.status}")
+            reading = parse_engine_metrics(text, cfg.engine)  # type: ignore[arg-type]
+            tps = self._tokens_per_s(reading.tokens_total)
+            engine = EngineSample(
+                running=reading.running, waiting=reading.waiting, kv_cache=reading.kv_cache, tps=tps
+            )
+            self.engine_problem.clear()
+        except EngineMetricsError as exc:
+            self.engine_problem.report(str(exc))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.engine_problem.report(f"/metrics unreachable: {type(exc).__name__}: {exc}")
+        if engine is None:
+            self._last_tokens = None
+        self.live.engine = engine
+        self.live.changed()
+
+    def _tokens_per_s(self, total: float | None) -> float | None:
+        now = asyncio.get_running_loop().time()
+        last, self._last_tokens = self._last_tokens, (None if total is None else (now, total))
+        if total is None or last is None or now <= last[0] or total < last[1]:
+            return None  # no counter, first reading, or the counter reset with a restart
+        return (total - last[1]) / (now - last[0])
+
+    async def probe_server(self) -> None:
+        live, cfg = self.live, self.config
+        result = await probe(self.session, cfg.model_url, cfg.probe_timeout_s)
+        was_ok = live.server_ok
+        live.server_ok = result.ok
+        live.server_reason = result.reason
+        if result.ok:
+            self.server_problem.clear()
+            if not was_ok and not cfg.models:
+                live.models = tuple(
+                    await list_models(self.session, cfg.model_url, cfg.probe_timeout_s)
+                )
+        else:
+            self.server_problem.report(result.reason)
+            if result.gone and live.warm:
+                live.warm = False  # a restarted server is cold again
+                log.warning("model server went away: warmup will run again")
+        live.changed()
+
+    async def warm_when_ready(self) -> None:
+        """Warm up whenever the server answers and is not warm; back off after failures."""
+        backoff = 0.5
+        while True:
+            live = self.live
+            if live.server_ok and not live.warm:
+                report = await run_warmup(self.app)
+                if not report.ok:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                backoff = 0.5
+            await asyncio.sleep(self.config.sample_interval_s)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        interval = self.config.sample_interval_s
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("host", self.sample_host),
+            ("process", self.sample_process),
+            ("probe", self.probe_server),
+        ]
+        if self.config.engine != "none":
+            steps.append(("engine", self.sample_engine))
+        tasks = [
+            asyncio.create_task(_every(interval, step, name), name=f"sidecar-{name}")
+            for name, step in steps
+        ]
+        if self.config.warmup_at_start:
+            tasks.append(asyncio.create_task(self.warm_when_ready(), name="sidecar-warmup"))
+        return tasks
+
+
+async def run_warmup(app: web.Application) -> WarmupReport:
+    live, cfg = app[LIVE], app[LIVE].config
+    async with app[_WARMUP_LOCK]:
+        model = (cfg.models or live.models or ("",))[0]
+        if not model:
+            models = await list_models(app[_SESSION], cfg.model_url, cfg.probe_timeout_s)
+            model = models[0] if models else "default"
+        report = await warmup(
+            app[_SESSION],
+            cfg.model_url,
+            model=model,
+            prompts=cfg.warmup_prompts,
+            max_tokens=cfg.warmup_max_tokens,
+            timeout=cfg.warmup_timeout_s,
+        )
+        app[_COUNTS]["warmups"].labels("ok" if report.ok else "failed").inc()
+        live.warmup = report
+        if report.ok:
+            if not live.warm:
+                log.info("warm: %s", report.as_json()["durations_ms"])
+            live.warm = True
+        else:
+            log.warning("warmup failed: %s", report.error)
+        live.changed()
+        return report
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    collectors = _Collectors(app)
+    config = collectors.config
+    # One session for every call to the model server; a small pool, as there are only a few.
+    app[_SESSION] = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=8),
+        timeout=aiohttp.ClientTimeout(total=config.warmup_timeout_s),
+    )
+    await asyncio.to_thread(collectors.gpu.open)
+    tasks = collectors.tasks()
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await app[_SESSION].close()
+        collectors.gpu.close()
+
+
+async def _health(request: web.Request) -> web.Response:
+    live = request.app[LIVE]
+    reasons = live.reasons()
+    body = {
+        "status": "ok" if not reasons else "unavailable",
+        "node": live.config.node_name,
+        "ready": live.ready,
+        "warm": live.warm_enough,
+        "draining": live.draining,
+        "reasons": reasons,
+        "warmup": live.warmup.as_json() if live.warmup else None,
+    }
+    return web.json_response(body, status=200 if not reasons else 503)
+
+
+async def _snapshot(request: web.Request) -> web.Response:
+    request.app[_COUNTS]["snapshots"].inc()
+    return web.Response(body=request.app[LIVE].encoded(), content_type="application/msgpack")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=generate_latest(request.app[_REGISTRY]),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def _warmup(request: web.Request) -> web.Response:
+    report = await run_warmup(request.app)
+    return web.json_response(report.as_json(), status=200 if report.ok else 502)
+
+
+def _set_draining(value: bool) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        live = request.app[LIVE]
+        if live.draining != value:
+            log.info("draining" if value else "no longer draining")
+        live.draining = value
+        live.changed()
+        return web.json_response({"node": live.config.node_name, "draining": live.draining})
+
+    return handler
+
+
+def create_app(config: SidecarConfig) -> web.Application:
+    """The sidecar as an aiohttp app; its collectors run while the app runs."""
+    app = web.Application(middlewares=[_auth_middleware(config)], client_max_size=64 * 1024)
+    live = Live(config)
+    app[LIVE] = live
+    app[_WARMUP_LOCK] = asyncio.Lock()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_LiveMetrics(live))
+    app[_REGISTRY] = registry
+    app[_COUNTS] = {
+        "snapshots": Counter(
+            "promptlb_sidecar_snapshot_requests", "Snapshots served.", registry=registry
+        ),
+        "warmups": Counter(
+            "promptlb_sidecar_warmups", "Warmup runs.", ["result"], registry=registry
+        ),
+    }
+    app.cleanup_ctx.append(_background)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/snapshot", _snapshot)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/warmup", _warmup)
+    app.router.add_post("/drain", _set_draining(True))
+    app.router.add_post("/undrain", _set_draining(False))
+    return app

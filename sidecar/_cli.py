@@ -1,0 +1,144 @@
+"""``promptlb-sidecar``: the command line only forwards to `SidecarConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from promptlb.shared import ConfigError, parse_duration
+from promptlb.shared import load_key_file as _load_key_file
+from promptlb.shared._serve import config_or_exit, serve
+
+from ._app import create_app
+from ._config import _ENGINES, SidecarConfig
+
+__all__ = ["main"]
+
+TOKEN_ENV = "PROMPTLB_SIDECAR_TOKEN"
+DEFAULT_WARMUP = SidecarConfig(node_name="-").warmup_prompts
+DEFAULT_WARMUP = SidecarConfig(node_name="-").warmup_prompts
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = SidecarConfig(node_name="-")
+    p = argparse.ArgumentParser(
+        prog="promptlb-sidecar",
+        description="Health, warmup, drain and load snapshots for one model server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-url", default=d.model_url, help="the model server's base URL")
+    p.add_argument(
+        "--engine",
+        default=d.engine,
+        choices=_ENGINES,
+        help="which /metrics names to read; auto detects them; none skips",
+    )
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--node-name", default=None, help="default: the host name")
+    p.add_argument(
+        "--models",
+        type=_names,
+        default=(),
+        help="comma-separated; default: the model server's /v1/models",
+    )
+    p.add_argument("--tags", type=_names, default=(), help="comma-separated capabilities")
+    p.add_argument("--tier", default="", help="e.g. heavy or light")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"bearer token for the control endpoints; or set {TOKEN_ENV}",
+    )
+    p.add_argument(
+        "--protect-reads", action="store_true", help="require the token for the GET endpoints too"
+    )
+    p.add_argument(
+        "--sign-key-file",
+        type=Path,
+        default=None,
+        help="KID:SECRET on one line; snapshots are then HMAC-signed",
+    )
+    p.add_argument(
+        "--warmup-prompt", action="append", default=None, help="a warmup prompt (repeatable)"
+    )
+    p.add_argument("--warmup-max-tokens", type=int, default=d.warmup_max_tokens)
+    p.add_argument("--warmup-timeout", default=f"{d.warmup_timeout_s:g}s")
+    p.add_argument("--no-warmup-at-start", action="store_true", help="warm up only on POST /warmup")
+    p.add_argument(
+        "--no-warmup-required",
+        action="store_true",
+        help="ready as soon as the model server answers",
+    )
+    p.add_argument("--sample-interval", default="250ms", help="e.g. 250ms or 1s")
+    p.add_argument("--probe-timeout", default="1s")
+    p.add_argument(
+        "--model-pid",
+        type=int,
+        default=None,
+        help="model-server pid for RSS; default: whoever listens on its port",
+    )
+    p.add_argument("--rss-window", default="60s", help="window of the RSS slope")
+    p.add_argument("--no-gpu", action="store_true", help="do not read NVML")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("token_file", str(path), f"a readable file ({exc})") from None
+    if not token:
+        raise ConfigError("token_file", str(path), "a file holding a token")
+    return token
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+
+    def build() -> SidecarConfig:
+        sign_key = None
+        if args.sign_key_file is not None:
+            try:
+                sign_key = _load_key_file(args.sign_key_file)
+            except ValueError as exc:
+                raise ConfigError("sign_key_file", str(args.sign_key_file), str(exc)) from None
+        extra = {"node_name": args.node_name} if args.node_name else {}
+        return SidecarConfig(
+            model_url=args.model_url,
+            engine=args.engine,
+            host=args.host,
+            port=args.port,
+            models=args.models,
+            tags=args.tags,
+            tier=args.tier,
+            token=_read_token(args.token_file),
+            protect_reads=args.protect_reads,
+            sign_key=sign_key,
+            warmup_prompts=tuple(args.warmup_prompt or DEFAULT_WARMUP),
+            warmup_max_tokens=args.warmup_max_tokens,
+            warmup_timeout_s=parse_duration("warmup_timeout", args.warmup_timeout),
+            warmup_at_start=not args.no_warmup_at_start,
+            warmup_required=not args.no_warmup_required,
+            sample_interval_s=parse_duration("sample_interval", args.sample_interval),
+            probe_timeout_s=parse_duration("probe_timeout", args.probe_timeout),
+            model_pid=args.model_pid,
+            rss_window_s=parse_duration("rss_window", args.rss_window),
+            gpu=not args.no_gpu,
+            **extra,
+        )
+
+    config = config_or_exit(parser, build)
+    serve(create_app(config), config.host, config.port, "promptlb-sidecar")

@@ -1,0 +1,116 @@
+"""The sidecar's settings: one typed, keyword-only object; the CLI only forwards to it."""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Literal
+from urllib.parse import urlsplit
+
+from promptlb.shared import ConfigError, SigningKey
+
+__all__ = ["EngineChoice", "SidecarConfig"]
+
+EngineChoice = Literal["auto", "vllm", "tgi", "llamacpp", "sglang", "none"]
+_ENGINES = ("auto", "vllm", "tgi", "llamacpp", "sglang", "none")
+
+
+def _seconds(key: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(key, value, "a number of seconds")
+    if not lo <= value <= hi:
+        raise ConfigError(key, value, f"between {lo:g}s and {hi:g}s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SidecarConfig:
+    """A sidecar beside one model server.
+
+    ``token`` guards the control endpoints (POSTs; GETs too with ``protect_reads``). Without a
+    token the control endpoints answer 403: drain and warmup are never open to anyone who can
+    reach the port.
+    """
+
+    model_url: str = "http://127.0.0.1:8000"
+    engine: EngineChoice = "auto"
+    host: str = "127.0.0.1"
+    port: int = 9500
+    node_name: str = field(default_factory=socket.gethostname)
+    models: tuple[str, ...] = ()  # empty: taken from the model server's /v1/models
+    tags: tuple[str, ...] = ()
+    tier: str = ""
+    token: str | None = field(default=None, repr=False)
+    sign_key: SigningKey | None = None
+    protect_reads: bool = False
+    warmup_prompts: tuple[str, ...] = ("Hello! Reply with one word.",)
+    warmup_max_tokens: int = 8
+    warmup_timeout_s: float = 60.0
+    warmup_at_start: bool = True
+    warmup_required: bool = True
+    sample_interval_s: float = 0.25
+    probe_timeout_s: float = 1.0
+    model_pid: int | None = None
+    rss_window_s: float = 60.0
+    gpu: bool = True
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.model_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                "model_url", self.model_url, "an http(s) URL such as http://127.0.0.1:8000"
+            )
+        object.__setattr__(self, "model_url", self.model_url.rstrip("/"))
+        if self.engine not in _ENGINES:
+            raise ConfigError("engine", self.engine, "one of " + ", ".join(_ENGINES))
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not (0 <= self.port <= 65535)
+        ):
+            raise ConfigError("port", self.port, "a TCP port in 0..65535")
+        if not self.node_name or len(self.node_name) > 253:
+            raise ConfigError("node_name", self.node_name, "1..253 characters")
+        for key in ("models", "tags"):
+            values = getattr(self, key)
+            if not all(isinstance(v, str) and 0 < len(v) <= 128 for v in values):
+                raise ConfigError(key, values, "names of 1..128 characters")
+        if len(self.tier) > 128:
+            raise ConfigError("tier", self.tier, "at most 128 characters")
+        if self.token is not None and len(self.token) < 8:
+            raise ConfigError("token_file", "<hidden>", "a token of at least 8 characters")
+        if self.protect_reads and self.token is None:
+            raise ConfigError(
+                "protect_reads",
+                True,
+                "a token (--token-file or PROMPTLB_SIDECAR_TOKEN) to protect reads with",
+            )
+        if not self.warmup_prompts or not all(
+            isinstance(p, str) and p for p in self.warmup_prompts
+        ):
+            raise ConfigError("warmup_prompt", self.warmup_prompts, "non-empty prompts")
+        if (
+            isinstance(self.warmup_max_tokens, bool)
+            or not isinstance(self.warmup_max_tokens, int)
+            or not 1 <= self.warmup_max_tokens <= 4096
+        ):
+            raise ConfigError("warmup_max_tokens", self.warmup_max_tokens, "1..4096")
+        _seconds("sample_interval", self.sample_interval_s, 0.01, 60.0)
+        _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)
+        _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
+        _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
+        if self.model_pid is not None and (
+            isinstance(self.model_pid, bool)
+            or not isinstance(self.model_pid, int)
+            or self.model_pid < 1
+        ):
+            raise ConfigError("model_pid", self.model_pid, "a process id >= 1")
+
+    @property
+    def model_port(self) -> int:
+        parts = urlsplit(self.model_url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
+        return f"SidecarConfig({shown}, token={'<set>' if self.token else None})"

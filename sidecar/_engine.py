@@ -1,0 +1,157 @@
+"""The model engine's own load, read from its Prometheus ``/metrics``.
+
+Only the few families that carry load are parsed: lines are filtered by exact metric name before
+``prometheus_client.parser`` sees them. That keeps a 2,000-line vLLM scrape cheap, keeps
+look-alikes out (vLLM V1's ``vllm:prompt_tokens_created``), and means that a malformed value in
+an unrelated family (llama.cpp's ``-nan(ind)``) cannot spoil the whole reading.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["ENGINES", "EngineMetricsError", "EngineName", "EngineReading", "parse_engine_metrics"]
+
+EngineName = Literal["vllm", "tgi", "llamacpp", "sglang"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Families:
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_cache: tuple[str, ...] = ()  # fraction 0..1 in every engine that has one
+    tokens: tuple[str, ...] = ()  # a counter of generated tokens, for tokens/s
+
+
+# The first name present wins, so newer names go first (vLLM renamed its KV gauge in V1).
+ENGINES: Final[dict[EngineName, _Families]] = {
+    "vllm": _Families(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        tokens=("vllm:generation_tokens",),
+    ),
+    "tgi": _Families(running=("tgi_batch_current_size",), waiting=("tgi_queue_size",)),
+    "llamacpp": _Families(
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        kv_cache=("llamacpp:kv_cache_usage_ratio",),
+        tokens=("llamacpp:tokens_predicted",),
+    ),
+    "sglang": _Families(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_cache=("sglang:token_usage",),
+        tokens=("sglang:generation_tokens",),
+    ),
+}
+
+
+def _text_names(families: _Families) -> set[str]:
+    names = {*families.running, *families.waiting, *families.kv_cache}
+    # A counter's samples are written with _total; the parser reports the family without it.
+    names.update(n for t in families.tokens for n in (t, t + "_total"))
+    return names
+
+
+_WANTED: Final[dict[str, EngineName]] = {
+    name: engine for engine, families in ENGINES.items() for name in _text_names(families)
+}
+
+
+class EngineMetricsError(ValueError):
+    """The engine's /metrics could not be read as load."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    engine: EngineName
+    running: int
+    waiting: int
+    kv_cache: float | None
+    tokens_total: float | None
+
+
+def _name_of(line: str) -> str:
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        at = line.find(stop)
+        if 0 <= at < end:
+            end = at
+    return line[:end]
+
+
+def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto") -> EngineReading:
+    """Running, waiting, KV use and generated tokens from a /metrics text.
+
+    Several samples of one family (vLLM's ``engine`` label, SGLang's ranks, several models) are
+    aggregated: running and waiting are summed, KV use takes the fullest cache.
+    """
+    kept: list[str] = []
+    seen: set[EngineName] = set()
+    for line in text.splitlines():
+        name = _name_of(line)
+        owner = _WANTED.get(name)
+        if owner is not None and (engine == "auto" or owner == engine):
+            kept.append(line)
+            if not line.startswith("#"):
+                seen.add(owner)
+    if engine == "auto":
+        if not seen:
+            raise EngineMetricsError(
+                "no load metrics of a known engine (vllm, tgi, llamacpp, sglang) found"
+            )
+        if len(seen) > 1:
+            raise EngineMetricsError(
+                f"metrics of several engines found: {sorted(seen)}; set --engine"
+            )
+        engine = seen.pop()
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families("\n".join(kept) + "\n"):
+            for sample in family.samples:
+                if math.isnan(sample.value):
+                    continue  # NaN means "not measured yet": leave the field out
+                values.setdefault(family.name, []).append(sample.value)
+    except ValueError as exc:
+        raise EngineMetricsError(f"{engine} /metrics does not parse: {exc}") from None
+    fam = ENGINES[engine]
+    return EngineReading(
+        engine=engine,
+        running=_count(values, fam.running, engine, "running"),
+        waiting=_count(values, fam.waiting, engine, "waiting"),
+        kv_cache=_fraction(_first(values, fam.kv_cache, max)),
+        tokens_total=_first(values, fam.tokens, sum),
+    )
+
+
+def _first(
+    values: dict[str, list[float]], names: tuple[str, ...], fold: Callable[[list[float]], float]
+) -> float | None:
+    for name in names:
+        got = values.get(name)
+        if got:
+            return float(fold(got))
+    return None
+
+
+def _fraction(value: float | None) -> float | None:
+    # Engines round and race: a reading a hair over 1 (or under 0) is still "full" (or "empty").
+    return None if value is None or math.isinf(value) else min(1.0, max(0.0, value))
+
+
+def _count(values: dict[str, list[float]], names: tuple[str, ...], engine: str, what: str) -> int:
+    total = _first(values, names, sum)
+    if total is None:
+        raise EngineMetricsError(f"{engine} /metrics has no {what} gauge ({', '.join(names)})")
+    if total < 0 or math.isinf(total):
+        raise EngineMetricsError(f"{engine} /metrics reports {what} = {total}")
+    return round(total)

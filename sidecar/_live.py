@@ -1,0 +1,111 @@
+"""The sidecar's live view of its node, and the one snapshot encoding of it."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from promptlb.shared import EngineSample, GpuSample, Snapshot, encode
+
+from ._config import SidecarConfig
+from ._model_server import WarmupReport
+
+__all__ = ["Live", "Problem"]
+
+
+class Problem:
+    """Logs a condition once when it appears or changes, and once when it clears."""
+
+    __slots__ = ("_log", "_what", "current")
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self._log = log
+        self._what = what
+        self.current = ""
+
+    def report(self, message: str) -> None:
+        if message != self.current:
+            self.current = message
+            self._log.warning("%s: %s", self._what, message)
+
+    def clear(self) -> None:
+        if self.current:
+            self.current = ""
+            self._log.info("%s: ok again", self._what)
+
+
+@dataclass(slots=True)
+class Live:
+    """What the collectors last saw. Each change drops the cached encoding; ``/snapshot`` then
+    encodes once, and serves those bytes until the next change."""
+
+    config: SidecarConfig
+    boot: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    seq: int = 0
+    sampled_at: float = 0.0
+    host: tuple[float, float] | None = None
+    gpus: tuple[GpuSample, ...] = ()
+    engine: EngineSample | None = None
+    rss: int | None = None
+    rss_slope: float | None = None
+    server_ok: bool = False
+    server_reason: str = "model server not probed yet"
+    models: tuple[str, ...] = ()
+    warm: bool = False
+    warmup: WarmupReport | None = None
+    draining: bool = False
+    _encoded: bytes | None = None
+
+    def changed(self) -> None:
+        self.sampled_at = time.time()
+        self._encoded = None
+
+    @property
+    def warm_enough(self) -> bool:
+        return self.warm or not self.config.warmup_required
+
+    @property
+    def ready(self) -> bool:
+        return self.server_ok and self.warm_enough
+
+    def reasons(self) -> list[str]:
+        reasons = []
+        if not self.server_ok:
+            reasons.append(self.server_reason)
+        if not self.warm_enough:
+            last = self.warmup
+            reasons.append(
+                f"warmup failed: {last.error}" if last and not last.ok else "warmup not done"
+            )
+        if self.draining:
+            reasons.append("draining")
+        return reasons
+
+    def snapshot(self) -> Snapshot:
+        cfg = self.config
+        return Snapshot(
+            node=cfg.node_name,
+            boot=self.boot,
+            seq=self.seq,
+            ts=self.sampled_at or time.time(),
+            ready=self.server_ok,
+            warm=self.warm_enough,
+            draining=self.draining,
+            models=cfg.models or self.models,
+            tags=cfg.tags,
+            tier=cfg.tier,
+            cpu=self.host[0] if self.host else None,
+            mem=self.host[1] if self.host else None,
+            gpus=self.gpus,
+            engine=self.engine,
+            rss=self.rss,
+            rss_slope=self.rss_slope,
+        )
+
+    def encoded(self) -> bytes:
+        if self._encoded is None:
+            self.seq += 1
+            self._encoded = encode(self.snapshot(), self.config.sign_key)
+        return self._encoded

@@ -1,0 +1,90 @@
+"""The model server's resident memory and its trend: the early warning of a leak."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import psutil
+
+__all__ = ["ProcessCollector", "find_listener"]
+
+
+def find_listener(port: int) -> int | None:
+    """The pid of the process listening on a TCP port of this host, if we may see it."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return int(conn.pid) if conn.pid is not None else None
+    return None
+
+
+class ProcessCollector:
+    """RSS of the model server, by pid or by the port it listens on, and its slope in bytes/s.
+
+    The slope is a least-squares fit over the last ``window_s``; it is ``None`` until the window
+    holds two samples a second apart, and starts over when the process is replaced (a restart
+    is not a leak).
+    """
+
+    def __init__(self, *, pid: int | None, port: int | None, window_s: float = 60.0) -> None:
+        self._pid = pid
+        self._port = port
+        self._window_s = window_s
+        self._proc: psutil.Process | None = None
+        self._history: collections.deque[tuple[float, int]] = collections.deque()
+        self.reason = ""
+
+    def _process(self) -> psutil.Process | None:
+        if self._proc is not None and self._proc.is_running():
+            return self._proc
+        self._proc = None
+        self._history.clear()
+        pid = (
+            self._pid
+            if self._pid is not None
+            else (find_listener(self._port) if self._port else None)
+        )
+        if pid is None:
+            self.reason = (
+                f"no process listens on port {self._port}" if self._port else "no model-server pid"
+            )
+            return None
+        try:
+            self._proc = psutil.Process(pid)
+        except psutil.Error as exc:
+            self.reason = f"model-server process {pid}: {exc}"
+            return None
+        self.reason = ""
+        return self._proc
+
+    def sample(self, now: float | None = None) -> tuple[int | None, float | None]:
+        proc = self._process()
+        if proc is None:
+            return (None, None)
+        try:
+            rss = int(proc.memory_info().rss)
+        except psutil.Error as exc:
+            self.reason = f"model-server process {proc.pid}: {exc}"
+            self._proc = None
+            return (None, None)
+        now = time.monotonic() if now is None else now
+        history = self._history
+        history.append((now, rss))
+        while history and now - history[0][0] > self._window_s:
+            history.popleft()
+        return (rss, self._slope())
+
+    def _slope(self) -> float | None:
+        history = self._history
+        if len(history) < 2 or history[-1][0] - history[0][0] < 1.0:
+            return None
+        n = len(history)
+        mean_t = sum(t for t, _ in history) / n
+        mean_r = sum(r for _, r in history) / n
+        var = sum((t - mean_t) ** 2 for t, _ in history)
+        cov = sum((t - mean_t) * (r - mean_r) for t, r in history)
+        return cov / var if var > 0 else None
