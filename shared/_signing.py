@@ -1,6 +1,7 @@
 """Snapshot signing (HMAC-SHA256 with a key id) and the freshness check.
 
-The signature is the last entry of the map, ``"sig": bin(32)``, and covers every byte before that
+The signature is the last entry of the map, ``"sig": bin(16)`` (HMAC-SHA256 truncated to 128
+bits), and covers every byte before that
 entry (map header included). A verifier therefore checks the exact bytes it received: no
 re-encoding, so no canonical-form rules to get wrong, and verifying costs one HMAC.
 """
@@ -18,13 +19,13 @@ from pathlib import Path
 import msgpack
 
 from ._errors import SnapshotError
-from ._snapshot import MAX_SNAPSHOT_BYTES, Snapshot, decode_unverified, encode_unsigned
+from ._snapshot import MAX_SNAPSHOT_BYTES, SIG_BYTES, Snapshot, decode_unverified, encode_unsigned
 
 __all__ = ["FreshnessCheck", "SigningKey", "decode", "encode", "load_key_file"]
 
-_SIG_LEN = 32
+_SIG_LEN = SIG_BYTES
 _SIG_KEY: bytes = msgpack.packb("sig")
-# msgpack "bin 8" header for 32 bytes; together with the key, the fixed prefix of the sig entry.
+# msgpack "bin 8" header for the tag; together with the key, the fixed prefix of the sig entry.
 _SIG_PREFIX = _SIG_KEY + b"\xc4" + bytes([_SIG_LEN])
 _SIG_ENTRY_LEN = len(_SIG_PREFIX) + _SIG_LEN
 _PLACEHOLDER = bytes(_SIG_LEN)
@@ -74,7 +75,7 @@ def encode(snapshot: Snapshot, key: SigningKey | None = None) -> bytes:
     if len(data) > MAX_SNAPSHOT_BYTES:
         raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
     body = data[:-_SIG_ENTRY_LEN]
-    return data[:-_SIG_LEN] + hmac.digest(key.secret, body, hashlib.sha256)
+    return data[:-_SIG_LEN] + hmac.digest(key.secret, body, hashlib.sha256)[:_SIG_LEN]
 
 
 def decode(data: bytes, keys: Mapping[str, SigningKey] | None = None) -> Snapshot:
@@ -90,7 +91,7 @@ def decode(data: bytes, keys: Mapping[str, SigningKey] | None = None) -> Snapsho
     data = bytes(data)
     if data[-_SIG_ENTRY_LEN:-_SIG_LEN] != _SIG_PREFIX or raw.get("sig") is None:
         raise SnapshotError("snapshot signature must be the last map entry")
-    expected = hmac.digest(key.secret, data[:-_SIG_ENTRY_LEN], hashlib.sha256)
+    expected = hmac.digest(key.secret, data[:-_SIG_ENTRY_LEN], hashlib.sha256)[:_SIG_LEN]
     if not hmac.compare_digest(expected, data[-_SIG_LEN:]):
         raise SnapshotError(f"snapshot signature does not verify with key {key.kid!r}")
     return snapshot

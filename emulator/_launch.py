@@ -1,0 +1,85 @@
+"""Starting promptlb's own executables as real processes, for tests, the demo and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+__all__ = ["Service", "start_service"]
+
+_LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
+
+
+@dataclass
+class Service:
+    """A running promptlb executable: its process, its base URL and its port."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    url: str
+    port: int
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; safe to call twice or after the process died."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log_path)
+
+
+def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
+    """Run ``python -m promptlb.<module> --port 0 ARGS`` and wait for its listening line.
+
+    Port 0 lets the process pick a free port, so there is no race over a port chosen in advance.
+    stderr (the logs) goes to a file, readable with `Service.log`.
+    """
+    log = tempfile.NamedTemporaryFile(prefix=f"promptlb-{module}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"promptlb.{module}", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log.close()
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:  # keep reading, so that the child never blocks on a full pipe
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=timeout)
+            if line is None:
+                with open(log.name, encoding="utf-8", errors="replace") as f:
+                    raise RuntimeError(f"{module} exited before listening:\n{f.read()}")
+            if match := _LISTENING.search(line):
+                return Service(module, proc, match.group(1), int(match.group(2)), log.name)
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=5)
+        raise

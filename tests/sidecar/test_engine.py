@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from promptlb.sidecar import EngineMetricsError, EngineReading, parse_engine_metrics
+
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "engine-metrics"
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("vllm-v0.txt", EngineReading("vllm", 0, 0, 0.0, 7.0)),
+        ("vllm-v1.txt", EngineReading("vllm", 0, 0, 0.0, 0.0)),
+        ("tgi.txt", EngineReading("tgi", 0, 0, None, None)),
+        ("llamacpp.txt", EngineReading("llamacpp", 0, 0, 0.491063, 3469.0)),
+        ("sglang.txt", EngineReading("sglang", 162, 2826, 0.28, 7557572.0)),
+    ],
+)
+def test_published_metrics_are_read_by_auto_detection(name: str, expected: EngineReading) -> None:
+    assert parse_engine_metrics(fixture(name)) == expected
+
+
+@pytest.mark.parametrize("name", ["vllm-v0.txt", "tgi.txt", "llamacpp.txt", "sglang.txt"])
+def test_an_explicit_engine_gives_the_same_reading(name: str) -> None:
+    auto = parse_engine_metrics(fixture(name))
+    assert parse_engine_metrics(fixture(name), auto.engine) == auto
+
+
+def test_the_wrong_explicit_engine_finds_nothing() -> None:
+    with pytest.raises(EngineMetricsError, match="no running gauge"):
+        parse_engine_metrics(fixture("tgi.txt"), "vllm")
+
+
+@pytest.mark.parametrize("name", ["triton.txt", "triton-trtllm.txt"])
+def test_unsupported_engines_are_reported_not_guessed(name: str) -> None:
+    with pytest.raises(EngineMetricsError, match="no load metrics of a known engine"):
+        parse_engine_metrics(fixture(name))
+
+
+def test_v1_created_gauges_do_not_count_as_tokens() -> None:
+    # vllm:generation_tokens_created is a unix timestamp: a prefix match would read it as tokens.
+    text = fixture("vllm-v1.txt")
+    assert "vllm:generation_tokens_created" in text
+    assert parse_engine_metrics(text).tokens_total == 0.0
+
+
+def test_several_engines_of_one_server_are_summed_and_kv_is_the_fullest() -> None:
+    text = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+"""
+    assert parse_engine_metrics(text) == EngineReading("vllm", 7, 3, 0.75, None)
+
+
+def test_the_newer_kv_name_wins_over_the_older() -> None:
+    text = (
+        "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+        "vllm:gpu_cache_usage_perc 0.9\nvllm:kv_cache_usage_perc 0.1\n"
+    )
+    assert parse_engine_metrics(text).kv_cache == 0.1
+
+
+def test_a_malformed_value_in_an_unrelated_family_does_not_spoil_the_reading() -> None:
+    # Seen from a Windows llama.cpp build before its first decode; prometheus_client rejects it.
+    text = fixture("llamacpp.txt") + "llamacpp:n_busy_slots_per_decode -nan(ind)\n"
+    assert parse_engine_metrics(text).kv_cache == pytest.approx(0.491063)
+
+
+def test_a_malformed_value_in_a_load_family_is_an_error() -> None:
+    text = "llamacpp:requests_processing -nan(ind)\nllamacpp:requests_deferred 0\n"
+    with pytest.raises(EngineMetricsError, match="does not parse"):
+        parse_engine_metrics(text)
+
+
+def test_nan_leaves_the_field_out() -> None:
+    text = "sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\nsglang:token_usage NaN\n"
+    assert parse_engine_metrics(text) == EngineReading("sglang", 1, 2, None, None)
+
+
+def test_out_of_range_kv_is_clamped_and_negative_counts_are_errors() -> None:
+    over = "sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\nsglang:token_usage 1.0000001\n"
+    assert parse_engine_metrics(over).kv_cache == 1.0
+    with pytest.raises(EngineMetricsError, match="running = -1"):
+        parse_engine_metrics("sglang:num_running_reqs -1\nsglang:num_queue_reqs 0\n")
+
+
+@pytest.mark.parametrize("text", ["", "garbage {{{\n", "\x00\xff binary", "# only comments\n"])
+def test_garbage_is_an_engine_metrics_error(text: str) -> None:
+    with pytest.raises(EngineMetricsError):
+        parse_engine_metrics(text)
+
+
+def test_two_engines_at_once_need_an_explicit_choice() -> None:
+    text = fixture("tgi.txt") + fixture("sglang.txt")
+    with pytest.raises(EngineMetricsError, match="several engines"):
+        parse_engine_metrics(text)
+    assert parse_engine_metrics(text, "sglang").running == 162

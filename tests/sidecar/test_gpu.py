@@ -1,0 +1,125 @@
+"""The NVML mapping, driven by a stand-in for pynvml (no GPU on CI), and the real library."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from promptlb.shared import GpuSample
+from promptlb.sidecar._gpu import GpuCollector
+
+_MiB = 1024 * 1024
+
+
+class NVMLError(Exception):
+    pass
+
+
+class FakeNvml:
+    """Two GPUs; the second has no power sensor, as many boards do."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, *, init_fails: bool = False) -> None:
+        self.init_fails = init_fails
+        self.inits = 0
+        self.shutdowns = 0
+        self.broken: set[int] = set()
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+        if self.init_fails:
+            raise NVMLError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        if h in self.broken:
+            raise NVMLError("GPU is lost")
+        return SimpleNamespace(gpu=[87, 3][h], memory=10)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(used=[70_000, 1_000][h] * _MiB, total=81_559 * _MiB)
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return [71, 40][h]
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        if h == 1:
+            raise NVMLError("Not Supported")
+        return 312_500  # milliwatts
+
+
+def test_every_gpu_is_reported_with_what_it_has() -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    assert gpus.sample() == (
+        GpuSample(0, 0.87, 70_000, 81_559, 71.0, 312.5),
+        GpuSample(1, 0.03, 1_000, 81_559, 40.0, None),
+    )
+    gpus.close()
+    gpus.close()
+    assert (nvml.inits, nvml.shutdowns) == (1, 1)
+
+
+def test_a_lost_gpu_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    nvml.broken.add(0)
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar.gpu"):
+        for _ in range(3):
+            assert [g.i for g in gpus.sample()] == [1]
+    assert len(caplog.records) == 1
+    gpus.close()
+
+
+def test_no_nvml_gives_an_empty_list_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml(init_fails=True)
+    gpus = GpuCollector(nvml)
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
+        gpus.open()
+        assert gpus.sample() == ()
+        assert gpus.sample() == ()
+    assert "NVML unavailable" in gpus.reason
+    assert len(caplog.records) == 1
+    gpus.close()
+    assert nvml.shutdowns == 0  # never initialised, so never shut down
+
+
+def test_without_the_library_there_are_no_gpus() -> None:
+    gpus = GpuCollector(None)
+    gpus.open()
+    assert gpus.sample() == ()
+    assert gpus.reason == "nvidia-ml-py is not installed"
+
+
+def test_the_real_library_on_this_host_never_crashes() -> None:
+    # CI has no GPU: the real pynvml then fails to initialise and the list is empty. On a GPU
+    # host every entry must still be a valid sample.
+    gpus = GpuCollector()
+    gpus.open()
+    try:
+        samples = gpus.sample()
+        assert all(isinstance(g, GpuSample) and 0.0 <= g.util <= 1.0 for g in samples)
+        assert samples or gpus.reason
+    finally:
+        gpus.close()
+
+
+def test_disabled_collection_does_not_touch_nvml() -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml, enabled=False)
+    gpus.open()
+    assert gpus.sample() == ()
+    assert nvml.inits == 0
