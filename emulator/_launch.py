@@ -53,15 +53,16 @@ def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
     Port 0 lets the process pick a free port, so there is no race over a port chosen in advance.
     stderr (the logs) goes to a file, readable with `Service.log`.
     """
-    log = tempfile.NamedTemporaryFile(prefix=f"promptlb-{module}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", f"promptlb.{module}", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log.close()
+    with tempfile.NamedTemporaryFile(
+        prefix=f"promptlb-{module}-", suffix=".log", delete=False
+    ) as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"promptlb.{module}", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:  # keep reading, so that the child never blocks on a full pipe
