@@ -18,8 +18,17 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: got {value!r}, expected {expected}")
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|µs|ms|s|m|h)?\s*$")
-_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|µs|μs|ms|s|m|h)?\s*$")
+_UNITS = {
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+    None: 1.0,
+}
 
 
 def parse_duration(key: str, value: object) -> float:
@@ -27,7 +36,10 @@ def parse_duration(key: str, value: object) -> float:
     if isinstance(value, bool):
         raise ConfigError(key, value, "a duration such as '250ms' or '5s'")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ConfigError(key, value, "a duration of a sensible size") from None
     elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -19,7 +18,14 @@ from pathlib import Path
 import msgpack
 
 from ._errors import SnapshotError
-from ._snapshot import MAX_SNAPSHOT_BYTES, SIG_BYTES, Snapshot, decode_unverified, encode_unsigned
+from ._snapshot import (
+    MAX_SNAPSHOT_BYTES,
+    SIG_BYTES,
+    Snapshot,
+    decode_unverified,
+    encode_unsigned,
+    pack,
+)
 
 __all__ = ["FreshnessCheck", "SigningKey", "decode", "encode", "load_key_file"]
 
@@ -71,14 +77,16 @@ def encode(snapshot: Snapshot, key: SigningKey | None = None) -> bytes:
     wire = snapshot.to_wire()
     wire["kid"] = key.kid
     wire["sig"] = _PLACEHOLDER  # last key: dicts keep insertion order, so it is packed last
-    data: bytes = msgpack.packb(wire, use_bin_type=True)
+    data = pack(wire)
     if len(data) > MAX_SNAPSHOT_BYTES:
         raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
     body = data[:-_SIG_ENTRY_LEN]
     return data[:-_SIG_LEN] + hmac.digest(key.secret, body, hashlib.sha256)[:_SIG_LEN]
 
 
-def decode(data: bytes, keys: Mapping[str, SigningKey] | None = None) -> Snapshot:
+def decode(
+    data: bytes | bytearray | memoryview, keys: Mapping[str, SigningKey] | None = None
+) -> Snapshot:
     """Decode and validate a snapshot. With ``keys`` (by key id), it must be signed by one."""
     snapshot, raw = decode_unverified(data)
     if keys is None:
@@ -109,8 +117,14 @@ class FreshnessCheck:
     __slots__ = ("_last", "window_s")
 
     def __init__(self, window_s: float = 10.0) -> None:
-        if not math.isfinite(window_s) or window_s <= 0:
-            raise ValueError(f"freshness window must be a positive number of seconds: {window_s!r}")
+        if (
+            isinstance(window_s, bool)
+            or not isinstance(window_s, int | float)
+            or not 0 < window_s <= 86_400
+        ):
+            raise ValueError(
+                f"freshness window must be a number of seconds in (0, 86400]: {window_s!r}"
+            )
         self.window_s = window_s
         self._last: dict[str, tuple[str, int]] = {}
 

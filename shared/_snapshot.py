@@ -9,6 +9,7 @@ snapshot is as trustworthy as one built in process.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ __all__ = [
     "Snapshot",
     "decode_unverified",
     "encode_unsigned",
+    "pack",
 ]
 
 SCHEMA_VERSION = 1
@@ -38,6 +40,8 @@ _MAX_NAME = 253  # a DNS name: node names are usually host names
 _MAX_LABEL = 128
 _MAX_LIST = 64
 _MAX_GPUS = 64
+_MAX_INT = 2**63 - 1
+_MAX_TPS = 1e9
 _MAX_COUNT = 2**53  # counts beyond this are nonsense, and lose precision as floats
 
 # msgpack's own limits, well above anything valid and far below anything harmful.
@@ -50,10 +54,13 @@ _UNPACK_LIMITS: dict[str, int] = {
 }
 
 
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 40, 40
+
+
 def _bad(key: str, value: object, expected: str) -> SnapshotError:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
+    # reprlib bounds depth and length: a hostile 1,000-level nesting must not recurse.
+    text = _repr.repr(value)
     return SnapshotError(f"snapshot field {key!r}: got {text}, expected {expected}")
 
 
@@ -67,7 +74,10 @@ def _int(key: str, value: object, lo: int = 0, hi: int = _MAX_COUNT) -> int:
 def _float(key: str, value: object, lo: float = -math.inf, hi: float = math.inf) -> float:
     if type(value) is not float and type(value) is not int:
         raise _bad(key, value, "a number")
-    # Ints stay ints: NVML's whole degrees and watts then pack in 1-3 bytes, not 9.
+    # Ints stay ints: NVML's whole degrees and watts then pack in 1-3 bytes, not 9. An int
+    # beyond msgpack's 64 bits could neither be packed nor tested with isfinite.
+    if type(value) is int and not -_MAX_INT <= value <= _MAX_INT:
+        raise _bad(key, value, f"a finite number in {lo:g}..{hi:g}")
     if not lo <= value <= hi or not math.isfinite(value):
         raise _bad(key, value, f"a finite number in {lo:g}..{hi:g}")
     return value
@@ -178,13 +188,13 @@ class EngineSample:
             and type(self.waiting) is int
             and 0 <= self.waiting <= _MAX_COUNT
             and (kv is None or ((type(kv) is float or type(kv) is int) and 0 <= kv <= 1))
-            and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps < math.inf))
+            and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps <= _MAX_TPS))
         ):
             return
         _int("engine.running", self.running)
         _int("engine.waiting", self.waiting)
         _opt_float("engine.kv_cache", self.kv_cache, 0.0, 1.0)
-        _opt_float("engine.tps", self.tps, 0.0)
+        _opt_float("engine.tps", self.tps, 0.0, _MAX_TPS)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
@@ -366,14 +376,24 @@ class Snapshot:
             raise SnapshotError(f"snapshot field {exc.args[0]!r} is missing") from None
 
 
+def pack(wire: dict[str, Any]) -> bytes:
+    """msgpack, with the few failures validation cannot see (a lone surrogate in a string)
+    reported as `SnapshotError`."""
+    try:
+        data: bytes = msgpack.packb(wire, use_bin_type=True)
+    except (UnicodeEncodeError, OverflowError, ValueError, TypeError) as exc:
+        raise SnapshotError(f"snapshot cannot be encoded: {type(exc).__name__}: {exc}") from None
+    return data
+
+
 def encode_unsigned(snapshot: Snapshot) -> bytes:
-    data: bytes = msgpack.packb(snapshot.to_wire(), use_bin_type=True)
+    data = pack(snapshot.to_wire())
     if len(data) > MAX_SNAPSHOT_BYTES:
         raise SnapshotError(f"snapshot is {len(data)} bytes, over the {MAX_SNAPSHOT_BYTES} limit")
     return data
 
 
-def decode_unverified(data: object) -> tuple[Snapshot, dict[str, Any]]:
+def decode_unverified(data: bytes | bytearray | memoryview) -> tuple[Snapshot, dict[str, Any]]:
     """Decode and validate, without looking at the signature. Returns the raw map too."""
     if type(data) is not bytes and type(data) is not bytearray and type(data) is not memoryview:
         raise SnapshotError(f"snapshot must be bytes, got {type(data).__name__}")
