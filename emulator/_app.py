@@ -195,6 +195,10 @@ class _Handlers:
             ttft += n_in / cfg.prefill_tokens_per_s * cfg.slow_factor
         model = body.get("model", cfg.models[0])
         stream = body.get("stream") is True
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            # Checked now: once the stream has started, a 200 is already on the wire.
+            return _error(400, "`stream_options` must be an object", "invalid_request_error")
         reply = _Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
         try:
             async with state.capacity.slot():

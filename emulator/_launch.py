@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 __all__ = ["Service", "start_service"]
@@ -27,6 +28,11 @@ class Service:
     url: str
     port: int
     log_path: str
+    started_at: float  # time.monotonic() just before the process was spawned
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
@@ -53,6 +59,7 @@ def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
     Port 0 lets the process pick a free port, so there is no race over a port chosen in advance.
     stderr (the logs) goes to a file, readable with `Service.log`.
     """
+    started_at = time.monotonic()
     with tempfile.NamedTemporaryFile(
         prefix=f"promptlb-{module}-", suffix=".log", delete=False
     ) as log:
@@ -79,7 +86,9 @@ def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
                 with open(log.name, encoding="utf-8", errors="replace") as f:
                     raise RuntimeError(f"{module} exited before listening:\n{f.read()}")
             if match := _LISTENING.search(line):
-                return Service(module, proc, match.group(1), int(match.group(2)), log.name)
+                return Service(
+                    module, proc, match.group(1), int(match.group(2)), log.name, started_at
+                )
     except BaseException:
         proc.kill()
         proc.wait(timeout=5)

@@ -21,6 +21,7 @@ from ._config import ConfigError
 __all__ = ["config_or_exit", "serve"]
 
 T = TypeVar("T")
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 def config_or_exit(parser: argparse.ArgumentParser, build: Callable[[], T]) -> T:
@@ -38,14 +39,20 @@ async def _serve(app: web.Application, host: str, port: int, name: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # handler_cancellation: a client that goes away cancels its handler, so work stops with it.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: aiohttp's default waits 60 s (twice) for in-flight handlers; a hung
+    # request would keep a stopped service alive for two minutes.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        # A deep backlog: a burst of hundreds of connects must not overflow into SYN retries.
+        site = web.TCPSite(runner, host, port, backlog=4096)
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         # Tests and scripts wait for this line; with --port 0 it is how they learn the port.
-        print(f"{name} listening on http://{host}:{bound}", flush=True)
+        shown = f"[{host}]" if ":" in host else host
+        print(f"{name} listening on http://{shown}:{bound}", flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()

@@ -131,7 +131,7 @@ engines = st.builds(
     running=counts,
     waiting=counts,
     kv_cache=st.none() | numbers(0, 1),
-    tps=st.none() | numbers(0, 1e9)  # the schema bounds tokens/s at 1e9,
+    tps=st.none() | numbers(0, 1e9),  # the schema bounds tokens/s at 1e9,
 )
 
 snapshots = st.builds(

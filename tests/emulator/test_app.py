@@ -1,0 +1,459 @@
+"""The OpenAI-compatible endpoints, end to end through the real ``promptlb-emulator`` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from tests.emulator.conftest import Emulator, StartEmulator
+
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+POLL_S = 0.02
+
+
+def _client(emu: Emulator) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{emu.url}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    async with session.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> list[str]:
+    """The ``data:`` payloads of a server-sent-event response, in order."""
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    payloads: list[str] = []
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("data: "):
+            payloads.append(line.removeprefix("data: "))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return payloads
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(f"{url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def _wait_for_load(
+    session: aiohttp.ClientSession, url: str, running: int, waiting: int, timeout_s: float = 10.0
+) -> None:
+    """Poll /metrics (bounded) until it shows these running and waiting counts."""
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[float, float] = (-1, -1)
+    while time.monotonic() < deadline:
+        m = await _metrics(session, url)
+        seen = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"])
+        if seen == (running, waiting):
+            return
+        await asyncio.sleep(POLL_S)
+    pytest.fail(f"/metrics never showed running={running} waiting={waiting}; last {seen}")
+
+
+def _word_count(text: str) -> int:
+    return len(text.split())
+
+
+# ---------------------------------------------------------------------------- models, health
+
+
+async def test_models_lists_every_model_name_repeated_and_comma_separated(
+    shared_emulator: Emulator,
+) -> None:
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"{shared_emulator.url}/v1/models") as resp,
+    ):
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["emulated", "alt", "third"]
+    assert all(m["object"] == "model" for m in body["data"])
+
+    client = _client(shared_emulator)
+    try:
+        listed = [m.id async for m in client.models.list()]
+    finally:
+        await client.close()
+    assert listed == ["emulated", "alt", "third"]
+
+
+async def test_health_is_ok_once_loaded(shared_emulator: Emulator) -> None:
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"{shared_emulator.url}/health") as resp,
+    ):
+        assert resp.status == 200
+        assert await resp.json() == {"status": "ok"}
+
+
+async def test_health_is_503_while_loading_then_200(start_emulator: StartEmulator) -> None:
+    load_s = 2.0
+    emu = start_emulator("--load-time-s", str(load_s), "--ttft-ms", "0")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        async with session.get(f"{emu.url}/health") as resp:
+            assert resp.status == 503
+            assert await resp.json() == {"status": "loading"}
+        status, body = await _post(session, f"{emu.url}/v1/chat/completions", chat)
+        assert status == 503
+        assert body["error"]["code"] == 503
+
+        ready_at = None
+        deadline = time.monotonic() + load_s + 15
+        while time.monotonic() < deadline:
+            async with session.get(f"{emu.url}/health") as resp:
+                if resp.status == 200:
+                    ready_at = time.monotonic()
+                    break
+                assert resp.status == 503
+            await asyncio.sleep(0.05)
+        assert ready_at is not None, "never became healthy"
+        # The load time is counted from inside the process, which started after started_at.
+        assert ready_at - emu.started_at >= load_s
+        status, body = await _post(session, f"{emu.url}/v1/chat/completions", chat)
+        assert status == 200
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+async def test_chat_non_stream_with_the_openai_client(shared_emulator: Emulator) -> None:
+    client = _client(shared_emulator)
+    try:
+        reply = await client.chat.completions.create(
+            model="alt",
+            messages=[{"role": "user", "content": "Say something."}],
+            max_tokens=9,
+        )
+    finally:
+        await client.close()
+    assert reply.object == "chat.completion"
+    assert reply.model == "alt"
+    assert len(reply.choices) == 1
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert choice.message.content is not None
+    assert _word_count(choice.message.content) == 9
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 9
+    assert reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 9
+
+
+async def test_chat_stream_with_the_openai_client_and_include_usage(
+    shared_emulator: Emulator,
+) -> None:
+    client = _client(shared_emulator)
+    try:
+        stream = await client.chat.completions.create(
+            model="third",
+            messages=[{"role": "user", "content": "Stream please."}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    finally:
+        await client.close()
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert all(c.model == "third" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert _word_count(text) == 12
+    assert sum(1 for c in with_choices if c.choices[0].delta.content) > 1  # really streamed
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    usage_chunk = chunks[-1]  # after the finish, the usage chunk with no choices
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    ("limit", "include_usage"),
+    [({"max_tokens": 1}, False), ({"max_tokens": 13}, True), ({"max_completion_tokens": 6}, True)],
+)
+async def test_chat_stream_raw_sse(
+    shared_emulator: Emulator, limit: dict[str, int], include_usage: bool
+) -> None:
+    n_out = next(iter(limit.values()))
+    body: dict[str, Any] = {
+        "model": "emulated",
+        "messages": [{"role": "user", "content": "x" * 40}],
+        "stream": True,
+        **limit,
+    }
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{shared_emulator.url}/v1/chat/completions", json=body) as resp,
+    ):
+        payloads = await _sse(resp)
+    assert payloads[-1] == "[DONE]"
+    assert "[DONE]" not in payloads[:-1]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    for c in chunks:
+        assert c["object"] == "chat.completion.chunk"
+        assert c["model"] == "emulated"
+        assert isinstance(c["created"], int)
+    if include_usage:
+        usage = chunks.pop()
+        assert usage["choices"] == []
+        assert usage["usage"]["completion_tokens"] == n_out
+        assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + n_out
+    assert all("usage" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(d.get("content", "") for d in deltas)
+    assert _word_count(text) == n_out
+
+
+@pytest.mark.parametrize("stream_options", [True, "include_usage", [1]])
+async def test_malformed_stream_options_never_truncate_the_stream(
+    shared_emulator: Emulator, stream_options: object
+) -> None:
+    """``stream_options`` that is not an object: a 400 up front (as OpenAI and vLLM answer), or at
+    the very least a complete stream. Never a 200 stream cut off before ``[DONE]``."""
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": stream_options,
+    }
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{shared_emulator.url}/v1/chat/completions", json=body) as resp,
+    ):
+        if resp.status == 400:
+            assert (await resp.json())["error"]["type"] == "invalid_request_error"
+            return
+        try:
+            payloads = await _sse(resp)
+        except aiohttp.ClientPayloadError as exc:
+            pytest.fail(f"200 stream cut off before [DONE]: {exc}")
+    assert payloads[-1] == "[DONE]"
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+async def test_completions_non_stream_and_stream(shared_emulator: Emulator) -> None:
+    url = f"{shared_emulator.url}/v1/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        status, body = await _post(session, url, {"prompt": "Once upon a time", "max_tokens": 5})
+        assert status == 200
+        assert body["object"] == "text_completion"
+        assert body["model"] == "emulated"  # the first model is the default
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert _word_count(body["choices"][0]["text"]) == 5
+        assert body["usage"]["completion_tokens"] == 5
+
+        # A pre-tokenised prompt counts one token per id.
+        status, body = await _post(session, url, {"prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 1})
+        assert status == 200
+        assert body["usage"]["prompt_tokens"] == 7
+
+        stream_body = {"model": "alt", "prompt": "Once", "max_tokens": 11, "stream": True}
+        async with session.post(url, json=stream_body) as resp:
+            payloads = await _sse(resp)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == "alt" for c in chunks)
+    assert _word_count("".join(c["choices"][0]["text"] for c in chunks)) == 11
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------- embeddings
+
+
+async def test_embeddings_with_the_openai_client(shared_emulator: Emulator) -> None:
+    client = _client(shared_emulator)
+    try:
+        first = await client.embeddings.create(model="emulated", input=["alpha", "beta"])
+        again = await client.embeddings.create(model="emulated", input="alpha")
+    finally:
+        await client.close()
+    assert [d.index for d in first.data] == [0, 1]
+    vectors = [d.embedding for d in first.data]
+    assert all(len(v) == 8 for v in vectors)  # --embedding-dim 8, not the default 16
+    assert all(math.isclose(math.hypot(*v), 1.0, rel_tol=1e-9) for v in vectors)
+    assert vectors[0] != vectors[1]
+    assert again.data[0].embedding == vectors[0]
+    assert first.usage.prompt_tokens > 0
+
+
+async def test_embeddings_are_deterministic_per_input(shared_emulator: Emulator) -> None:
+    url = f"{shared_emulator.url}/v1/embeddings"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        s1, one = await _post(session, url, {"input": "same text"})
+        s2, two = await _post(session, url, {"input": "same text"})
+        s3, batch = await _post(session, url, {"input": ["other", "same text", "same text"]})
+        s4, tokens = await _post(session, url, {"input": [101, 102, 103]})
+        s5, token_batch = await _post(session, url, {"input": [[101, 102, 103], [7]]})
+    assert (s1, s2, s3, s4, s5) == (200, 200, 200, 200, 200)
+    vec = one["data"][0]["embedding"]
+    assert len(vec) == 8
+    assert two["data"][0]["embedding"] == vec
+    assert one["object"] == "list"
+    assert one["data"][0]["object"] == "embedding"
+    assert [d["index"] for d in batch["data"]] == [0, 1, 2]
+    assert batch["data"][1]["embedding"] == vec
+    assert batch["data"][2]["embedding"] == vec
+    assert batch["data"][0]["embedding"] != vec
+    assert len(tokens["data"]) == 1  # a list of ids is one pre-tokenised input
+    assert tokens["usage"]["prompt_tokens"] == 3
+    assert len(token_batch["data"]) == 2
+    assert token_batch["data"][0]["embedding"] == tokens["data"][0]["embedding"]
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -> None:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for path, body in [
+            ("/v1/chat/completions", {"model": "nope", "messages": []}),
+            ("/v1/completions", {"model": "nope", "prompt": "x"}),
+            ("/v1/embeddings", {"model": "nope", "input": "x"}),
+        ]:
+            async with session.post(f"{shared_emulator.url}{path}", json=body) as resp:
+                assert resp.status == 404, path
+                assert resp.content_type == "application/json"
+                err = (await resp.json())["error"]
+            assert err["code"] == 404
+            assert "nope" in err["message"]
+            assert isinstance(err["type"], str)
+
+    client = _client(shared_emulator)
+    try:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "hi"}]
+            )
+    finally:
+        await client.close()
+    assert info.value.status_code == 404
+    assert "nope" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("path", "data"),
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b""),
+        ("/v1/chat/completions", b"\xff\xfe"),
+        ("/v1/chat/completions", b"[1, 2]"),
+        ("/v1/chat/completions", b'{"model": "emulated"}'),  # no messages
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b'{"max_tokens": 3}'),  # no prompt
+        ("/v1/embeddings", b"{not json"),
+        ("/v1/embeddings", b'{"input": []}'),
+        ("/v1/embeddings", b'{"input": 5}'),
+    ],
+)
+async def test_bad_requests_are_openai_style_400(
+    shared_emulator: Emulator, path: str, data: bytes
+) -> None:
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(
+            f"{shared_emulator.url}{path}",
+            data=data,
+            headers={"Content-Type": "application/json"},
+        ) as resp,
+    ):
+        assert resp.status == 400
+        err = (await resp.json())["error"]
+    assert err["code"] == 400
+    assert err["type"] == "invalid_request_error"
+    assert err["message"]
+
+
+# ---------------------------------------------------------------------------- metrics, queueing
+
+
+async def test_metrics_count_the_traffic(shared_emulator: Emulator) -> None:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        before = await _metrics(session, shared_emulator.url)
+        chat = {"messages": [{"role": "user", "content": "count me"}], "max_tokens": 4}
+        status, _ = await _post(session, f"{shared_emulator.url}/v1/chat/completions", chat)
+        assert status == 200
+        after = await _metrics(session, shared_emulator.url)
+    assert after["vllm:request_success_total"] == before["vllm:request_success_total"] + 1
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 4
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:num_requests_waiting"] == 0
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+
+
+async def test_requests_beyond_the_slots_really_queue(start_emulator: StartEmulator) -> None:
+    ttft_s, tokens_per_s, max_tokens = 0.1, 10, 8
+    per_request_s = ttft_s + max_tokens / tokens_per_s  # 0.9 s in a slot
+    emu = start_emulator(
+        "--slots", "2", "--ttft-ms", str(ttft_s * 1000), "--tokens-per-s", str(tokens_per_s)
+    )
+    chat = {"messages": [{"role": "user", "content": "q"}], "max_tokens": max_tokens}
+    url = f"{emu.url}/v1/chat/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        start = time.monotonic()
+        tasks = [asyncio.create_task(_post(session, url, chat)) for _ in range(6)]
+        await _wait_for_load(session, emu.url, running=2, waiting=4)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        wall = time.monotonic() - start
+        idle = await _metrics(session, emu.url)
+    assert [status for status, _ in results] == [200] * 6
+    # 6 requests through 2 slots: 3 rounds of the per-request duration at least (5% for timers).
+    assert wall >= 3 * per_request_s * 0.95, wall
+    assert (idle["vllm:num_requests_running"], idle["vllm:num_requests_waiting"]) == (0, 0)
+    assert idle["vllm:request_success_total"] == 6
+
+
+async def test_full_queue_is_429_and_clients_going_away_free_their_places(
+    start_emulator: StartEmulator,
+) -> None:
+    emu = start_emulator("--slots", "1", "--max-queue", "1", "--ttft-ms", "600000")
+    chat = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 1}
+    url = f"{emu.url}/v1/chat/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        holder = asyncio.create_task(_post(session, url, chat))
+        await _wait_for_load(session, emu.url, running=1, waiting=0)
+        queued = asyncio.create_task(_post(session, url, chat))
+        await _wait_for_load(session, emu.url, running=1, waiting=1)
+        status, body = await _post(session, url, chat)
+        assert status == 429
+        assert body["error"]["code"] == 429
+
+        # The two clients give up: their connections close and the server frees slot and place.
+        holder.cancel()
+        queued.cancel()
+        await asyncio.gather(holder, queued, return_exceptions=True)
+        await _wait_for_load(session, emu.url, running=0, waiting=0)
