@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import msgpack
@@ -350,30 +350,16 @@ class Snapshot:
     @classmethod
     def from_wire(cls, raw: Mapping[str, Any]) -> Snapshot:
         """Build from a decoded map: unknown keys ignored, optional keys defaulted."""
-        try:
-            return cls(
-                node=raw["node"],
-                boot=raw["boot"],
-                seq=raw["seq"],
-                ts=raw["ts"],
-                v=raw.get("v", SCHEMA_VERSION),
-                ready=raw.get("ready", False),
-                warm=raw.get("warm", False),
-                draining=raw.get("draining", False),
-                models=raw.get("models", ()),
-                tags=raw.get("tags", ()),
-                tier=raw.get("tier", ""),
-                cpu=raw.get("cpu"),
-                mem=raw.get("mem"),
-                gpus=raw.get("gpus", ()),
-                engine=raw.get("engine"),
-                rss=raw.get("rss"),
-                rss_slope=raw.get("rss_slope"),
-                kid=raw.get("kid"),
-                sig=raw.get("sig"),
-            )
-        except KeyError as exc:
-            raise SnapshotError(f"snapshot field {exc.args[0]!r} is missing") from None
+        missing = _REQUIRED - raw.keys()
+        if missing:
+            raise SnapshotError(f"snapshot field {sorted(missing)[0]!r} is missing")
+        if raw.keys() <= _FIELDS:
+            return cls(**raw)  # the common case: a v1 writer, keys exactly ours
+        return cls(**{k: v for k, v in raw.items() if k in _FIELDS})
+
+
+_FIELDS = frozenset(f.name for f in fields(Snapshot))
+_REQUIRED = frozenset(("node", "boot", "seq", "ts"))
 
 
 def pack(wire: dict[str, Any]) -> bytes:
