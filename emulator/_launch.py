@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Service", "start_service"]
+__all__ = ["Service", "start_command", "start_service"]
 
 _LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
 
@@ -54,17 +54,22 @@ class Service:
 
 
 def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
-    """Run ``python -m promptlb.<module> --port 0 ARGS`` and wait for its listening line.
+    """Run ``python -m promptlb.<module> --port 0 ARGS`` and wait for its listening line."""
+    return start_command(module, ["-m", f"promptlb.{module}", "--port", "0", *args], timeout)
+
+
+def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
+    """Run ``python ARGV`` (which must print a ``listening on`` line) and wait for that line.
 
     Port 0 lets the process pick a free port, so there is no race over a port chosen in advance.
     stderr (the logs) goes to a file, readable with `Service.log`.
     """
     started_at = time.monotonic()
     with tempfile.NamedTemporaryFile(
-        prefix=f"promptlb-{module}-", suffix=".log", delete=False
+        prefix=f"promptlb-{name}-", suffix=".log", delete=False
     ) as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"promptlb.{module}", "--port", "0", *args],
+            [sys.executable, *argv],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -84,10 +89,10 @@ def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
             line = lines.get(timeout=timeout)
             if line is None:
                 with open(log.name, encoding="utf-8", errors="replace") as f:
-                    raise RuntimeError(f"{module} exited before listening:\n{f.read()}")
+                    raise RuntimeError(f"{name} exited before listening:\n{f.read()}")
             if match := _LISTENING.search(line):
                 return Service(
-                    module, proc, match.group(1), int(match.group(2)), log.name, started_at
+                    name, proc, match.group(1), int(match.group(2)), log.name, started_at
                 )
     except BaseException:
         proc.kill()

@@ -1,0 +1,174 @@
+"""Pick cost per strategy at 10, 100 and 1,000 nodes.
+
+Prints a table and writes bench/results/pick.json. Goals (issue 3): <= 20 us per p2c pick at
+1,000 nodes, <= 200 us for the strategies that scan every candidate. Run: `make bench` or
+`python bench/pick_bench.py [--quick]`; it takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+import timeit
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from promptlb.middleware._strategies import Resource, make_strategy
+from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.shared import EngineSample, GpuSample, Snapshot
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIZES = (10, 100, 1_000)
+P2C_GOAL_US = 20.0
+SCAN_GOAL_US = 200.0
+
+# (label, strategy name, options, goal at 1,000 nodes or None, what the row measures)
+CASES: list[tuple[str, str, dict[str, Any], float | None, str]] = [
+    ("round_robin", "round_robin", {}, P2C_GOAL_US, "no scan; held to the O(1) goal"),
+    ("weighted", "weighted", {}, SCAN_GOAL_US, "full scan"),
+    ("weighted dynamic", "weighted", {"dynamic_weights": True}, SCAN_GOAL_US, "full scan"),
+    ("least_conn", "least_conn", {}, SCAN_GOAL_US, "full scan"),
+    ("resource", "resource", {}, SCAN_GOAL_US, "full scan, scores cached per snapshot"),
+    # Each node's score is recomputed once per new snapshot (about 1 Hz), not per pick: this
+    # row is the worst case, the first pick after every node's snapshot changed at once.
+    ("resource cold", "resource", {}, None, "full scan, every score recomputed: worst case"),
+    ("p2c", "p2c", {}, P2C_GOAL_US, "two candidates"),
+]
+
+
+def fleet(n: int, rng: random.Random) -> list[NodeView]:
+    """``n`` nodes as a busy cluster shows them: 1-8 GPUs each, engines with work, a few nodes
+    warming (ramp < 1), a few without a fresh snapshot and some without engine metrics."""
+    nodes: list[NodeView] = []
+    now = time.time()
+    for i in range(n):
+        name = f"gpu-node-{i:04d}.cluster.local"
+        gpus = tuple(
+            GpuSample(g, rng.random(), rng.randrange(10_000, 81_559), 81_559, 65, 300)
+            for g in range(rng.randint(1, 8))
+        )
+        engine = (
+            EngineSample(
+                running=rng.randrange(0, 32),
+                waiting=rng.randrange(0, 8),
+                kv_cache=rng.random(),
+                tps=rng.uniform(100.0, 2_000.0),
+            )
+            if rng.random() < 0.9
+            else None
+        )
+        snapshot = Snapshot(
+            node=name,
+            boot="9f2c4e1a7b3d5e60",
+            seq=rng.randrange(1, 100_000),
+            ts=now,
+            ready=True,
+            warm=True,
+            models=("llama-3.1-70b-instruct",),
+            cpu=rng.random(),
+            mem=rng.random(),
+            gpus=gpus,
+            engine=engine,
+        )
+        nodes.append(
+            NodeView(
+                name=name,
+                url=f"http://{name}:8000",
+                weight=rng.choice((1.0, 1.0, 2.0, 4.0)),
+                snapshot=snapshot if rng.random() < 0.97 else None,
+                in_flight=rng.randrange(0, 6),
+                in_flight_at_snapshot=rng.randrange(0, 4),
+                ramp=1.0 if rng.random() < 0.95 else rng.uniform(0.1, 1.0),
+            )
+        )
+    return nodes
+
+
+def per_pick_us(fn: Callable[[], object], repeat: int, budget_s: float) -> float:
+    """The least disturbed of ``repeat`` runs, each sized to about ``budget_s``."""
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    number = max(10, min(200_000, int(budget_s / once)))
+    return min(timeit.repeat(fn, repeat=repeat, number=number)) / number * 1e6
+
+
+def cold_resource_pick(
+    request: RouteRequest, nodes: list[NodeView], rng: random.Random
+) -> NodeView:
+    # A fresh instance has an empty cache: every score is computed, as on the first pick after
+    # every node sent a new snapshot at once.
+    return Resource().pick(request, nodes, rng)
+
+
+def run(repeat: int, budget_s: float) -> list[dict[str, Any]]:
+    rng = random.Random(1234)
+    request = RouteRequest(model="llama-3.1-70b-instruct", input_tokens=512, max_tokens=256)
+    rows: list[dict[str, Any]] = []
+    for size in SIZES:
+        nodes = fleet(size, rng)
+        for label, name, options, goal, what in CASES:
+            pick_rng = random.Random(size)
+            fn: Callable[[], object]
+            if label == "resource cold":
+                fn = partial(cold_resource_pick, request, nodes, pick_rng)
+            else:
+                fn = partial(make_strategy(name, **options).pick, request, nodes, pick_rng)
+            us = per_pick_us(fn, repeat, budget_s)
+            row: dict[str, Any] = {"strategy": label, "nodes": size, "us_per_pick": us}
+            if size == SIZES[-1] and goal is not None:
+                row["goal_us"] = goal
+                row["meets_goal"] = us <= goal
+            row["measures"] = what
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    labels = [case[0] for case in CASES]
+    by = {(r["strategy"], r["nodes"]): r for r in rows}
+    head = f"{'strategy':<18}" + "".join(f"{f'{n:,} nodes':>13}" for n in SIZES)
+    lines = [head + f"{'goal @1,000':>14}  ", "-" * (len(head) + 20)]
+    for label in labels:
+        cells = "".join(f"{by[label, n]['us_per_pick']:>10.2f} us" for n in SIZES)
+        last = by[label, SIZES[-1]]
+        if "goal_us" in last:
+            goal = f"<= {last['goal_us']:.0f} us"
+            verdict = "ok" if last["meets_goal"] else "MISSED"
+        else:
+            goal, verdict = "-", "(worst case, once per snapshot)"
+        lines.append(f"{label:<18}{cells}{goal:>14}  {verdict}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a short run, for smoke tests")
+    args = parser.parse_args()
+    repeat, budget_s = (3, 0.01) if args.quick else (7, 0.1)
+    began = time.perf_counter()
+    rows = run(repeat, budget_s)
+    report: dict[str, Any] = {
+        "benchmark": "pick",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "goals_us_at_1000_nodes": {"p2c": P2C_GOAL_US, "full_scan": SCAN_GOAL_US},
+        "method": "timeit, min of repeats, per pick; nodes with 1-8 GPUs and engine load",
+        "results": rows,
+        "seconds": time.perf_counter() - began,
+    }
+    print(table(rows))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "pick.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} ({report['seconds']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The promptlb ASGI middleware: route prompt requests to the node that can take them."""
+
+from ._client import PromptLBClient, PromptLBError
+from ._config import (
+    Config,
+    DiscoveryConfig,
+    HealthConfig,
+    NodeConfig,
+    OutlierConfig,
+    RetryConfig,
+    load_config,
+)
+from ._middleware import PromptLBMiddleware
+from ._strategies import STRATEGIES, NoNodeAvailable
+from ._view import NodeView, RouteRequest
+
+__all__ = [
+    "STRATEGIES",
+    "Config",
+    "DiscoveryConfig",
+    "HealthConfig",
+    "NoNodeAvailable",
+    "NodeConfig",
+    "NodeView",
+    "OutlierConfig",
+    "PromptLBClient",
+    "PromptLBError",
+    "PromptLBMiddleware",
+    "RetryConfig",
+    "RouteRequest",
+    "load_config",
+]

@@ -1,0 +1,3 @@
+from ._gateway import main
+
+main()

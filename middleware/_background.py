@@ -1,0 +1,201 @@
+"""The evidence loops: gossip with sidecars, active health checks, DNS discovery.
+
+Each runs as one task per middleware (never per request), with bounded concurrency and timeouts.
+A sidecar that is unreachable or sends garbage leaves the node's last good view in place until
+it goes stale; the event is counted, and nothing here ever raises into the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from promptlb.shared import FreshnessCheck, SigningKey, SnapshotError, decode
+
+from ._config import Config, NodeConfig
+from ._metrics import Metrics
+from ._nodes import Node, NodeTable
+
+__all__ = ["Evidence"]
+
+log = logging.getLogger("promptlb.middleware")
+
+
+class Evidence:
+    """Keeps a `NodeTable` honest: snapshots, health, membership, and the passage of time."""
+
+    def __init__(
+        self, config: Config, table: NodeTable, session: aiohttp.ClientSession, metrics: Metrics
+    ) -> None:
+        self._config = config
+        self._table = table
+        self._session = session
+        self._metrics = metrics
+        key = config.sign_key()
+        self._keys: dict[str, SigningKey] | None = {key.kid: key} if key else None
+        self._freshness = FreshnessCheck(max(config.stale_after, 1.0)) if key else None
+        token = config.sidecar_token()
+        self._sidecar_headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._gate = asyncio.Semaphore(config.gossip_concurrency)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._problems: dict[tuple[str, str], str] = {}
+
+    async def start(self) -> None:
+        """One round of everything first, so that the first request finds a real view."""
+        if self._config.discovery.mode == "dns":
+            await self.discover()
+        await asyncio.gather(self.gossip_round(), self.health_round())
+        self._table.settled = True
+        self._table.tick(time.monotonic())
+        loops: list[tuple[str, float, float, Callable[[], Awaitable[None]]]] = [
+            (
+                "gossip",
+                self._config.gossip_interval,
+                self._config.gossip_interval * 0.1,
+                self.gossip_round,
+            ),
+        ]
+        if self._config.health.enabled:
+            health = self._config.health
+            loops.append(("health", health.interval, health.interval_jitter, self.health_round))
+        if self._config.discovery.mode == "dns":
+            loops.append(("dns", self._config.discovery.interval, 0.0, self.discover))
+        self._tasks = [
+            asyncio.create_task(self._every(*loop), name=f"promptlb-{loop[0]}") for loop in loops
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _every(
+        self, name: str, interval: float, jitter: float, step: Callable[[], Awaitable[None]]
+    ) -> None:
+        while True:
+            await asyncio.sleep(interval + random.uniform(0, jitter))
+            try:
+                await step()
+            except Exception:  # a bug in one loop must not take the others, or requests, down
+                log.exception("promptlb %s loop failed", name)
+            self._table.tick(time.monotonic())
+
+    def _problem(self, node: Node, kind: str, message: str | None) -> None:
+        """Log a node's problem once when it starts or changes, and once when it clears."""
+        key = (node.name, kind)
+        if message is None:
+            if self._problems.pop(key, None) is not None:
+                log.info("node %s: %s ok again", node.name, kind)
+        elif self._problems.get(key) != message:
+            self._problems[key] = message
+            log.warning("node %s: %s: %s", node.name, kind, message)
+
+    # -- gossip ----------------------------------------------------------------------------
+    async def gossip_round(self) -> None:
+        nodes = [n for n in self._table.nodes.values() if n.config.sidecar]
+        await asyncio.gather(*(self._gossip(n) for n in nodes))
+
+    async def _gossip(self, node: Node) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._config.gossip_timeout)
+        async with self._gate:
+            try:
+                async with self._session.get(
+                    f"{node.config.sidecar}/snapshot",
+                    timeout=timeout,
+                    headers=self._sidecar_headers,
+                ) as response:
+                    if response.status != 200:
+                        raise SnapshotError(f"sidecar /snapshot answered {response.status}")
+                    body = await response.read()
+                snapshot = decode(body, self._keys)
+                held = node.snapshot
+                if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
+                    return  # the sidecar saw nothing new since the last poll: no news, no error
+                if snapshot.node != node.name and self._keys is not None:
+                    raise SnapshotError(f"signed snapshot names node {snapshot.node!r}")
+                if self._freshness is not None:
+                    self._freshness.check(snapshot)
+            except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
+                node.snapshot_errors += 1
+                kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
+                self._metrics.snapshot_errors.labels(node.name, kind).inc()
+                self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
+                return
+        self._problem(node, "snapshot", None)
+        self._table.record_snapshot(node, snapshot, time.monotonic())
+
+    # -- active health checks --------------------------------------------------------------
+    async def health_round(self) -> None:
+        if self._config.health.enabled:
+            await asyncio.gather(*(self._check(n) for n in list(self._table.nodes.values())))
+
+    async def _check(self, node: Node) -> None:
+        health = self._config.health
+        sidecar = node.config.sidecar if health.use_sidecar else None
+        url = f"{sidecar}/health" if sidecar else f"{node.config.url}{health.path}"
+        headers = self._sidecar_headers if sidecar else {}
+        try:
+            async with (
+                self._gate,
+                self._session.get(
+                    url,
+                    timeout=aiohttp.ClientTimeout(total=health.timeout),
+                    headers=headers,
+                ) as response,
+            ):
+                await response.read()
+                ok = health.expected(response.status)
+                detail = f"{url} answered {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ok, detail = False, f"{url}: {type(exc).__name__}: {exc}"
+        was = node.health_ok
+        self._table.record_health(node, ok, detail, time.monotonic())
+        if node.health_ok != was:
+            log.log(
+                logging.INFO if node.health_ok else logging.WARNING,
+                "node %s is %s (%s)",
+                node.name,
+                "healthy" if node.health_ok else "unhealthy",
+                detail,
+            )
+
+    # -- DNS discovery ---------------------------------------------------------------------
+    async def discover(self) -> None:
+        disc = self._config.discovery
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                disc.name, disc.port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            log.warning("dns discovery of %s failed: %s; keeping the current nodes", disc.name, exc)
+            return
+        wanted: list[NodeConfig] = []
+        for family, _, _, _, address in infos:
+            host = f"[{address[0]}]" if family == socket.AF_INET6 else str(address[0])
+            sidecar = f"{disc.scheme}://{host}:{disc.sidecar_port}" if disc.sidecar_port else None
+            wanted.append(
+                NodeConfig(
+                    name=f"{host}:{disc.port}",
+                    url=f"{disc.scheme}://{host}:{disc.port}",
+                    sidecar=sidecar,
+                    models=disc.models,
+                )
+            )
+        if not wanted:
+            return  # an empty answer is more likely a DNS hiccup than a cluster of none
+        before = set(self._table.nodes)
+        self._table.replace_members(wanted)
+        after = set(self._table.nodes)
+        if before != after:
+            log.info("dns discovery: +%s -%s", sorted(after - before), sorted(before - after))
+            # Newcomers are checked at once rather than waiting a health interval to serve.
+            await asyncio.gather(
+                *(self._check(self._table.nodes[n]) for n in after - before),
+                *(self._gossip(self._table.nodes[n]) for n in after - before),
+            )

@@ -1,0 +1,272 @@
+"""The balancer: node table, strategy, evidence loops and the one upstream session, and the
+try-and-retry logic that both the ASGI proxy and the in-app client use."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+
+from ._background import Evidence
+from ._config import Config
+from ._metrics import Metrics
+from ._nodes import Node, NodeTable
+from ._strategies import NoNodeAvailable, make_strategy
+from ._view import RouteRequest
+
+__all__ = ["Balancer", "UnknownModel", "Upstream", "UpstreamError"]
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy sets itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+class UnknownModel(LookupError):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"no node serves model {model!r}")
+        self.model = model
+
+
+class UpstreamError(Exception):
+    """Every try failed before a response could be passed on."""
+
+    def __init__(self, status: int, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.attempts = attempts
+
+
+@dataclass(slots=True)
+class Upstream:
+    """The response chosen to pass on, and what the caller needs to finish the job."""
+
+    node: Node
+    response: aiohttp.ClientResponse
+    attempts: int
+    started: float  # monotonic, when the successful try began
+    deadline: float  # loop time by which the whole answer must be in
+    first_byte_at: float | None = None
+    failed: bool = False  # the caller saw the stream break
+
+
+class _RetryBudget:
+    """Retries in flight may not exceed a share of active requests (Envoy's retry budget)."""
+
+    __slots__ = ("active", "min_concurrent", "percent", "retrying")
+
+    def __init__(self, percent: float, min_concurrent: int) -> None:
+        self.percent = percent / 100.0
+        self.min_concurrent = min_concurrent
+        self.active = 0
+        self.retrying = 0
+
+    def allow(self) -> bool:
+        return self.retrying < max(self.min_concurrent, self.percent * self.active)
+
+
+class Balancer:
+    def __init__(self, config: Config, *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.table = NodeTable(config)
+        self.strategy = make_strategy(config.strategy, **config.strategy_options)
+        self.metrics = Metrics(lambda: self.table)
+        self.rng = rng or random.Random()
+        self._budget = _RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
+        self._session: aiohttp.ClientSession | None = None
+        self._evidence: Evidence | None = None
+        self._starting: asyncio.Lock | None = None
+        self._api_headers = {
+            name: ("authorization", f"Bearer {n.api_key}")
+            for name, n in ((n.name, n) for n in config.nodes)
+            if n.api_key
+        }
+
+    @property
+    def started(self) -> bool:
+        return self._session is not None
+
+    async def start(self) -> None:
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._session is not None:
+                return
+            retry = self.config.retry
+            self._session = aiohttp.ClientSession(
+                # Bytes pass through as the node sent them: no decompression, no added headers.
+                auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=30),
+                timeout=aiohttp.ClientTimeout(total=None, connect=retry.connect_timeout),
+            )
+            self._evidence = Evidence(self.config, self.table, self._session, self.metrics)
+            await self._evidence.start()
+
+    async def stop(self) -> None:
+        if self._evidence is not None:
+            await self._evidence.stop()
+            self._evidence = None
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    def forward_headers(
+        self, node: Node, headers: Iterable[tuple[bytes, bytes]]
+    ) -> list[tuple[str, str]]:
+        keep_auth = self.config.forward_authorization
+        out = []
+        for raw_name, raw_value in headers:
+            name = raw_name.decode("latin-1").lower()
+            if name in HOP_BY_HOP or (name == "authorization" and not keep_auth):
+                continue
+            out.append((name, raw_value.decode("latin-1")))
+        api = self._api_headers.get(node.name)
+        if api is not None:
+            out = [h for h in out if h[0] != "authorization"]
+            out.append(api)
+        return out
+
+    @asynccontextmanager
+    async def open(
+        self,
+        request: RouteRequest,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> AsyncIterator[Upstream]:
+        """Route and send, retrying on another node (never the same twice) on connect errors,
+        5xx, 429 and per-try timeouts. Yields the response to pass on; retries end here, so
+        nothing is retried once the caller has started answering."""
+        if self._session is None:
+            await self.start()
+        session = self._session
+        assert session is not None
+        cfg = self.config.retry
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.total_timeout
+        headers = list(headers)
+        budget = self._budget
+        budget.active += 1
+        tried: list[str] = []
+        upstream: Upstream | None = None
+        last = "no try made"
+        status = 502
+        try:
+            while len(tried) < cfg.attempts:
+                candidates = self.table.candidates(request.model)
+                if candidates is None:
+                    raise UnknownModel(request.model)
+                if tried:
+                    candidates = [c for c in candidates if c.name not in tried]
+                    if not candidates:
+                        break
+                    if not budget.allow():
+                        self.metrics.retry_budget_exhausted.inc()
+                        break
+                elif not candidates:
+                    self.metrics.unavailable.labels(request.model).inc()
+                    raise NoNodeAvailable(request.model)
+                view = self.strategy.pick(request, candidates, self.rng)
+                node = self.table.nodes[view.name]
+                self.metrics.picks.labels(self.config.strategy, node.name).inc()
+                if tried:
+                    self.metrics.retries.labels(tried[-1]).inc()
+                    budget.retrying += 1
+                tried.append(node.name)
+                view.in_flight += 1
+                started = time.monotonic()
+                try:
+                    remaining = deadline - loop.time()
+                    async with asyncio.timeout(min(cfg.per_try_timeout, remaining)):
+                        response = await session.post(
+                            node.config.url + path,
+                            data=body,
+                            headers=self.forward_headers(node, headers),
+                        )
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    view.in_flight -= 1
+                    timed_out = isinstance(exc, TimeoutError)
+                    status = 504 if timed_out else 502
+                    last = (
+                        f"{node.name}: timed out"
+                        if timed_out
+                        else f"{node.name}: {type(exc).__name__}: {exc}"
+                    )
+                    self._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                    continue
+                finally:
+                    if len(tried) > 1:
+                        budget.retrying -= 1
+                retryable = response.status >= 500 or response.status == 429
+                if retryable and len(tried) < cfg.attempts and self._more(request, tried):
+                    response.release()
+                    view.in_flight -= 1
+                    last = f"{node.name}: answered {response.status}"
+                    self._finish(
+                        node, ok=False, started=started, ttft=None, outcome=str(response.status)
+                    )
+                    continue
+                upstream = Upstream(node, response, len(tried), started, deadline)
+                break
+            if upstream is None:
+                raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
+            aborted = False
+            try:
+                yield upstream
+            except BaseException:
+                aborted = True  # the caller gave up (client gone, deadline): not the node's fault
+                raise
+            finally:
+                upstream.response.release()
+                upstream.node.view.in_flight -= 1
+                if aborted:
+                    self.metrics.requests.labels(upstream.node.name, "aborted").inc()
+                else:
+                    code = upstream.response.status
+                    ttft = (
+                        upstream.first_byte_at - upstream.started
+                        if upstream.first_byte_at is not None
+                        else None
+                    )
+                    self._finish(
+                        upstream.node,
+                        ok=code < 500 and code != 429 and not upstream.failed,
+                        started=upstream.started,
+                        ttft=ttft,
+                        outcome="broken" if upstream.failed else str(code),
+                    )
+        finally:
+            budget.active -= 1
+
+    def _more(self, request: RouteRequest, tried: list[str]) -> bool:
+        candidates = self.table.candidates(request.model) or ()
+        return any(c.name not in tried for c in candidates)
+
+    def _finish(
+        self, node: Node, *, ok: bool, started: float, ttft: float | None, outcome: str
+    ) -> None:
+        now = time.monotonic()
+        latency = now - started
+        self.table.record_result(node, ok, latency if ok else None, ttft, now)
+        self.metrics.requests.labels(node.name, outcome).inc()
+        if ok:
+            self.metrics.latency.labels(node.name).observe(latency)
+            if ttft is not None:
+                self.metrics.ttft.labels(node.name).observe(ttft)

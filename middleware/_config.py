@@ -1,0 +1,331 @@
+"""The middleware's configuration: typed, keyword-only objects, loaded from TOML or built in code.
+
+Every object validates itself; the TOML loader converts by the field types and names the full
+key (``nodes[1].url``) in every error, with the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+from urllib.parse import urlsplit
+
+from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_duration
+
+__all__ = [
+    "Config",
+    "DiscoveryConfig",
+    "HealthConfig",
+    "NodeConfig",
+    "OutlierConfig",
+    "RetryConfig",
+    "load_config",
+]
+
+StrategyName = Literal["round_robin", "weighted", "least_conn", "resource", "p2c"]
+_DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
+
+
+def _url(key: str, value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, value, "an http(s) URL such as http://10.0.0.1:8000")
+    return value.rstrip("/")
+
+
+def _positive(key: str, value: float, *, zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(key, value, "a finite number")
+    if value < 0 or (value == 0 and not zero):
+        raise ConfigError(key, value, ">= 0" if zero else "> 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """One model node: its OpenAI-compatible server and, optionally, its sidecar."""
+
+    name: str
+    url: str
+    sidecar: str | None = None
+    weight: float = 1.0
+    models: tuple[str, ...] = ()  # empty: learnt from the sidecar's snapshot
+    tags: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None  # read the upstream key from this environment variable
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 253:
+            raise ConfigError("name", self.name, "1..253 characters")
+        object.__setattr__(self, "url", _url("url", self.url))
+        if self.sidecar is not None:
+            object.__setattr__(self, "sidecar", _url("sidecar", self.sidecar))
+        _positive("weight", self.weight)
+        if self.api_key_env is not None and self.api_key is None:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ConfigError("api_key_env", self.api_key_env, "a set environment variable")
+            object.__setattr__(self, "api_key", key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryConfig:
+    """``static``: the ``[[nodes]]`` list. ``dns``: A/AAAA records of ``name`` (a headless
+    service), each address one node at ``port``, with its sidecar at ``sidecar_port``."""
+
+    mode: Literal["static", "dns"] = "static"
+    name: str = ""
+    port: int = 8000
+    sidecar_port: int | None = 9500
+    scheme: Literal["http", "https"] = "http"
+    interval: float = field(default=30.0, metadata=_DURATION)
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode == "dns" and not self.name:
+            raise ConfigError("name", self.name, "a DNS name to resolve (discovery mode dns)")
+        for key in ("port", "sidecar_port"):
+            port = getattr(self, key)
+            if port is not None and not 1 <= port <= 65535:
+                raise ConfigError(key, port, "a TCP port in 1..65535")
+        _positive("interval", self.interval)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthConfig:
+    """Active health checks with Envoy's semantics. ``expected_statuses`` are half-open
+    ranges ``[start, end)``."""
+
+    enabled: bool = True
+    path: str = "/health"
+    interval: float = field(default=5.0, metadata=_DURATION)
+    timeout: float = field(default=1.0, metadata=_DURATION)
+    interval_jitter: float = field(default=0.5, metadata=_DURATION)
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
+    expected_statuses: tuple[tuple[int, int], ...] = ((200, 300),)
+    use_sidecar: bool = True  # check the sidecar's /health (warmup, drain) when there is one
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ConfigError("path", self.path, "a path starting with /")
+        _positive("interval", self.interval)
+        _positive("timeout", self.timeout)
+        _positive("interval_jitter", self.interval_jitter, zero=True)
+        for key in ("unhealthy_threshold", "healthy_threshold"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, getattr(self, key), "an integer >= 1")
+        for pair in self.expected_statuses:
+            if len(pair) != 2 or not 100 <= pair[0] < pair[1] <= 600:
+                raise ConfigError(
+                    "expected_statuses", pair, "[start, end) with 100 <= start < end <= 600"
+                )
+
+    def expected(self, status: int) -> bool:
+        return any(lo <= status < hi for lo, hi in self.expected_statuses)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutlierConfig:
+    """Passive ejection, as Envoy's outlier detection: ``consecutive_failures`` in a row eject a
+    node for ``base_ejection_time x times ejected`` (up to ``max_ejection_time``), never more
+    than ``max_ejection_percent`` of a model's nodes at once."""
+
+    consecutive_failures: int = 5
+    base_ejection_time: float = field(default=30.0, metadata=_DURATION)
+    max_ejection_time: float = field(default=300.0, metadata=_DURATION)
+    max_ejection_percent: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.consecutive_failures < 1:
+            raise ConfigError("consecutive_failures", self.consecutive_failures, ">= 1")
+        _positive("base_ejection_time", self.base_ejection_time)
+        _positive("max_ejection_time", self.max_ejection_time)
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ConfigError("max_ejection_percent", self.max_ejection_percent, "0..100")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryConfig:
+    """Retries on another node, before the first byte reaches the client only."""
+
+    attempts: int = 3  # tries in all, the first included
+    per_try_timeout: float = field(default=30.0, metadata=_DURATION)  # to the response headers
+    total_timeout: float = field(default=120.0, metadata=_DURATION)  # the whole answer
+    connect_timeout: float = field(default=2.0, metadata=_DURATION)
+    budget_percent: float = 20.0  # retries in flight, as a share of active requests ...
+    min_concurrent: int = 3  # ... but always at least this many
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.attempts <= 10:
+            raise ConfigError("attempts", self.attempts, "1..10")
+        for key in ("per_try_timeout", "total_timeout", "connect_timeout"):
+            _positive(key, getattr(self, key))
+        if not 0 <= self.budget_percent <= 100:
+            raise ConfigError("budget_percent", self.budget_percent, "0..100")
+        if self.min_concurrent < 0:
+            raise ConfigError("min_concurrent", self.min_concurrent, ">= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
+
+    nodes: tuple[NodeConfig, ...] = ()
+    strategy: StrategyName = "p2c"
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+    models_route: str | None = "/v1/models"  # aggregated from the ready nodes
+    max_body_bytes: int = 4 * 1024 * 1024
+    forward_authorization: bool = False
+    gossip_interval: float = field(default=1.0, metadata=_DURATION)
+    gossip_timeout: float = field(default=0.5, metadata=_DURATION)
+    gossip_concurrency: int = 32
+    stale_after: float = field(default=5.0, metadata=_DURATION)
+    sign_key_file: str | None = None  # "KID:SECRET": unsigned or badly signed snapshots rejected
+    sidecar_token_file: str | None = None  # bearer token for sidecars with --protect-reads
+    slow_start: float = field(default=30.0, metadata=_DURATION)  # 0 disables
+    admin_token: str | None = field(default=None, repr=False)
+    admin_local_only: bool = False
+    admin_prefix: str = "/_promptlb"
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        if self.discovery.mode == "static" and not self.nodes:
+            raise ConfigError("nodes", [], "at least one [[nodes]] entry (or discovery dns)")
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigError("nodes", dup, "unique node names")
+        for route in self.routes:
+            if not route.startswith("/"):
+                raise ConfigError("routes", route, "paths starting with /")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", self.max_body_bytes, ">= 1024")
+        _positive("gossip_interval", self.gossip_interval)
+        _positive("gossip_timeout", self.gossip_timeout)
+        _positive("stale_after", self.stale_after)
+        _positive("slow_start", self.slow_start, zero=True)
+        if self.gossip_concurrency < 1:
+            raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")
+        if not self.admin_prefix.startswith("/") or self.admin_prefix.endswith("/"):
+            raise ConfigError("admin_prefix", self.admin_prefix, "a path like /_promptlb")
+
+    def sign_key(self) -> SigningKey | None:
+        if self.sign_key_file is None:
+            return None
+        try:
+            return load_key_file(self.sign_key_file)
+        except ValueError as exc:
+            raise ConfigError("sign_key_file", self.sign_key_file, str(exc)) from None
+
+    def sidecar_token(self) -> str | None:
+        if self.sidecar_token_file is None:
+            return None
+        try:
+            return Path(self.sidecar_token_file).read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise ConfigError(
+                "sidecar_token_file", self.sidecar_token_file, f"a readable file ({exc})"
+            ) from None
+
+
+T = TypeVar("T")
+
+
+def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
+    """A `Config` from a TOML path, a mapping of the same shape, or a `Config` (as is)."""
+    if isinstance(source, Config):
+        return source
+    if isinstance(source, str | Path):
+        try:
+            with open(source, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError("config", str(source), f"a readable TOML file ({exc})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", str(source), f"valid TOML ({exc})") from None
+        return build(Config, data, "")
+    return build(Config, source, "")
+
+
+def build(cls: type[T], data: object, path: str) -> T:
+    """Convert a mapping into the dataclass ``cls`` by its field types; errors carry the path."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "config", data, "a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in known:
+            raise ConfigError(where, value, "one of " + ", ".join(sorted(known)))
+        if key == "strategy_options":
+            if not isinstance(value, Mapping):
+                raise ConfigError(where, value, "a table")
+            kwargs[key] = dict(value)
+            continue
+        kwargs[key] = _convert(hints[key], value, where, known[key].metadata.get("duration", False))
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        where = f"{path}.{exc.key}" if path else exc.key
+        raise ConfigError(where, exc.value, exc.expected) from None
+    except TypeError as exc:  # a required field is missing
+        missing = [
+            f.name
+            for f in fields(cls)  # type: ignore[arg-type]
+            if f.default is MISSING and f.default_factory is MISSING and f.name not in kwargs
+        ]
+        if missing:
+            where = f"{path}.{missing[0]}" if path else missing[0]
+            raise ConfigError(where, None, "a value (it is required)") from None
+        raise ConfigError(path or "config", data, str(exc)) from None
+
+
+def _convert(hint: Any, value: object, where: str, duration: bool) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, where, duration)
+    if duration:
+        return parse_duration(where, value)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(where, value, "one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(where, value, "a list")
+        item = args[0]
+        return tuple(_convert(item, v, f"{where}[{i}]", False) for i, v in enumerate(value))
+    if is_dataclass(hint):
+        return build(hint, value, where)  # type: ignore[arg-type]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(where, value, "true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(where, value, "an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(where, value, "a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(where, value, "a string")
+        return value
+    raise ConfigError(where, value, f"a value of type {hint}")  # pragma: no cover

@@ -1,0 +1,96 @@
+"""``promptlb-gateway``: the middleware in a minimal app, for teams without an app of their own.
+
+Served by uvicorn on uvloop. Only the balanced routes, ``/v1/models`` and the admin endpoints
+exist; everything else is 404.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+import uvloop
+from promptlb.shared import ConfigError
+
+from ._asgi import ASGIApp, Receive, Scope, Send, json_error
+from ._middleware import PromptLBMiddleware
+
+__all__ = ["main", "serve"]
+
+
+async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    elif scope["type"] == "http":
+        await json_error(send, 404, f"no route {scope['path']}", "not_found")
+
+
+def serve(
+    app: ASGIApp, host: str, port: int, *, name: str = "promptlb-gateway", log_level: str = "info"
+) -> None:
+    """Serve an ASGI app with uvicorn on uvloop; prints ``NAME listening on http://…`` once
+    bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly."""
+    uvloop.run(_serve(app, host, port, log_level, name))
+
+
+async def _serve(app: ASGIApp, host: str, port: int, log_level: str, name: str) -> None:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        loop="none",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+        shown = f"[{host}]" if ":" in host else host
+        print(f"{name} listening on http://{shown}:{bound}", flush=True)
+
+    announcer = asyncio.create_task(announce())
+    try:
+        await server.serve()
+    finally:
+        announcer.cancel()
+    if not server.started:
+        raise SystemExit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="promptlb-gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="the promptlb TOML file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")
+    try:
+        app = PromptLBMiddleware(_not_found, config=args.config)
+    except ConfigError as exc:
+        print(f"promptlb-gateway: bad config {args.config}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    serve(app, args.host, args.port, log_level=args.log_level)

@@ -1,0 +1,94 @@
+"""The middleware's Prometheus metrics, in a registry of its own (two middlewares in one
+process do not collide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ._nodes import NodeTable
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Live(Collector):
+    """Read at scrape time from the node table: nothing to keep in step per request."""
+
+    def __init__(self, table: Callable[[], NodeTable | None]) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        table = self._table()
+        if table is None:
+            return
+        in_flight = GaugeMetricFamily(
+            "promptlb_in_flight", "Requests open on a node.", labels=["node"]
+        )
+        ready = GaugeMetricFamily(
+            "promptlb_node_ready", "1 when a node takes requests.", labels=["node"]
+        )
+        ramp = GaugeMetricFamily("promptlb_node_ramp", "Slow-start share, 0..1.", labels=["node"])
+        for name, node in table.nodes.items():
+            in_flight.add_metric([name], node.view.in_flight)
+            ready.add_metric([name], 1.0 if table.state_of(node) == "ready" else 0.0)
+            ramp.add_metric([name], node.view.ramp)
+        yield in_flight
+        yield ready
+        yield ramp
+
+
+class Metrics:
+    def __init__(self, table: Callable[[], NodeTable | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "promptlb_requests",
+            "Tries sent to a node, by outcome.",
+            ["node", "outcome"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "promptlb_latency_seconds",
+            "Time to the end of the answer.",
+            ["node"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "promptlb_ttft_seconds",
+            "Time to the first byte of the answer.",
+            ["node"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "promptlb_retries",
+            "Tries that were retries, by the node that failed.",
+            ["node"],
+            registry=r,
+        )
+        self.picks = Counter("promptlb_picks", "Strategy picks.", ["strategy", "node"], registry=r)
+        self.snapshot_errors = Counter(
+            "promptlb_snapshot_errors",
+            "Snapshots not taken: unreachable or rejected.",
+            ["node", "kind"],
+            registry=r,
+        )
+        self.unavailable = Counter(
+            "promptlb_no_node_available",
+            "Requests answered 503: no candidate node.",
+            ["model"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "promptlb_retry_budget_exhausted", "Retries not made: the budget was spent.", registry=r
+        )
+        r.register(_Live(table))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,262 @@
+"""The node table: each node's state, and the per-model candidate lists the hot path reads.
+
+State changes (a health result, a snapshot, an ejection) mark the table dirty; the next
+`candidates()` call rebuilds the lists once. The request path therefore costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from promptlb.shared import Snapshot
+
+from ._config import Config, NodeConfig
+from ._view import NodeView
+
+__all__ = ["Node", "NodeTable"]
+
+_EWMA = 0.2  # weight of the newest latency/TTFT/error observation
+_MIN_RAMP = 0.1
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A node and everything known about it. Times are ``time.monotonic()``."""
+
+    config: NodeConfig
+    view: NodeView
+    health_ok: bool | None = None  # None: not checked yet
+    health_detail: str = "not checked yet"
+    health_streak: int = 0  # consecutive results of the current direction
+    snapshot: Snapshot | None = None
+    snapshot_at: float = 0.0
+    snapshot_errors: int = 0
+    consecutive_failures: int = 0
+    times_ejected: int = 0
+    ejected_until: float = 0.0
+    ready_since: float | None = None
+    requests: int = 0
+    failures: int = 0
+    picks: int = 0
+    learnt_models: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.config.models) or self.learnt_models
+
+    def state(self, now: float, stale_after: float) -> str:
+        snap = self.snapshot if now - self.snapshot_at <= stale_after else None
+        if now < self.ejected_until:
+            return "ejected"
+        if self.health_ok is None:
+            return "unknown"
+        if not self.health_ok:
+            return "unhealthy"
+        if snap is not None and snap.draining:
+            return "draining"
+        if snap is not None and not (snap.ready and snap.warm):
+            return "warming"
+        return "ready"
+
+
+class NodeTable:
+    """All nodes of one middleware, and the candidate lists per model."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self.nodes: dict[str, Node] = {}
+        self._candidates: dict[str, list[NodeView]] = {}
+        self._known_models: set[str] = set()
+        self._wildcard: list[NodeView] = []
+        self._any_wildcard = False
+        self._dirty = True
+        # Until the first round of evidence is in, nodes are the starting cluster, not joiners:
+        # slow start would only slow them all alike.
+        self.settled = False
+        for node_config in config.nodes:
+            self.add(node_config)
+
+    # -- membership ------------------------------------------------------------------------
+    def add(self, node_config: NodeConfig) -> Node:
+        view = NodeView(
+            name=node_config.name,
+            url=node_config.url,
+            weight=node_config.weight,
+            models=frozenset(node_config.models),
+            tags=frozenset(node_config.tags),
+        )
+        node = Node(node_config, view)
+        if not self._config.health.enabled:
+            node.health_ok = True
+            node.ready_since = time.monotonic()
+        self.nodes[node.name] = node
+        self._dirty = True
+        return node
+
+    def remove(self, name: str) -> None:
+        if self.nodes.pop(name, None) is not None:
+            self._dirty = True
+
+    def replace_members(self, wanted: Iterable[NodeConfig]) -> None:
+        """Discovery's answer: add the new nodes, drop the gone ones, keep the rest as they are."""
+        wanted_by_name = {n.name: n for n in wanted}
+        for name in list(self.nodes):
+            if name not in wanted_by_name:
+                self.remove(name)
+        for name, node_config in wanted_by_name.items():
+            if name not in self.nodes:
+                self.add(node_config)
+
+    # -- evidence --------------------------------------------------------------------------
+    def record_health(self, node: Node, ok: bool, detail: str, now: float) -> None:
+        """Envoy's thresholds: a node flips only after ``*_threshold`` results in a row; the
+        first result of a node that was never checked counts at once."""
+        health = self._config.health
+        if node.health_ok is None:
+            node.health_ok, node.health_streak = ok, 1
+        elif ok == node.health_ok:
+            node.health_streak = 0
+        else:
+            node.health_streak += 1
+            if node.health_streak >= (
+                health.healthy_threshold if ok else health.unhealthy_threshold
+            ):
+                node.health_ok, node.health_streak = ok, 0
+                if ok and node.ejected_until:
+                    # Envoy's successful_active_health_check_uneject_host: a node that was
+                    # ejected, went unhealthy and passes its checks again is back.
+                    node.ejected_until = 0.0
+        node.health_detail = detail
+        if node.health_ok and node.ready_since is None:
+            node.ready_since = now if self.settled else now - self._config.slow_start
+        elif not node.health_ok:
+            node.ready_since = None
+        self._dirty = True
+
+    def record_snapshot(self, node: Node, snapshot: Snapshot, now: float) -> bool:
+        """Take a snapshot unless it is older than the one held (same boot, lower seq)."""
+        held = node.snapshot
+        if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
+            return False
+        was_serving = held is not None and held.ready and held.warm and not held.draining
+        node.snapshot, node.snapshot_at = snapshot, now
+        node.view.in_flight_at_snapshot = node.view.in_flight
+        if snapshot.models and not node.config.models:
+            node.learnt_models = frozenset(snapshot.models)
+            node.view.models = node.learnt_models
+        if snapshot.tags and not node.config.tags:
+            node.view.tags = frozenset(snapshot.tags)
+        node.view.tier = snapshot.tier
+        serving = snapshot.ready and snapshot.warm and not snapshot.draining
+        if serving and not was_serving and held is not None:
+            node.ready_since = now  # it just finished warming: ramp up from here
+        self._dirty = True
+        return True
+
+    def record_result(
+        self, node: Node, ok: bool, latency_s: float | None, ttft_s: float | None, now: float
+    ) -> None:
+        """A finished try. Failures in a row may eject the node (Envoy's outlier detection)."""
+        view = node.view
+        node.requests += 1
+        view.error_rate += _EWMA * ((0.0 if ok else 1.0) - view.error_rate)
+        if latency_s is not None:
+            view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
+        if ttft_s is not None:
+            view.ewma_ttft_s = _ewma(view.ewma_ttft_s, ttft_s)
+        if ok:
+            node.consecutive_failures = 0
+            return
+        node.failures += 1
+        node.consecutive_failures += 1
+        outlier = self._config.outlier
+        if node.consecutive_failures >= outlier.consecutive_failures and self._may_eject(node, now):
+            node.times_ejected += 1
+            node.ejected_until = now + min(
+                outlier.base_ejection_time * node.times_ejected, outlier.max_ejection_time
+            )
+            node.consecutive_failures = 0
+            node.ready_since = None
+            self._dirty = True
+
+    def _may_eject(self, node: Node, now: float) -> bool:
+        pool = [n for n in self.nodes.values() if n.models & node.models]
+        ejected = sum(1 for n in pool if now < n.ejected_until)
+        # Envoy's rule: never eject past the cap, but always allow one when the pool is tiny.
+        cap = max(1, math.floor(len(pool) * self._config.outlier.max_ejection_percent / 100))
+        return ejected < cap
+
+    # -- the hot path ----------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Time passes: snapshots go stale, ejections end, slow start ramps. Called by the
+        background loop about once a second, and after each change."""
+        stale_after = self._config.stale_after
+        slow_start = self._config.slow_start
+        for node in self.nodes.values():
+            view = node.view
+            fresh = node.snapshot if now - node.snapshot_at <= stale_after else None
+            if fresh is not view.snapshot:
+                view.snapshot = fresh
+                self._dirty = True
+            if node.ejected_until and now >= node.ejected_until:
+                node.ejected_until = 0.0
+                node.ready_since = now
+                self._dirty = True
+            ramp = 1.0
+            if slow_start and node.ready_since is not None:
+                ramp = max(_MIN_RAMP, min(1.0, (now - node.ready_since) / slow_start))
+            view.ramp = ramp
+        if self._dirty:
+            self._rebuild(now)
+
+    def _rebuild(self, now: float) -> None:
+        stale_after = self._config.stale_after
+        candidates: dict[str, list[NodeView]] = {}
+        known: set[str] = set()
+        # A node that names no model (none configured, none learnt yet) takes any model.
+        wildcard: list[NodeView] = []
+        self._any_wildcard = False
+        for node in self.nodes.values():
+            known.update(node.models)
+            self._any_wildcard |= not node.models
+            if node.state(now, stale_after) == "ready":
+                for model in node.models:
+                    candidates.setdefault(model, []).append(node.view)
+                if not node.models:
+                    wildcard.append(node.view)
+        for views in candidates.values():
+            views.extend(wildcard)
+        self._candidates = candidates
+        self._wildcard = wildcard
+        self._known_models = known
+        self._dirty = False
+
+    def candidates(self, model: str) -> Sequence[NodeView] | None:
+        """The nodes that may take a request for ``model`` now; ``None`` if no node serves it."""
+        if self._dirty:
+            self.tick(time.monotonic())
+        found = self._candidates.get(model)
+        if found is not None:
+            return found
+        if self._any_wildcard:
+            return self._wildcard
+        return () if model in self._known_models else None
+
+    def state_of(self, node: Node) -> str:
+        return node.state(time.monotonic(), self._config.stale_after)
+
+    def ready_models(self) -> list[str]:
+        if self._dirty:
+            self.tick(time.monotonic())
+        return sorted(self._candidates)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + _EWMA * (new - old)

@@ -1,0 +1,549 @@
+"""Each strategy's pick logic: distribution, weights, ramp, ties, unknown load and the empty set."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, overload
+
+import pytest
+from promptlb.middleware._strategies import (
+    _FORGET_SPAN,
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    LeastConn,
+    NoNodeAvailable,
+    PowerOfTwoChoices,
+    Resource,
+    ResourceWeights,
+    RoundRobin,
+    Strategy,
+    Weighted,
+    make_strategy,
+    resource_score,
+    score_parts,
+)
+from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.shared import EngineSample, GpuSample, Snapshot
+
+REQUEST = RouteRequest(model="llama-3.1-8b")
+
+
+def snap(
+    name: str,
+    *,
+    gpus: Sequence[float] = (),
+    cpu: float | None = None,
+    mem: float | None = None,
+    queue: int | None = None,
+    seq: int = 1,
+) -> Snapshot:
+    """A snapshot with GPUs at the given utilisations and, when ``queue`` is set, an engine
+    running that many requests."""
+    return Snapshot(
+        node=name,
+        boot="b00t",
+        seq=seq,
+        ts=1_700_000_000.0,
+        ready=True,
+        warm=True,
+        cpu=cpu,
+        mem=mem,
+        gpus=tuple(GpuSample(i, u, 1_000, 80_000) for i, u in enumerate(gpus)),
+        engine=None if queue is None else EngineSample(running=queue, waiting=0),
+    )
+
+
+def idle(name: str, **kwargs: Any) -> NodeView:
+    """A node whose snapshot reports no load at all."""
+    return NodeView(
+        name=name,
+        url=f"http://{name}:8000",
+        snapshot=snap(name, gpus=[0.0], cpu=0.0, mem=0.0, queue=0),
+        **kwargs,
+    )
+
+
+def busy(name: str, level: float = 0.5, **kwargs: Any) -> NodeView:
+    """A node loaded to ``level`` on every part of the resource score."""
+    return NodeView(
+        name=name,
+        url=f"http://{name}:8000",
+        snapshot=snap(name, gpus=[level, level], cpu=level, mem=level, queue=8),
+        **kwargs,
+    )
+
+
+def picks(strategy: Strategy, nodes: Sequence[NodeView], n: int, seed: int = 0) -> Counter[str]:
+    rng = random.Random(seed)
+    return Counter(strategy.pick(REQUEST, nodes, rng).name for _ in range(n))
+
+
+def first_picks(name: str, nodes: Sequence[NodeView], seeds: int = 200) -> Counter[str]:
+    """The first pick of a fresh strategy under each of ``seeds`` seeds."""
+    return Counter(
+        make_strategy(name).pick(REQUEST, nodes, random.Random(seed)).name for seed in range(seeds)
+    )
+
+
+# -- every strategy -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_an_empty_candidate_set_raises_no_node_available_naming_the_model(name: str) -> None:
+    with pytest.raises(NoNodeAvailable, match=re.escape("llama-3.1-8b")) as caught:
+        make_strategy(name).pick(REQUEST, [], random.Random(0))
+    assert caught.value.model == "llama-3.1-8b"
+
+
+def test_no_node_available_survives_pickling() -> None:
+    error = pickle.loads(pickle.dumps(NoNodeAvailable("m", "all nodes ejected")))
+    assert (error.model, error.reason) == ("m", "all nodes ejected")
+    assert str(error) == "no node available for model 'm': all nodes ejected"
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_single_candidate_is_always_picked(name: str) -> None:
+    only = busy("only", 0.9)
+    assert picks(make_strategy(name), [only], 20) == {"only": 20}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_ties_are_broken_at_random_not_by_list_order(name: str) -> None:
+    nodes = [busy("a", 0.3), busy("b", 0.3), busy("c", 0.3)]
+    seen = first_picks(name, nodes)
+    assert set(seen) == {"a", "b", "c"}
+    assert all(count > 30 for count in seen.values()), seen
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_is_a_fresh_object_with_its_config_name(name: str) -> None:
+    one, two = make_strategy(name), make_strategy(name)
+    assert one.name == name
+    assert one is not two
+
+
+# -- round_robin ----------------------------------------------------------------------------
+
+
+def test_round_robin_spreads_evenly_in_turn_whatever_the_load() -> None:
+    nodes = [busy("a", 0.9), idle("b"), busy("c", 0.1, weight=5.0)]
+    strategy = RoundRobin()
+    rng = random.Random(3)
+    order = [strategy.pick(REQUEST, nodes, rng).name for _ in range(300)]
+    assert Counter(order) == {"a": 100, "b": 100, "c": 100}
+    start = "abc".index(order[0])
+    assert order[:6] == ["abc"[(start + i) % 3] for i in range(6)]
+
+
+def test_round_robin_starts_at_a_random_offset() -> None:
+    assert set(first_picks("round_robin", [idle("a"), idle("b"), idle("c")])) == {"a", "b", "c"}
+
+
+def test_round_robin_follows_a_changing_candidate_set() -> None:
+    strategy = RoundRobin()
+    rng = random.Random(0)
+    five = [idle(n) for n in "abcde"]
+    for _ in range(4):
+        strategy.pick(REQUEST, five, rng)
+    two = five[:2]
+    assert Counter(strategy.pick(REQUEST, two, rng).name for _ in range(10)) == {"a": 5, "b": 5}
+
+
+# -- weighted -------------------------------------------------------------------------------
+
+
+def test_weighted_gives_nginx_smooth_sequence_for_5_1_1() -> None:
+    nodes = [idle("a", weight=5.0), idle("b", weight=1.0), idle("c", weight=1.0)]
+    cycles: Counter[str] = Counter()
+    for seed in range(50):
+        strategy = Weighted()
+        rng = random.Random(seed)
+        sequence = "".join(strategy.pick(REQUEST, nodes, rng).name for _ in range(21))
+        cycles.update(sequence[i : i + 7] for i in range(0, 21, 7))
+    # nginx's sequence is a a b a c a a. Its third pick is a tie between b and c, which nginx
+    # breaks by list order and we at random: hence its mirror image, about as often.
+    assert set(cycles) == {"aabacaa", "aacabaa"}
+    assert min(cycles.values()) > 50
+
+
+def test_weighted_shares_follow_the_weights_exactly() -> None:
+    nodes = [idle("a", weight=3.0), idle("b", weight=2.0), idle("c", weight=1.0)]
+    assert picks(Weighted(), nodes, 600) == {"a": 300, "b": 200, "c": 100}
+
+
+def test_weighted_ramp_reduces_a_warming_nodes_share() -> None:
+    nodes = [idle("a"), idle("b", ramp=0.5)]
+    assert picks(Weighted(), nodes, 300) == {"a": 200, "b": 100}
+
+
+def test_weighted_keeps_shares_while_another_models_candidates_interleave() -> None:
+    strategy = Weighted()
+    rng = random.Random(0)
+    big = [idle("a", weight=2.0), idle("b", weight=1.0)]
+    other = [idle("x"), idle("y")]
+    seen: Counter[str] = Counter()
+    for _ in range(300):
+        seen[strategy.pick(REQUEST, big, rng).name] += 1
+        strategy.pick(REQUEST, other, rng)
+    assert seen == {"a": 200, "b": 100}
+
+
+def test_weighted_forgets_nodes_that_are_gone() -> None:
+    strategy = Weighted()
+    rng = random.Random(0)
+    strategy.pick(REQUEST, [idle("gone"), idle("stays")], rng)
+    for _ in range(2 * _FORGET_SPAN):
+        strategy.pick(REQUEST, [idle("stays")], rng)
+    assert "gone" not in strategy._peers
+    assert "gone" not in strategy._old_peers
+    assert "stays" in strategy._peers
+
+
+def test_dynamic_weights_shift_share_away_from_a_busy_gpu_but_never_to_zero() -> None:
+    nodes = [busy("hot", 1.0), idle("cool")]
+    seen = picks(Weighted(dynamic_weights=True), nodes, 1_100)
+    # hot's factor is clamped at min_factor 0.1 against cool's 1.0.
+    assert seen["hot"] == pytest.approx(100, abs=2)
+    assert seen["cool"] == pytest.approx(1_000, abs=2)
+    static = picks(Weighted(), nodes, 1_100)
+    assert static == {"hot": 550, "cool": 550}
+
+
+def test_dynamic_weights_follow_new_snapshots_smoothly() -> None:
+    hot = NodeView(name="hot", url="http://hot", snapshot=snap("hot", gpus=[0.0]))
+    cool = idle("cool")
+    strategy = Weighted(dynamic_weights=True)
+    rng = random.Random(0)
+
+    def share(window: int = 1_000) -> float:
+        return sum(strategy.pick(REQUEST, [hot, cool], rng) is hot for _ in range(window)) / window
+
+    assert share() == pytest.approx(0.5, abs=0.01)
+    hot.snapshot = snap("hot", gpus=[0.9], seq=2)
+    # One step of the EWMA: factor 1 + 0.3 * (0.1 - 1) = 0.73, not the sample's 0.1 at once.
+    assert share() == pytest.approx(0.73 / 1.73, abs=0.01)
+    for seq in range(3, 30):
+        hot.snapshot = snap("hot", gpus=[0.9], seq=seq)
+        strategy.pick(REQUEST, [hot, cool], rng)
+    assert share() == pytest.approx(0.1 / 1.1, abs=0.01)
+    hot.snapshot = None  # stale: no fresh GPU data, full weight
+    assert share() == pytest.approx(0.5, abs=0.01)
+
+
+def test_dynamic_weights_keep_full_weight_without_gpu_data() -> None:
+    cpu_only = NodeView(name="cpu", url="http://cpu", snapshot=snap("cpu", cpu=0.9, queue=3))
+    unknown = NodeView(name="unknown", url="http://unknown")
+    seen = picks(Weighted(dynamic_weights=True), [cpu_only, unknown, idle("gpu")], 300)
+    assert seen == {"cpu": 100, "unknown": 100, "gpu": 100}
+
+
+def test_dynamic_weights_min_factor_is_configurable() -> None:
+    nodes = [busy("hot", 1.0), idle("cool")]
+    seen = picks(Weighted(dynamic_weights=True, min_factor=0.5), nodes, 300)
+    assert seen == {"hot": 100, "cool": 200}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"dynamic_weights": "yes"}, {"min_factor": 0}, {"min_factor": 1.5}, {"min_factor": "x"}],
+)
+def test_weighted_rejects_bad_options(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        make_strategy("weighted", **options)
+
+
+# -- least_conn -----------------------------------------------------------------------------
+
+
+def test_least_conn_picks_the_fewest_requests_per_weight() -> None:
+    a = NodeView(name="a", url="http://a", snapshot=snap("a", queue=6))
+    b = NodeView(name="b", url="http://b", snapshot=snap("b", queue=9), weight=2.0)  # 4.5
+    c = NodeView(name="c", url="http://c", snapshot=snap("c", queue=5))
+    assert picks(LeastConn(), [a, b, c], 10) == {"b": 10}
+
+
+def test_least_conn_counts_our_in_flight_on_top_of_the_others_in_the_engine() -> None:
+    # a: the engine saw 4, of which 2 were ours; ours are 7 now -> 2 others + 7 = 9.
+    a = NodeView(
+        name="a", url="http://a", snapshot=snap("a", queue=4), in_flight=7, in_flight_at_snapshot=2
+    )
+    b = NodeView(name="b", url="http://b", snapshot=snap("b", queue=8))
+    no_snapshot = NodeView(name="c", url="http://c", in_flight=8, in_flight_at_snapshot=0)
+    assert set(picks(LeastConn(), [a, b, no_snapshot], 30)) == {"b", "c"}
+
+
+def test_least_conn_matches_effective_queue_over_capacity() -> None:
+    rng = random.Random(7)
+    strategy = LeastConn()
+    for trial in range(300):
+        nodes = [
+            NodeView(
+                name=f"n{i}",
+                url="http://n",
+                # no snapshot, one without engine metrics, or one with an engine queue
+                snapshot=rng.choice((None, snap(f"n{i}"), snap(f"n{i}", queue=rng.randrange(10)))),
+                weight=rng.choice((0.5, 1.0, 3.0)),
+                ramp=rng.choice((0.2, 1.0)),
+                in_flight=rng.randrange(6),
+                in_flight_at_snapshot=rng.randrange(6),
+            )
+            for i in range(5)
+        ]
+        chosen = strategy.pick(REQUEST, nodes, rng)
+        loads = [n.effective_queue / (n.weight * n.ramp) for n in nodes]
+        assert chosen.effective_queue / (chosen.weight * chosen.ramp) == min(loads), trial
+
+
+def test_least_conn_ramp_reduces_share() -> None:
+    warming = NodeView(name="w", url="http://w", snapshot=snap("w", queue=3), ramp=0.5)  # 6
+    full = NodeView(name="f", url="http://f", snapshot=snap("f", queue=5))
+    assert picks(LeastConn(), [warming, full], 10) == {"f": 10}
+
+
+def test_least_conn_avoids_a_zero_weight_node_while_another_can_serve() -> None:
+    zero = NodeView(name="z", url="http://z", weight=0.0)
+    loaded = NodeView(name="l", url="http://l", snapshot=snap("l", queue=50))
+    assert picks(LeastConn(), [zero, loaded], 10) == {"l": 10}
+
+
+# -- resource -------------------------------------------------------------------------------
+
+
+def test_resource_score_is_the_weighted_mean_of_its_parts() -> None:
+    node = NodeView(
+        name="n", url="http://n", snapshot=snap("n", gpus=[0.4, 0.6], cpu=0.2, mem=0.4, queue=8)
+    )
+    # 0.4 * 0.5 + 0.3 * 0.2 + 0.2 * 0.4 + 0.1 * 8 / (8 + 8)
+    assert resource_score(node) == pytest.approx(0.39)
+    parts = score_parts(node)
+    assert parts.known
+    assert parts.gpu == pytest.approx(0.5)
+    assert (parts.cpu, parts.mem, parts.queue) == (0.2, 0.4, 8)
+    assert parts.queue_norm == pytest.approx(0.5)
+    assert parts.score == pytest.approx(0.39)
+    assert parts.cost == pytest.approx(parts.score)
+
+
+def test_resource_score_renormalises_the_weights_of_missing_parts() -> None:
+    no_gpus = NodeView(name="n", url="http://n", snapshot=snap("n", cpu=0.2, mem=0.4, queue=8))
+    assert resource_score(no_gpus) == pytest.approx((0.06 + 0.08 + 0.05) / 0.6)
+    no_engine = NodeView(name="n", url="http://n", snapshot=snap("n", gpus=[1.0], cpu=1.0))
+    assert resource_score(no_engine) == pytest.approx(1.0)
+    assert score_parts(no_engine).queue is None
+    nothing = NodeView(name="n", url="http://n", snapshot=snap("n"))
+    assert resource_score(nothing, unknown_score=0.6) == 0.6
+
+
+def test_resource_score_queue_scale_and_override() -> None:
+    node = NodeView(name="n", url="http://n", snapshot=snap("n", queue=2))
+    weights = ResourceWeights(gpu=0, cpu=0, mem=0, queue=1)
+    assert resource_score(node, weights, queue_scale=2.0) == pytest.approx(0.5)
+    assert resource_score(node, weights, queue_scale=2.0, queue=6) == pytest.approx(0.75)
+
+
+def test_score_parts_agree_with_resource_score() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        snapshot = snap(
+            "n",
+            gpus=[rng.random() for _ in range(rng.randrange(4))],
+            cpu=rng.choice((None, rng.random())),
+            mem=rng.choice((None, rng.random())),
+            queue=rng.choice((None, rng.randrange(20))),
+        )
+        node = NodeView(name="n", url="http://n", snapshot=rng.choice((None, snapshot)))
+        node.ramp = rng.choice((0.25, 1.0))
+        queue = rng.choice((None, rng.randrange(20)))
+        parts = score_parts(node, queue=queue)
+        assert parts.score == resource_score(node, queue=queue)
+        assert parts.cost == pytest.approx(1 - (1 - parts.score) * node.ramp)
+
+
+def test_resource_picks_the_lowest_score() -> None:
+    nodes = [busy("a", 0.6), busy("b", 0.2), busy("c", 0.9)]
+    assert picks(Resource(), nodes, 10) == {"b": 10}
+
+
+def test_resource_does_not_take_an_unknown_node_for_an_idle_one() -> None:
+    unknown = NodeView(name="unknown", url="http://unknown")
+    assert picks(Resource(), [unknown, busy("light", 0.2)], 10) == {"light": 10}
+    assert picks(Resource(), [unknown, idle("idle")], 10) == {"idle": 10}
+    # ... nor for a full one: it scores unknown_score, between the two.
+    assert picks(Resource(), [unknown, busy("heavy", 0.9)], 10) == {"unknown": 10}
+    assert score_parts(unknown).score == 0.5
+    assert not score_parts(unknown).known
+    cautious = Resource(unknown_score=1.0)
+    assert picks(cautious, [unknown, busy("heavy", 0.9)], 10) == {"heavy": 10}
+
+
+def test_resource_ramp_shrinks_the_headroom() -> None:
+    warming = busy("w", 0.3, ramp=0.5)  # cost 1 - 0.68 * 0.5 = 0.66
+    full = busy("f", 0.5)
+    assert picks(Resource(), [warming, full], 10) == {"f": 10}
+    parts = score_parts(warming)
+    assert parts.cost == pytest.approx(1 - (1 - parts.score) * 0.5)
+    idle = NodeView(
+        name="i", url="http://i:8000", snapshot=snap("i", cpu=0.0, mem=0.0, queue=0), ramp=0.25
+    )
+    assert score_parts(idle).score == 0.0
+    assert score_parts(idle).cost == pytest.approx(0.75)  # not 0: it is still warming
+
+
+def test_resource_rescores_a_node_when_its_snapshot_changes() -> None:
+    a, b = busy("a", 0.2), busy("b", 0.5)
+    strategy = Resource()
+    rng = random.Random(0)
+    assert strategy.pick(REQUEST, [a, b], rng) is a
+    a.snapshot = snap("a", gpus=[0.9], cpu=0.9, mem=0.9, queue=30, seq=2)
+    assert strategy.pick(REQUEST, [a, b], rng) is b
+    a.snapshot = None
+    b.snapshot = snap("b", gpus=[0.9], cpu=0.9, mem=0.9, queue=30, seq=2)
+    assert strategy.pick(REQUEST, [a, b], rng) is a
+
+
+def test_resource_custom_weights_leave_unnamed_parts_out() -> None:
+    gpu_heavy = NodeView(name="g", url="http://g", snapshot=snap("g", gpus=[0.9], cpu=0.0))
+    cpu_heavy = NodeView(name="c", url="http://c", snapshot=snap("c", gpus=[0.1], cpu=1.0))
+    assert picks(Resource(weights={"gpu": 1.0}), [gpu_heavy, cpu_heavy], 10) == {"c": 10}
+    assert picks(Resource(weights={"cpu": 2}), [gpu_heavy, cpu_heavy], 10) == {"g": 10}
+    assert Resource(weights={"cpu": 2}).weights == ResourceWeights(0.0, 2.0, 0.0, 0.0)
+    assert Resource().weights == ResourceWeights(0.4, 0.3, 0.2, 0.1)
+
+
+@pytest.mark.parametrize("name", ["resource", "p2c"])
+@pytest.mark.parametrize(
+    ("weights", "key"),
+    [
+        ({"gpu": -0.1}, "weights.gpu"),
+        ({"cpu": float("inf")}, "weights.cpu"),
+        ({"mem": float("nan")}, "weights.mem"),
+        ({"queue": True}, "weights.queue"),
+        ({"gpu": "0.4"}, "weights.gpu"),
+        ({"disk": 0.5}, "weights.disk"),
+        ({"gpu": 0, "cpu": 0.0}, "weights"),
+        ({}, "weights"),
+        ([("gpu", 1.0)], "weights"),
+    ],
+)
+def test_bad_weights_are_rejected_naming_the_key(name: str, weights: object, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{key}: ") as caught:
+        make_strategy(name, weights=weights)
+    assert getattr(caught.value, "key", None) == key
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"queue_scale": 0},
+        {"queue_scale": -1.0},
+        {"queue_scale": float("inf")},
+        {"unknown_score": 0},
+        {"unknown_score": 1.5},
+        {"unknown_score": None},
+    ],
+)
+def test_resource_rejects_bad_options(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        make_strategy("resource", **options)
+
+
+# -- p2c -------------------------------------------------------------------------------------
+
+
+def test_p2c_picks_the_less_loaded_of_the_pair() -> None:
+    assert picks(PowerOfTwoChoices(), [busy("heavy", 0.8), busy("light", 0.3)], 50) == {"light": 50}
+
+
+def test_p2c_never_picks_the_worst_and_favours_the_best() -> None:
+    nodes = [busy("best", 0.1), busy("mid", 0.5), busy("worst", 0.9)]
+    seen = picks(PowerOfTwoChoices(), nodes, 3_000)
+    assert "worst" not in seen
+    # best wins both pairs it is in: 2/3 of the picks.
+    assert seen["best"] == pytest.approx(2_000, rel=0.06)
+
+
+def test_p2c_counts_requests_sent_since_the_snapshot() -> None:
+    # Identical snapshots, but 12 requests went to a since: it is the busier now.
+    a = busy("a", 0.3, in_flight=12, in_flight_at_snapshot=0)
+    b = busy("b", 0.3, in_flight=0)
+    assert picks(PowerOfTwoChoices(), [a, b], 20) == {"b": 20}
+    # resource, reading only the engine's report, sees the two alike.
+    assert set(picks(Resource(), [a, b], 100)) == {"a", "b"}
+
+
+def test_p2c_does_not_take_an_unknown_node_for_an_idle_one() -> None:
+    unknown = NodeView(name="unknown", url="http://unknown")
+    assert picks(PowerOfTwoChoices(), [unknown, idle("idle")], 20) == {"idle": 20}
+    assert picks(PowerOfTwoChoices(), [unknown, busy("heavy", 0.9)], 20) == {"unknown": 20}
+
+
+def test_p2c_ramp_reduces_share() -> None:
+    warming = busy("w", 0.3, ramp=0.5)
+    full = busy("f", 0.4)
+    assert picks(PowerOfTwoChoices(), [warming, full], 20) == {"f": 20}
+
+
+class CountingNodes(Sequence[NodeView]):
+    """A candidate list that counts how many nodes a strategy looks at."""
+
+    def __init__(self, nodes: list[NodeView]) -> None:
+        self.nodes = nodes
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @overload
+    def __getitem__(self, index: int) -> NodeView: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[NodeView]: ...
+    def __getitem__(self, index: int | slice) -> NodeView | Sequence[NodeView]:
+        if isinstance(index, slice):
+            raise AssertionError("p2c must not copy the candidate list")
+        self.reads += 1
+        return self.nodes[index]
+
+
+def test_p2c_looks_at_two_candidates_whatever_their_number() -> None:
+    nodes = CountingNodes([busy(f"n{i}", i / 1_000) for i in range(1_000)])
+    strategy = PowerOfTwoChoices()
+    rng = random.Random(0)
+    for _ in range(100):
+        strategy.pick(REQUEST, nodes, rng)
+    assert nodes.reads == 200
+
+
+# -- make_strategy --------------------------------------------------------------------------
+
+
+def test_the_default_strategy_is_p2c() -> None:
+    assert DEFAULT_STRATEGY == "p2c"
+    assert isinstance(make_strategy(DEFAULT_STRATEGY), PowerOfTwoChoices)
+    assert set(STRATEGIES) == {"round_robin", "weighted", "least_conn", "resource", "p2c"}
+
+
+def test_make_strategy_passes_options() -> None:
+    strategy = make_strategy("weighted", dynamic_weights=True, min_factor=0.2)
+    assert isinstance(strategy, Weighted)
+    assert (strategy.dynamic_weights, strategy.min_factor) == (True, 0.2)
+    scored = make_strategy("p2c", weights={"gpu": 1}, queue_scale=4, unknown_score=0.8)
+    assert isinstance(scored, PowerOfTwoChoices)
+    assert (scored.weights.gpu, scored.queue_scale, scored.unknown_score) == (1.0, 4.0, 0.8)
+
+
+def test_make_strategy_rejects_an_unknown_name_listing_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="fastest") as caught:
+        make_strategy("fastest")
+    for name in STRATEGIES:
+        assert name in str(caught.value)
+
+
+def test_make_strategy_rejects_an_unknown_option() -> None:
+    with pytest.raises(ValueError, match=r"dynamic_weights.*least_conn"):
+        make_strategy("least_conn", dynamic_weights=True)
+    with pytest.raises(ValueError, match=r"queue_scale.*dynamic_weights, min_factor"):
+        make_strategy("weighted", queue_scale=4.0)
