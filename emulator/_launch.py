@@ -84,12 +84,17 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
     try:
         while True:
-            line = lines.get(timeout=timeout)
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(
+                    f"{name} did not listen within {timeout:g}s:\n{_read(log.name)}"
+                ) from None
             if line is None:
-                with open(log.name, encoding="utf-8", errors="replace") as f:
-                    raise RuntimeError(f"{name} exited before listening:\n{f.read()}")
+                raise RuntimeError(f"{name} exited before listening:\n{_read(log.name)}")
             if match := _LISTENING.search(line):
                 return Service(
                     name, proc, match.group(1), int(match.group(2)), log.name, started_at
@@ -97,4 +102,11 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
     except BaseException:
         proc.kill()
         proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)
         raise
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()

@@ -211,12 +211,14 @@ async def test_mixed_workload_never_exceeds_slots_and_drains_to_zero() -> None:
     rng = random.Random(5)
     peak = 0
     done: list[int] = []
+    gate = asyncio.Event()  # holders wait here until the counts are checked: no timing race
 
     async def job(i: int, hold_s: float) -> None:
         nonlocal peak
         async with cap.slot():
             peak = max(peak, cap.running)
             assert cap.running <= cap.slots
+            await gate.wait()
             await asyncio.sleep(hold_s)
         done.append(i)
 
@@ -224,6 +226,7 @@ async def test_mixed_workload_never_exceeds_slots_and_drains_to_zero() -> None:
     await _settle()
     assert cap.running == 3
     assert cap.waiting == 57
+    gate.set()
     # Cancel a few, some still queued, some perhaps already running.
     for t in tasks[10:60:7]:
         t.cancel()
