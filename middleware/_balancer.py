@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
+from promptlb.shared import ConfigError
 
 from ._background import Evidence
 from ._config import Config
@@ -85,7 +86,10 @@ class Balancer:
     def __init__(self, config: Config, *, rng: random.Random | None = None) -> None:
         self.config = config
         self.table = NodeTable(config)
-        self.strategy = make_strategy(config.strategy, **config.strategy_options)
+        try:
+            self.strategy = make_strategy(config.strategy, **config.strategy_options)
+        except ConfigError as exc:
+            raise ConfigError(f"strategy_options.{exc.key}", exc.value, exc.expected) from None
         self.metrics = Metrics(lambda: self.table)
         self.rng = rng or random.Random()
         self._budget = _RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from promptlb.shared import Snapshot
@@ -69,7 +69,9 @@ class Node:
 class NodeTable:
     """All nodes of one middleware, and the candidate lists per model."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
+        # The clock is injectable so that tests and a simulator can run on virtual time.
+        self._clock = clock
         self._config = config
         self.nodes: dict[str, Node] = {}
         self._candidates: dict[str, list[NodeView]] = {}
@@ -120,7 +122,7 @@ class NodeTable:
         first result of a node that was never checked counts at once."""
         health = self._config.health
         if node.health_ok is None:
-            node.health_ok, node.health_streak = ok, 1
+            node.health_ok, node.health_streak = ok, 0
         elif ok == node.health_ok:
             node.health_streak = 0
         else:
@@ -241,7 +243,7 @@ class NodeTable:
     def candidates(self, model: str) -> Sequence[NodeView] | None:
         """The nodes that may take a request for ``model`` now; ``None`` if no node serves it."""
         if self._dirty:
-            self.tick(time.monotonic())
+            self.tick(self._clock())
         found = self._candidates.get(model)
         if found is not None:
             return found
@@ -250,11 +252,11 @@ class NodeTable:
         return () if model in self._known_models else None
 
     def state_of(self, node: Node) -> str:
-        return node.state(time.monotonic(), self._config.stale_after)
+        return node.state(self._clock(), self._config.stale_after)
 
     def ready_models(self) -> list[str]:
         if self._dirty:
-            self.tick(time.monotonic())
+            self.tick(self._clock())
         return sorted(self._candidates)
 
 

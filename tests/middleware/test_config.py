@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from promptlb.middleware import Config, NodeConfig, load_config
+from promptlb.shared import ConfigError
+
+NODE = "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:8000'\n"
+
+
+def load(tmp_path: Path, text: str) -> Config:
+    path = tmp_path / "promptlb.toml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def test_a_full_config_loads_with_typed_values(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        """
+strategy = "least_conn"
+gossip_interval = "250ms"
+stale_after = 3
+[strategy_options]
+queue_scale = 4.0
+[health]
+interval = "2s"
+expected_statuses = [[200, 300], [404, 405]]
+[retry]
+attempts = 2
+per_try_timeout = "1.5s"
+[[nodes]]
+name = "a"
+url = "http://10.0.0.1:8000/"
+sidecar = "http://10.0.0.1:9500"
+weight = 3
+models = ["llama-70b"]
+tags = ["code"]
+""",
+    )
+    assert config.strategy == "least_conn"
+    assert config.gossip_interval == 0.25
+    assert config.stale_after == 3.0
+    assert config.health.interval == 2.0
+    assert config.health.expected(404) and not config.health.expected(405)
+    assert config.retry.per_try_timeout == 1.5
+    assert config.strategy_options == {"queue_scale": 4.0}
+    (node,) = config.nodes
+    assert node.url == "http://10.0.0.1:8000"  # the trailing slash is dropped
+    assert (node.weight, node.models, node.tags) == (3.0, ("llama-70b",), ("code",))
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ("strategy = 'fastest'\n" + NODE, "strategy", "one of"),
+        ("gossip_interval = 'soon'\n" + NODE, "gossip_interval", "duration"),
+        ("[health]\nunhealthy_threshold = 0\n" + NODE, "health.unhealthy_threshold", ">= 1"),
+        (
+            "[health]\nexpected_statuses = [[300, 200]]\n" + NODE,
+            "health.expected_statuses",
+            "start < end",
+        ),
+        ("[retry]\nattempts = 'three'\n" + NODE, "retry.attempts", "an integer"),
+        ("[retry]\nbudget_percent = 120\n" + NODE, "retry.budget_percent", "0..100"),
+        ("[[nodes]]\nname = 'a'\nurl = 'ftp://x'\n", "nodes[0].url", "http(s) URL"),
+        ("[[nodes]]\nname = 'a'\n", "nodes[0].url", "required"),
+        ("[[nodes]]\nname = 'a'\nurl = 'http://x:1'\nweight = -1\n", "nodes[0].weight", "> 0"),
+        (
+            "[[nodes]]\nname = 'a'\nurl = 'http://x:1'\ncolour = 'red'\n",
+            "nodes[0].colour",
+            "one of",
+        ),
+        ("stratgy = 'p2c'\n" + NODE, "stratgy", "one of"),
+        ("", "nodes", "at least one"),
+        (NODE + NODE, "nodes", "unique"),
+        ("max_body_bytes = 10\n" + NODE, "max_body_bytes", ">= 1024"),
+        ("[discovery]\nmode = 'dns'\n", "discovery.name", "DNS name"),
+    ],
+)
+def test_bad_values_name_the_key_the_value_and_what_was_expected(
+    tmp_path: Path, text: str, key: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text)
+    assert info.value.key == key
+    assert expected in info.value.expected
+    assert str(info.value).startswith(f"{key}: got ")
+
+
+def test_unreadable_or_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="readable TOML"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="valid TOML"):
+        load(tmp_path, "strategy = \n")
+
+
+def test_a_mapping_or_an_object_works_as_well() -> None:
+    as_map = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    as_object = Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:1"),))
+    assert as_map == as_object
+    assert load_config(as_object) is as_object
+
+
+def test_api_keys_come_from_the_environment_and_stay_out_of_repr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NODE_A_KEY", "sk-secret")
+    node = NodeConfig(name="a", url="http://127.0.0.1:1", api_key_env="NODE_A_KEY")
+    assert node.api_key == "sk-secret"
+    assert "sk-secret" not in repr(node)
+    monkeypatch.delenv("NODE_A_KEY")
+    with pytest.raises(ConfigError, match="api_key_env"):
+        NodeConfig(name="a", url="http://127.0.0.1:1", api_key_env="NODE_A_KEY")

@@ -1,0 +1,184 @@
+"""The middleware in process: mounting, pass-through, lifespan, bad input, admin access."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from promptlb.middleware import PromptLBClient, PromptLBMiddleware
+from promptlb.shared import ConfigError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+DEAD = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused at once
+
+
+def config(**extra: Any) -> dict[str, Any]:
+    return {
+        "nodes": [{"name": "a", "url": DEAD, "models": ["m"]}],
+        "health": {"interval": "1s", "timeout": "200ms"},
+        **extra,
+    }
+
+
+async def recorder_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A raw app that echoes what it received, in three body chunks."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 201,
+            "headers": [(b"x-app", b"1"), (b"content-type", b"application/octet-stream")],
+        }
+    )
+    for chunk in (b"one,", body, b",three"):
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def test_other_routes_pass_through_message_for_message() -> None:
+    app = PromptLBMiddleware(recorder_app, config=config())  # type: ignore[arg-type]
+    inbound = [
+        {"type": "http.request", "body": b"ab", "more_body": True},
+        {"type": "http.request", "body": b"cd", "more_body": False},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return inbound.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/upload",
+        "headers": [],
+        "query_string": b"",
+    }
+    await app(scope, receive, send)
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 4
+    assert sent[0]["status"] == 201
+    assert sent[0]["headers"] == [(b"x-app", b"1"), (b"content-type", b"application/octet-stream")]
+    assert [m["body"] for m in sent[1:]] == [b"one,", b"abcd", b",three", b""]
+    assert not app.balancer.started  # nothing balanced was asked for: nothing started
+
+
+async def test_non_http_scopes_reach_the_app_untouched() -> None:
+    seen: list[str] = []
+
+    async def ws_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    app = PromptLBMiddleware(ws_app, config=config())  # type: ignore[arg-type]
+    await app({"type": "websocket", "path": "/ws"}, None, None)  # type: ignore[arg-type]
+    assert seen == ["websocket"]
+
+
+def test_invalid_config_fails_at_construction() -> None:
+    with pytest.raises(ConfigError, match="strategy_options.queue_scale"):
+        PromptLBMiddleware(
+            recorder_app,  # type: ignore[arg-type]
+            config=config(strategy="p2c", strategy_options={"queue_scale": -1}),
+        )
+    with pytest.raises(ConfigError, match="nodes"):
+        PromptLBMiddleware(recorder_app, config={"nodes": []})  # type: ignore[arg-type]
+
+
+async def test_bad_requests_get_openai_shaped_errors() -> None:
+    app = PromptLBMiddleware(
+        recorder_app,  # type: ignore[arg-type]
+        config=config(max_body_bytes=2048),
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        url = "/v1/chat/completions"
+        too_big = await http.post(url, content=b"x" * 4096)
+        assert too_big.status_code == 413
+        assert too_big.json()["error"]["type"] == "invalid_request_error"
+        not_json = await http.post(url, content=b"{nope")
+        assert not_json.status_code == 400
+        no_model = await http.post(url, json={"messages": []})
+        assert no_model.status_code == 400
+        assert no_model.json()["error"]["param"] == "model"
+        unknown = await http.post(url, json={"model": "other", "messages": []})
+        assert unknown.status_code == 404
+        # The only node is down: a quick 503 with Retry-After, no waiting on the dead node.
+        down = await http.post(url, json={"model": "m", "messages": []})
+        assert down.status_code == 503
+        assert down.headers["retry-after"] == "1"
+        assert "no candidate node" in down.json()["error"]["message"]
+    await app.balancer.stop()
+
+
+async def test_lifespan_starts_and_stops_background_work_cleanly() -> None:
+    app = PromptLBMiddleware(Starlette(), config=config())
+    before = asyncio.all_tasks()
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+    proceed = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if len(messages) == 1:
+            await proceed.wait()
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message["type"])
+        if message["type"] == "lifespan.startup.complete":
+            assert app.balancer.started
+            assert len(asyncio.all_tasks()) > len(before) + 1  # gossip and health loops
+            proceed.set()
+
+    await app({"type": "lifespan", "state": {}}, receive, send)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert not app.balancer.started
+    assert asyncio.all_tasks() == before  # nothing left pending
+
+
+async def test_the_in_app_client_is_on_request_state() -> None:
+    async def route(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(type(request.state.promptlb).__name__)
+
+    app = PromptLBMiddleware(Starlette(routes=[Route("/", route)]), config=config())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        assert (await http.get("/")).text == PromptLBClient.__name__
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "status"),
+    [
+        ({}, {}, 403),
+        ({"admin_token": "s3cret-admin"}, {}, 401),
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "Bearer wrong"}, 401),
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "Bearer s3cret-admin"}, 200),
+        ({"admin_local_only": True}, {}, 200),  # httpx's ASGI client is 127.0.0.1
+    ],
+)
+async def test_admin_endpoints_are_closed_unless_configured(
+    extra: dict[str, Any], headers: dict[str, str], status: int
+) -> None:
+    app = PromptLBMiddleware(recorder_app, config=config(**extra))  # type: ignore[arg-type]
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        for path in ("/_promptlb/status", "/_promptlb/metrics"):
+            response = await http.get(path, headers=headers)
+            assert response.status_code == status, path
+        if status == 200:
+            body = (await http.get("/_promptlb/status", headers=headers)).json()
+            assert body["nodes"][0]["name"] == "a"
+            metrics = (await http.get("/_promptlb/metrics", headers=headers)).text
+            assert "promptlb_in_flight" in metrics

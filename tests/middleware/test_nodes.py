@@ -1,0 +1,179 @@
+"""The node table's rules, driven with explicit times (pure logic, no I/O)."""
+
+from __future__ import annotations
+
+from promptlb.middleware import Config, NodeConfig
+from promptlb.middleware._config import HealthConfig, OutlierConfig
+from promptlb.middleware._nodes import NodeTable
+from promptlb.shared import EngineSample, Snapshot
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(n: int = 3, **config: object) -> NodeTable:
+    nodes = tuple(
+        NodeConfig(name=f"n{i}", url=f"http://127.0.0.1:{9000 + i}", models=("m",))
+        for i in range(n)
+    )
+    clock = Clock()
+    t = NodeTable(Config(nodes=nodes, **config), clock=clock)  # type: ignore[arg-type]
+    t.clock = clock  # type: ignore[attr-defined]
+    for node in t.nodes.values():
+        t.record_health(node, True, "ok", 0.0)
+    t.settled = True
+    t.tick(0.0)
+    return t
+
+
+def snap(
+    node: str,
+    seq: int,
+    *,
+    boot: str = "b1",
+    ready: bool = True,
+    warm: bool = True,
+    draining: bool = False,
+    running: int = 0,
+) -> Snapshot:
+    return Snapshot(
+        node=node,
+        boot=boot,
+        seq=seq,
+        ts=1.0,
+        ready=ready,
+        warm=warm,
+        draining=draining,
+        engine=EngineSample(running=running, waiting=0),
+    )
+
+
+def names(t: NodeTable, now: float | None = None) -> set[str]:
+    if now is not None:
+        t.clock.now = now  # type: ignore[attr-defined]
+        t.tick(now)
+    return {v.name for v in t.candidates("m") or ()}
+
+
+def test_health_flips_only_after_the_thresholds() -> None:
+    t = table(health=HealthConfig(unhealthy_threshold=2, healthy_threshold=3))
+    n0 = t.nodes["n0"]
+    t.record_health(n0, False, "503", 1.0)
+    assert "n0" in names(t, 1.0)  # one failure is not enough
+    t.record_health(n0, False, "503", 2.0)
+    assert "n0" not in names(t, 2.0)
+    for when in (3.0, 4.0):
+        t.record_health(n0, True, "200", when)
+    assert "n0" not in names(t, 4.0)
+    t.record_health(n0, True, "200", 5.0)
+    assert "n0" in names(t, 5.0)
+
+
+def test_consecutive_failures_eject_for_base_time_times_ejections_within_the_cap() -> None:
+    t = table(
+        4,
+        outlier=OutlierConfig(
+            consecutive_failures=2, base_ejection_time=10, max_ejection_percent=50
+        ),
+    )
+    n0, n1, n2 = t.nodes["n0"], t.nodes["n1"], t.nodes["n2"]
+    for node in (n0, n0, n1, n1, n2, n2):
+        t.record_result(node, False, None, None, 1.0)
+    assert names(t, 1.0) == {"n2", "n3"}  # 50% of 4: the third ejection is refused
+    assert names(t, 10.9) == {"n2", "n3"}
+    assert names(t, 11.0) == {"n0", "n1", "n2", "n3"}
+    t.record_result(n0, False, None, None, 12.0)
+    t.record_result(n0, False, None, None, 12.0)
+    assert n0.ejected_until == 32.0  # ejected a second time: twice as long
+
+
+def test_a_success_resets_the_failure_count() -> None:
+    t = table(outlier=OutlierConfig(consecutive_failures=2))
+    n0 = t.nodes["n0"]
+    for ok in (False, True, False, True, False):
+        t.record_result(n0, ok, 0.1 if ok else None, None, 1.0)
+    assert "n0" in names(t)
+
+
+def test_a_stale_snapshot_is_not_load_evidence() -> None:
+    t = table(stale_after=5.0)
+    n0 = t.nodes["n0"]
+    t.record_snapshot(n0, snap("n0", 1, running=7), now=1.0)
+    t.tick(2.0)
+    assert n0.view.engine_queue == 7
+    t.tick(6.5)
+    assert n0.view.snapshot is None  # unknown load, not idle
+    assert n0.view.engine_queue is None
+    assert "n0" in names(t)  # still a candidate: health decides that, not gossip
+
+
+def test_an_older_snapshot_never_replaces_a_newer_one() -> None:
+    t = table()
+    n0 = t.nodes["n0"]
+    assert t.record_snapshot(n0, snap("n0", 5, running=5), 1.0)
+    assert not t.record_snapshot(n0, snap("n0", 4, running=4), 1.1)
+    assert n0.snapshot is not None and n0.snapshot.seq == 5
+    assert t.record_snapshot(n0, snap("n0", 1, boot="b2", running=1), 1.2)  # a new boot
+
+
+def test_warming_and_draining_nodes_get_no_requests() -> None:
+    t = table()
+    t.record_snapshot(t.nodes["n0"], snap("n0", 1, warm=False), 1.0)
+    t.record_snapshot(t.nodes["n1"], snap("n1", 1, draining=True), 1.0)
+    assert names(t, 1.0) == {"n2"}
+    assert t.state_of(t.nodes["n0"]) == "warming"
+    assert t.state_of(t.nodes["n1"]) == "draining"
+
+
+def test_slow_start_ramps_a_recovered_node() -> None:
+    t = table(slow_start=10.0)
+    n0 = t.nodes["n0"]
+    assert n0.view.ramp == 1.0  # the starting cluster is not slowed
+    for when in (1.0, 2.0):
+        t.record_health(n0, False, "503", when)
+    for when in (3.0, 4.0):
+        t.record_health(n0, True, "200", when)
+    t.tick(4.0)
+    assert n0.view.ramp == 0.1
+    t.tick(9.0)
+    assert n0.view.ramp == 0.5
+    t.tick(20.0)
+    assert n0.view.ramp == 1.0
+
+
+def test_in_flight_at_snapshot_is_remembered_for_the_effective_queue() -> None:
+    t = table()
+    n0 = t.nodes["n0"]
+    n0.view.in_flight = 3
+    t.record_snapshot(n0, snap("n0", 1, running=5), 1.0)  # 3 of those 5 are ours
+    t.tick(1.0)
+    n0.view.in_flight = 4
+    assert n0.view.effective_queue == 4 + 2
+
+
+def test_unknown_models_and_nodes_without_models() -> None:
+    t = table()
+    assert t.candidates("other") is None
+    wild = NodeTable(Config(nodes=(NodeConfig(name="w", url="http://127.0.0.1:1"),)))
+    wild.record_health(wild.nodes["w"], True, "ok", 0.0)
+    assert [v.name for v in wild.candidates("anything") or ()] == ["w"]
+
+
+def test_discovery_keeps_known_nodes_and_their_state() -> None:
+    t = table(2)
+    n0 = t.nodes["n0"]
+    n0.requests = 42
+    t.replace_members(
+        [
+            NodeConfig(name="n0", url="http://127.0.0.1:9000", models=("m",)),
+            NodeConfig(name="new", url="http://127.0.0.1:9100", models=("m",)),
+        ]
+    )
+    assert set(t.nodes) == {"n0", "new"}
+    assert t.nodes["n0"] is n0
+    assert t.state_of(t.nodes["new"]) == "unknown"
