@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
@@ -51,12 +52,12 @@ async def test_other_routes_pass_through_message_for_message() -> None:
         {"type": "http.request", "body": b"ab", "more_body": True},
         {"type": "http.request", "body": b"cd", "more_body": False},
     ]
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
         return inbound.pop(0)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     scope = {
@@ -86,7 +87,7 @@ async def test_non_http_scopes_reach_the_app_untouched() -> None:
 
 
 def test_invalid_config_fails_at_construction() -> None:
-    with pytest.raises(ConfigError, match="strategy_options.queue_scale"):
+    with pytest.raises(ConfigError, match=r"strategy_options\.queue_scale"):
         PromptLBMiddleware(
             recorder_app,  # type: ignore[arg-type]
             config=config(strategy="p2c", strategy_options={"queue_scale": -1}),
@@ -133,7 +134,7 @@ async def test_lifespan_starts_and_stops_background_work_cleanly() -> None:
             await proceed.wait()
         return messages.pop(0)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message["type"])
         if message["type"] == "lifespan.startup.complete":
             assert app.balancer.started
