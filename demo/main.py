@@ -1,156 +1,227 @@
-"""`make demo`: an emulated model server and its sidecar, with live load snapshots for ~15 s.
+"""`make demo`: the three-node story, end to end, on real processes.
 
-It starts both as real processes, sends a rising wave of chat requests to the model server, drains
-and undrains the node through the sidecar's control API, and prints what the sidecar reports
-each second. Everything it started is stopped at the end, also on Ctrl-C.
+- node-a: heavy and GPU-like: 2 slots, slow; it saturates.
+- node-b: light: 16 slots, fast; mostly idle under round robin.
+- node-c: leaks memory with every request, then crashes.
+
+Each node is an emulated model server with its sidecar. The example Starlette app mounts the
+middleware; a traffic generator sends the same seeded open-loop traffic twice, once with
+`round_robin` and once with `p2c`, showing a live table, then a summary. It stops everything
+it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import random
+import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
-from promptlb.emulator._launch import Service, start_service
-from promptlb.shared import Snapshot, decode
+from promptlb.emulator._launch import Service, start_command, start_service
 
-DURATION_S = 15.0
-HEADER = (
-    f"{'t':>4}  {'health':<7} {'warm':<5} {'drain':<5} {'run':>4} {'wait':>4} "
-    f"{'kv':>5} {'tok/s':>6} {'cpu':>5} {'mem':>5} {'rss MiB':>8} {'MiB/s':>6} {'seq':>5}"
-)
-
-
-def pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def row(t: float, health: int, s: Snapshot) -> str:
-    e = s.engine
-    return (
-        f"{t:4.0f}  {health:<7} {s.warm!s:<5} {s.draining!s:<5} "
-        f"{e.running if e else '-':>4} {e.waiting if e else '-':>4} "
-        f"{pct(e.kv_cache if e else None):>5} "
-        f"{(f'{e.tps:.0f}' if e and e.tps is not None else '-'):>6} "
-        f"{pct(s.cpu):>5} {pct(s.mem):>5} "
-        f"{(f'{s.rss / 2**20:.0f}' if s.rss else '-'):>8} "
-        f"{(f'{s.rss_slope / 2**20:.1f}' if s.rss_slope is not None else '-'):>6} "
-        f"{s.seq:>5}"
-    )
+ROOT = Path(__file__).resolve().parents[1]
+PHASE_S = 15.0
+RATE = 7.0  # requests per second, Poisson
+NODES = {
+    "node-a": ("--slots", "2", "--tokens-per-s", "40", "--ttft-ms", "250"),
+    "node-b": ("--slots", "16", "--tokens-per-s", "150", "--ttft-ms", "40"),
+    "node-c": (
+        "--slots",
+        "8",
+        "--tokens-per-s",
+        "100",
+        "--ttft-ms",
+        "60",
+        "--leak-mb-per-req",
+        "4",
+        "--crash-after",
+        "25",
+    ),
+}
 
 
-async def load(http: aiohttp.ClientSession, model: Service, stop_at: float) -> int:
-    """A wave: 1 concurrent request at first, up to 12 by the middle, then back down."""
-    sent = 0
-    in_flight: set[asyncio.Task[None]] = set()
+@dataclass
+class Phase:
+    strategy: str
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: int = 0
+    sent: int = 0
 
-    async def one() -> None:
+    def all_latencies(self) -> list[float]:
+        return [x for values in self.latencies.values() for x in values]
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+
+
+def arrivals(seed: int) -> list[tuple[float, int]]:
+    """The same trace for every phase: (offset s, max_tokens), heavy-tailed lengths."""
+    rng = random.Random(seed)
+    out: list[tuple[float, int]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(RATE)
+        if t >= PHASE_S - 2:
+            return out
+        out.append((t, min(120, max(8, int(rng.lognormvariate(3.2, 0.6))))))
+
+
+async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase) -> None:
+    start = time.monotonic()
+
+    async def one(at: float, max_tokens: int) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         body = {
             "model": "llama-demo",
-            "stream": True,
-            "max_tokens": 60,
-            "messages": [{"role": "user", "content": "Tell me about load balancing."}],
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "Explain load balancing briefly."}],
         }
-        async with http.post(model.url + "/v1/chat/completions", json=body) as response:
-            async for _ in response.content:
-                pass
+        began = time.monotonic()
+        phase.sent += 1
+        try:
+            async with http.post(app.url + "/v1/chat/completions", json=body) as response:
+                await response.read()
+                if response.status != 200:
+                    phase.errors += 1
+                    return
+                phase.latencies[response.headers["x-promptlb-node"]].append(
+                    time.monotonic() - began
+                )
+        except aiohttp.ClientError:
+            phase.errors += 1
 
-    start = time.monotonic()
-    while (now := time.monotonic()) < stop_at:
-        phase = (now - start) / (stop_at - start)
-        target = max(1, round(12 * (1 - abs(2 * phase - 1))))
-        while len(in_flight) < target:
-            task = asyncio.create_task(one())
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-            sent += 1
-        await asyncio.sleep(0.1)
-    for task in list(in_flight):
-        task.cancel()
-    await asyncio.gather(*in_flight, return_exceptions=True)
-    return sent
+    await asyncio.gather(*(one(at, n) for at, n in arrivals(seed=42)))
 
 
-async def run(workdir: Path) -> None:
-    token = secrets.token_urlsafe(16)
-    (workdir / "token").write_text(token)
-    print("starting promptlb-emulator (4 slots, 40 tok/s, leaks 2 MB a request) ...")
-    model = start_service(
-        "emulator",
+async def table(http: aiohttp.ClientSession, app: Service, phase: Phase, start: float) -> None:
+    async with http.get(app.url + "/_promptlb/status") as response:
+        status: dict[str, Any] = await response.json()
+    print(
+        f"\n[{phase.strategy}] t={time.monotonic() - start:4.1f}s  sent {phase.sent}, "
+        f"errors {phase.errors}"
+    )
+    print(
+        f"  {'node':<7} {'state':<10} {'queue':>5} {'in-fl':>5} {'picks':>5} "
+        f"{'p50 ms':>7} {'p99 ms':>7}"
+    )
+    for node in status["nodes"]:
+        queue = node["load"]["engine_queue"]
+        lat = phase.latencies.get(node["name"], [])
+        shown = "-" if queue is None else str(queue)  # the engine's running + waiting
+        print(
+            f"  {node['name']:<7} {node['state']:<10} {shown:>5} "
+            f"{node['in_flight']:>5} {len(lat):>5} {pct(lat, 0.5) * 1e3:>7.0f} "
+            f"{pct(lat, 0.99) * 1e3:>7.0f}"
+        )
+
+
+async def run_phase(
+    strategy: str, models: dict[str, Service], sidecars: dict[str, Service], workdir: Path
+) -> Phase:
+    config = workdir / f"{strategy}.toml"
+    config.write_text(
+        f"strategy = '{strategy}'\nadmin_local_only = true\ngossip_interval = '500ms'\n"
+        "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
+        "[retry]\nper_try_timeout = '20s'\n"
+        + "".join(
+            f"[[nodes]]\nname = '{n}'\nurl = '{models[n].url}'\nsidecar = '{sidecars[n].url}'\n"
+            for n in NODES
+        )
+    )
+    app = start_command(
+        "example-app", [str(ROOT / "examples" / "app.py"), "--config", str(config), "--port", "0"]
+    )
+    phase = Phase(strategy)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            start = time.monotonic()
+            load = asyncio.create_task(traffic(http, app, phase))
+            while not load.done():
+                await asyncio.wait({load}, timeout=3.0)
+                await table(http, app, phase, start)
+            await load
+    finally:
+        app.stop()
+    return phase
+
+
+def start_model(name: str, port: int = 0) -> Service:
+    argv = [
+        "-m",
+        "promptlb.emulator",
+        "--port",
+        str(port),
         "--model",
         "llama-demo",
-        "--slots",
-        "4",
-        "--tokens-per-s",
-        "40",
-        "--ttft-ms",
-        "80",
-        "--load-time-s",
-        "1",
-        "--leak-mb-per-req",
-        "2",
         "--seed",
         "7",
-    )
+        *NODES[name],
+    ]
+    return start_command("emulator", argv)
+
+
+async def main_async(workdir: Path) -> None:
+    models: dict[str, Service] = {}
+    sidecars: dict[str, Service] = {}
     try:
-        print(f"starting promptlb-sidecar beside it (model server {model.url}) ...")
-        sidecar = start_service(
-            "sidecar",
-            "--model-url",
-            model.url,
-            "--node-name",
-            "node-a",
-            "--tier",
-            "heavy",
-            "--token-file",
-            str(workdir / "token"),
-            "--sample-interval",
-            "250ms",
-            "--rss-window",
-            "5s",
-            "--log-level",
-            "WARNING",
+        print("starting 3 emulated model nodes, each with its sidecar ...")
+        for name in NODES:
+            models[name] = start_model(name)
+            sidecars[name] = start_service(
+                "sidecar",
+                "--model-url",
+                models[name].url,
+                "--node-name",
+                name,
+                "--sample-interval",
+                "250ms",
+                "--no-warmup-required",
+                "--no-warmup-at-start",
+                "--log-level",
+                "ERROR",
+            )
+        phases = []
+        for strategy in ("round_robin", "p2c"):
+            print(
+                f"\n=== {strategy}: {PHASE_S:.0f} s of the same traffic "
+                f"(~{RATE:.0f} req/s; node-c crashes after 25 requests) ==="
+            )
+            if models["node-c"].proc.poll() is not None:
+                models["node-c"] = start_model("node-c", models["node-c"].port)  # a fresh node-c
+            phases.append(await run_phase(strategy, models, sidecars, workdir))
+        print("\n=== summary: the same trace, two strategies ===")
+        print(
+            f"  {'strategy':<12} {'requests':>8} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7}"
+            "   share a/b/c"
         )
-        try:
-            await show(model, sidecar, token)
-        finally:
-            sidecar.stop()
+        for phase in phases:
+            lat = phase.all_latencies()
+            share = "/".join(str(len(phase.latencies.get(n, []))) for n in NODES)
+            print(
+                f"  {phase.strategy:<12} {phase.sent:>8} {phase.errors:>6} "
+                f"{statistics.median(lat) * 1e3:>7.0f} {pct(lat, 0.99) * 1e3:>7.0f}   {share}"
+            )
     finally:
-        model.stop()
-    print("stopped the sidecar and the emulator.")
-
-
-async def show(model: Service, sidecar: Service, token: str) -> None:
-    auth = {"Authorization": f"Bearer {token}"}
-    print(f"sidecar on {sidecar.url}: GET /health, GET /snapshot (msgpack), GET /metrics\n")
-    print(HEADER)
-    async with aiohttp.ClientSession() as http:
-        start = time.monotonic()
-        wave = asyncio.create_task(load(http, model, start + DURATION_S - 1))
-        actions = {9: ("/drain", "drain requested"), 11: ("/undrain", "undrained")}
-        for second in range(int(DURATION_S) + 1):
-            await asyncio.sleep(max(0.0, start + second - time.monotonic()))
-            if second in actions:
-                path, note = actions[second]
-                async with http.post(sidecar.url + path, headers=auth) as response:
-                    print(f"      -- POST {path}: {response.status}, {note}")
-            async with http.get(sidecar.url + "/health") as response:
-                health = response.status
-            async with http.get(sidecar.url + "/snapshot") as response:
-                snapshot = decode(await response.read())
-            print(row(time.monotonic() - start, health, snapshot), flush=True)
-        sent = await wave
-    print(f"\n{sent} requests sent; health 503 while loading, warming or draining.")
+        for service in [*sidecars.values(), *models.values()]:
+            service.stop()
+    print("\nstopped every process the demo started.")
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="promptlb-demo-") as workdir:
         try:
-            asyncio.run(run(Path(workdir)))
+            asyncio.run(main_async(Path(workdir)))
         except KeyboardInterrupt:
             print("interrupted; everything started was stopped.", file=sys.stderr)
 
