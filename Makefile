@@ -35,6 +35,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/snapshot_bench.py
+	$(BIN)/python bench/pick_bench.py
+	$(BIN)/python bench/proxy_bench.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

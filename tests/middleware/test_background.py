@@ -1,0 +1,94 @@
+"""Gossip and discovery against real processes, with the balancer in process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
+from promptlb.middleware._balancer import Balancer
+from tests.conftest import Launcher
+
+
+async def test_unsigned_snapshots_are_rejected_and_counted_when_a_key_is_set(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    model = launch("emulator", "--ttft-ms", "5")
+    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
+                     "--no-warmup-required")
+    key = tmp_path / "key"
+    key.write_text("k1:a-long-enough-shared-secret\n")
+    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+                    sign_key_file=str(key), gossip_interval=0.1)
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        await asyncio.sleep(0.5)
+        node = lb.table.nodes["a"]
+        assert node.snapshot is None  # never trusted
+        assert node.snapshot_errors >= 3
+        assert b'promptlb_snapshot_errors_total{kind="rejected",node="a"}' in lb.metrics.render()
+    finally:
+        await lb.stop()
+
+
+async def test_signed_snapshots_are_taken(launch: Launcher, tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k1:a-long-enough-shared-secret\n")
+    model = launch("emulator", "--ttft-ms", "5")
+    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
+                     "--no-warmup-required", "--sign-key-file", str(key))
+    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+                    sign_key_file=str(key), gossip_interval=0.1)
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        deadline = time.monotonic() + 5
+        while lb.table.nodes["a"].snapshot is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert lb.table.nodes["a"].snapshot_errors == 0
+    finally:
+        await lb.stop()
+
+
+async def test_an_unreachable_sidecar_keeps_the_last_view_until_it_goes_stale(
+    launch: Launcher,
+) -> None:
+    model = launch("emulator", "--ttft-ms", "5")
+    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
+                     "--no-warmup-required", "--sample-interval", "50ms")
+    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+                    gossip_interval=0.1, stale_after=0.6,
+                    health=HealthConfig(use_sidecar=False, interval=0.2))
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        node = lb.table.nodes["a"]
+        await asyncio.sleep(0.3)
+        assert node.view.snapshot is not None
+        sidecar.stop()
+        await asyncio.sleep(0.3)
+        assert node.view.snapshot is not None  # the last good view, still fresh
+        await asyncio.sleep(0.6)
+        assert node.view.snapshot is None  # stale: unknown load, not idle
+        assert node.snapshot_errors > 0
+        assert lb.table.state_of(node) == "ready"  # the model server itself is fine
+    finally:
+        await lb.stop()
+
+
+async def test_dns_discovery_turns_addresses_into_nodes(launch: Launcher) -> None:
+    model = launch("emulator", "--ttft-ms", "5", "--model", "m")
+    config = Config(discovery=DiscoveryConfig(mode="dns", name="localhost", port=model.port,
+                                              sidecar_port=None, models=("m",), interval=0.2))
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        name = f"127.0.0.1:{model.port}"
+        assert name in lb.table.nodes
+        assert lb.table.state_of(lb.table.nodes[name]) == "ready"
+        assert [v.name for v in lb.table.candidates("m") or ()].count(name) == 1
+    finally:
+        await lb.stop()
