@@ -136,11 +136,16 @@ class Balancer:
     ) -> list[tuple[str, str]]:
         keep_auth = self.config.forward_authorization
         out = []
+        listed: set[str] = set()  # headers the Connection header names are hop-by-hop too
         for raw_name, raw_value in headers:
             name = raw_name.decode("latin-1").lower()
+            if name == "connection":
+                listed.update(t.strip().lower() for t in raw_value.decode("latin-1").split(","))
             if name in HOP_BY_HOP or (name == "authorization" and not keep_auth):
                 continue
             out.append((name, raw_value.decode("latin-1")))
+        if listed:
+            out = [h for h in out if h[0] not in listed]
         api = self._api_headers.get(node.name)
         if api is not None:
             out = [h for h in out if h[0] != "authorization"]

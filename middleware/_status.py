@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 from ._balancer import Balancer
+from ._strategies import DEFAULT_WEIGHTS, score_parts
+from ._view import NodeView
 
 __all__ = ["status_json"]
 
@@ -39,6 +42,7 @@ def status_json(lb: Balancer) -> dict[str, Any]:
                     "engine_queue": view.engine_queue,
                     "effective_queue": view.effective_queue,
                 },
+                "score": _score(lb, view),
                 "in_flight": view.in_flight,
                 "ewma_latency_ms": _ms(view.ewma_latency_s),
                 "ewma_ttft_ms": _ms(view.ewma_ttft_s),
@@ -52,6 +56,20 @@ def status_json(lb: Balancer) -> dict[str, Any]:
             }
         )
     return {"strategy": lb.config.strategy, "ready_models": table.ready_models(), "nodes": nodes}
+
+
+def _score(lb: Balancer, view: NodeView) -> dict[str, Any]:
+    """The p2c/resource cost and its parts, as the configured strategy would weigh them (the
+    defaults for strategies that do not score)."""
+    options = lb.strategy
+    parts = score_parts(
+        view,
+        getattr(options, "weights", DEFAULT_WEIGHTS),
+        getattr(options, "queue_scale", 8.0),
+        getattr(options, "unknown_score", 0.5),
+        view.effective_queue,
+    )
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(parts).items()}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -289,7 +289,7 @@ class ScoreParts:
     queue: int | None  # requests counted as the node's queue
     queue_norm: float | None  # queue / (queue + queue_scale), 0..1
     score: float  # 0..1, lower is better
-    cost: float  # score / ramp: what the strategies compare
+    cost: float  # 1 - (1 - score) * ramp: what the strategies compare
 
 
 def _combine(

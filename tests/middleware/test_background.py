@@ -8,6 +8,7 @@ from pathlib import Path
 
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
 from promptlb.middleware._balancer import Balancer
+
 from tests.conftest import Launcher
 
 
@@ -15,12 +16,16 @@ async def test_unsigned_snapshots_are_rejected_and_counted_when_a_key_is_set(
     launch: Launcher, tmp_path: Path
 ) -> None:
     model = launch("emulator", "--ttft-ms", "5")
-    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
-                     "--no-warmup-required")
+    sidecar = launch(
+        "sidecar", "--model-url", model.url, "--node-name", "a", "--no-warmup-required"
+    )
     key = tmp_path / "key"
     key.write_text("k1:a-long-enough-shared-secret\n")
-    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
-                    sign_key_file=str(key), gossip_interval=0.1)
+    config = Config(
+        nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+        sign_key_file=str(key),
+        gossip_interval=0.1,
+    )
     lb = Balancer(config)
     await lb.start()
     try:
@@ -37,10 +42,21 @@ async def test_signed_snapshots_are_taken(launch: Launcher, tmp_path: Path) -> N
     key = tmp_path / "key"
     key.write_text("k1:a-long-enough-shared-secret\n")
     model = launch("emulator", "--ttft-ms", "5")
-    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
-                     "--no-warmup-required", "--sign-key-file", str(key))
-    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
-                    sign_key_file=str(key), gossip_interval=0.1)
+    sidecar = launch(
+        "sidecar",
+        "--model-url",
+        model.url,
+        "--node-name",
+        "a",
+        "--no-warmup-required",
+        "--sign-key-file",
+        str(key),
+    )
+    config = Config(
+        nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+        sign_key_file=str(key),
+        gossip_interval=0.1,
+    )
     lb = Balancer(config)
     await lb.start()
     try:
@@ -57,11 +73,22 @@ async def test_an_unreachable_sidecar_keeps_the_last_view_until_it_goes_stale(
     launch: Launcher,
 ) -> None:
     model = launch("emulator", "--ttft-ms", "5")
-    sidecar = launch("sidecar", "--model-url", model.url, "--node-name", "a",
-                     "--no-warmup-required", "--sample-interval", "50ms")
-    config = Config(nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
-                    gossip_interval=0.1, stale_after=0.6,
-                    health=HealthConfig(use_sidecar=False, interval=0.2))
+    sidecar = launch(
+        "sidecar",
+        "--model-url",
+        model.url,
+        "--node-name",
+        "a",
+        "--no-warmup-required",
+        "--sample-interval",
+        "50ms",
+    )
+    config = Config(
+        nodes=(NodeConfig(name="a", url=model.url, sidecar=sidecar.url),),
+        gossip_interval=0.1,
+        stale_after=0.6,
+        health=HealthConfig(use_sidecar=False, interval=0.2),
+    )
     lb = Balancer(config)
     await lb.start()
     try:
@@ -81,8 +108,16 @@ async def test_an_unreachable_sidecar_keeps_the_last_view_until_it_goes_stale(
 
 async def test_dns_discovery_turns_addresses_into_nodes(launch: Launcher) -> None:
     model = launch("emulator", "--ttft-ms", "5", "--model", "m")
-    config = Config(discovery=DiscoveryConfig(mode="dns", name="localhost", port=model.port,
-                                              sidecar_port=None, models=("m",), interval=0.2))
+    config = Config(
+        discovery=DiscoveryConfig(
+            mode="dns",
+            name="localhost",
+            port=model.port,
+            sidecar_port=None,
+            models=("m",),
+            interval=0.2,
+        )
+    )
     lb = Balancer(config)
     await lb.start()
     try:

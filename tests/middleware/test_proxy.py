@@ -1,0 +1,151 @@
+"""What the proxy sends upstream and hands back, against a capturing upstream in process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+from promptlb.middleware import PromptLBClient, PromptLBMiddleware
+from promptlb.middleware._balancer import Balancer
+from promptlb.middleware._config import load_config
+
+from tests.conftest import Launcher
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
+    seen: list[dict[str, str]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/v1/chat/completions":
+            seen.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response(
+            {"ok": True, "choices": []}, headers={"Connection": "keep-alive", "X-Upstream": "yes"}
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    await runner.cleanup()
+
+
+async def post(app: PromptLBMiddleware, headers: dict[str, str]) -> httpx.Response:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        return await http.post(
+            "/v1/chat/completions?x=1", headers=headers, json={"model": "m", "messages": []}
+        )
+
+
+async def noop(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the app is not reached for balanced routes")
+
+
+async def test_client_authorization_is_dropped_and_the_node_key_injected(
+    upstream: tuple[str, list[dict[str, str]]],
+) -> None:
+    url, seen = upstream
+    app = PromptLBMiddleware(
+        noop, config={"nodes": [{"name": "a", "url": url, "models": ["m"], "api_key": "sk-node-a"}]}
+    )
+    response = await post(
+        app,
+        {
+            "Authorization": "Bearer client-secret",
+            "X-Trace": "t1",
+            "X-Hop": "h",
+            "Connection": "keep-alive, X-Hop",
+            "TE": "trailers",
+        },
+    )
+    await app.balancer.stop()
+    assert response.status_code == 200
+    assert response.headers["x-upstream"] == "yes"
+    assert response.headers["x-promptlb-node"] == "a"
+    assert "keep-alive" not in response.headers.get("connection", "")  # hop-by-hop stripped
+    (headers,) = seen
+    assert headers["authorization"] == "Bearer sk-node-a"
+    assert "te" not in headers
+    assert "x-hop" not in headers  # named by Connection: hop-by-hop as well
+    assert headers["x-trace"] == "t1"
+
+
+async def test_client_authorization_is_forwarded_only_when_configured(
+    upstream: tuple[str, list[dict[str, str]]],
+) -> None:
+    url, seen = upstream
+    app = PromptLBMiddleware(
+        noop,
+        config={
+            "forward_authorization": True,
+            "nodes": [{"name": "a", "url": url, "models": ["m"]}],
+        },
+    )
+    await post(app, {"Authorization": "Bearer client-secret"})
+    plain = PromptLBMiddleware(noop, config={"nodes": [{"name": "a", "url": url, "models": ["m"]}]})
+    await post(plain, {"Authorization": "Bearer client-secret"})
+    await app.balancer.stop()
+    await plain.balancer.stop()
+    assert seen[0]["authorization"] == "Bearer client-secret"
+    assert "authorization" not in seen[1]
+
+
+async def test_the_in_app_client_streams_and_embeds(launch: Launcher) -> None:
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "500")
+    lb = Balancer(load_config({"nodes": [{"name": "a", "url": model.url, "models": ["m"]}]}))
+    client = PromptLBClient(lb)
+    try:
+        chunks = [
+            c
+            async for c in client.chat_stream(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+            )
+        ]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert text == "the quick brown fox jumps over "
+        vectors = await client.embeddings(model="m", input=["a", "b"])
+        assert len(vectors["data"]) == 2
+        assert lb.table.nodes["a"].view.in_flight == 0
+    finally:
+        await lb.stop()
+
+
+async def test_the_gateway_serves_the_middleware(launch: Launcher, tmp_path: Path) -> None:
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5")
+    config = tmp_path / "promptlb.toml"
+    config.write_text(f"[[nodes]]\nname = 'a'\nurl = '{model.url}'\nmodels = ['m']\n")
+    gateway = launch("middleware", "--config", str(config))
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+        async with http.post(gateway.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            assert response.headers["x-promptlb-node"] == "a"
+            assert json.loads(await response.read())["choices"]
+        async with http.get(gateway.url + "/elsewhere") as response:
+            assert response.status == 404
+
+
+def test_the_gateway_rejects_a_bad_config_with_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("strategy = 'fastest'\n[[nodes]]\nname = 'a'\nurl = 'http://x:1'\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "promptlb.middleware", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "strategy: got 'fastest'" in done.stderr
