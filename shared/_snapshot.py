@@ -19,7 +19,11 @@ import msgpack
 from ._errors import SnapshotError
 
 __all__ = [
+    "MAX_COUNT",
+    "MAX_NAMES",
+    "MAX_NAME_CHARS",
     "MAX_SNAPSHOT_BYTES",
+    "MAX_TPS",
     "SCHEMA_VERSION",
     "SIG_BYTES",
     "EngineSample",
@@ -38,11 +42,13 @@ SIG_BYTES = 16
 
 _MAX_NAME = 253  # a DNS name: node names are usually host names
 _MAX_LABEL = 128
-_MAX_LIST = 64
+# Models and tags: up to 64 of each, of up to 256 characters (vLLM's model id is often a path).
+MAX_NAMES = 64
+MAX_NAME_CHARS = 256
 _MAX_GPUS = 64
 _MAX_INT = 2**63 - 1
-_MAX_TPS = 1e9
-_MAX_COUNT = 2**53  # counts beyond this are nonsense, and lose precision as floats
+MAX_TPS = 1e9
+MAX_COUNT = 2**53  # counts beyond this are nonsense, and lose precision as floats
 
 # msgpack's own limits, well above anything valid and far below anything harmful.
 _UNPACK_LIMITS: dict[str, int] = {
@@ -64,7 +70,7 @@ def _bad(key: str, value: object, expected: str) -> SnapshotError:
     return SnapshotError(f"snapshot field {key!r}: got {text}, expected {expected}")
 
 
-def _int(key: str, value: object, lo: int = 0, hi: int = _MAX_COUNT) -> int:
+def _int(key: str, value: object, lo: int = 0, hi: int = MAX_COUNT) -> int:
     # bool is an int subclass; a bool where a count belongs is a writer bug, not a count.
     if type(value) is not int or not lo <= value <= hi:
         raise _bad(key, value, f"an integer in {lo}..{hi}")
@@ -98,15 +104,15 @@ def _str(key: str, value: object, max_len: int, *, empty: bool = True) -> str:
 
 def _strs(key: str, value: object) -> tuple[str, ...]:
     if type(value) is not tuple and type(value) is not list:
-        raise _bad(key, value, f"a list of at most {_MAX_LIST} strings")
-    if len(value) > _MAX_LIST:
-        raise _bad(key, value, f"a list of at most {_MAX_LIST} strings")
-    return tuple(_str(key, item, _MAX_LABEL, empty=False) for item in value)
+        raise _bad(key, value, f"a list of at most {MAX_NAMES} strings")
+    if len(value) > MAX_NAMES:
+        raise _bad(key, value, f"a list of at most {MAX_NAMES} strings")
+    return tuple(_str(key, item, MAX_NAME_CHARS, empty=False) for item in value)
 
 
 def _all_labels(values: tuple[object, ...]) -> bool:
-    return len(values) <= _MAX_LIST and all(
-        type(v) is str and 0 < len(v) <= _MAX_LABEL for v in values
+    return len(values) <= MAX_NAMES and all(
+        type(v) is str and 0 < len(v) <= MAX_NAME_CHARS for v in values
     )
 
 
@@ -148,9 +154,9 @@ class GpuSample(NamedTuple):
                 and (type(util) is float or type(util) is int)
                 and 0 <= util <= 1
                 and type(used) is int
-                and 0 <= used <= _MAX_COUNT
+                and 0 <= used <= MAX_COUNT
                 and type(total) is int
-                and 0 <= total <= _MAX_COUNT
+                and 0 <= total <= MAX_COUNT
                 and (
                     temp is None
                     or ((type(temp) is float or type(temp) is int) and -100 <= temp <= 200)
@@ -184,17 +190,17 @@ class EngineSample:
         kv, tps = self.kv_cache, self.tps
         if (
             type(self.running) is int
-            and 0 <= self.running <= _MAX_COUNT
+            and 0 <= self.running <= MAX_COUNT
             and type(self.waiting) is int
-            and 0 <= self.waiting <= _MAX_COUNT
+            and 0 <= self.waiting <= MAX_COUNT
             and (kv is None or ((type(kv) is float or type(kv) is int) and 0 <= kv <= 1))
-            and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps <= _MAX_TPS))
+            and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps <= MAX_TPS))
         ):
             return
         _int("engine.running", self.running)
         _int("engine.waiting", self.waiting)
         _opt_float("engine.kv_cache", self.kv_cache, 0.0, 1.0)
-        _opt_float("engine.tps", self.tps, 0.0, _MAX_TPS)
+        _opt_float("engine.tps", self.tps, 0.0, MAX_TPS)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
@@ -274,7 +280,7 @@ class Snapshot:
             and len(self.tier) <= _MAX_LABEL
             and (cpu is None or (type(cpu) is float and 0.0 <= cpu <= 1.0))
             and (mem is None or (type(mem) is float and 0.0 <= mem <= 1.0))
-            and (self.rss is None or (type(self.rss) is int and 0 <= self.rss <= _MAX_COUNT))
+            and (self.rss is None or (type(self.rss) is int and 0 <= self.rss <= MAX_COUNT))
             and (slope is None or (type(slope) is float and math.isfinite(slope)))
             and (self.kid is None or (type(self.kid) is str and 0 < len(self.kid) <= _MAX_LABEL))
             and (self.sig is None or (type(self.sig) is bytes and len(self.sig) == SIG_BYTES))

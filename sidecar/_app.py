@@ -13,12 +13,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from promptlb.shared import EngineSample
+from promptlb.shared import EngineSample, GpuSample, SnapshotError
+from promptlb.shared._snapshot import MAX_NAME_CHARS, MAX_NAMES, MAX_TPS
 
 from ._config import SidecarConfig
 from ._engine import EngineMetricsError, parse_engine_metrics
 from ._gpu import GpuCollector
-from ._host import HostCollector
+from ._host import HostCollector, HostSample
 from ._live import Live, Problem
 from ._model_server import WarmupReport, list_models, probe, warmup
 from ._process import ProcessCollector
@@ -134,15 +135,19 @@ class _Collectors:
         self.engine_problem = Problem(log, "engine metrics")
         self.process_problem = Problem(log, "model-server process")
         self.server_problem = Problem(log, "model server")
+        self.models_problem = Problem(log, "model names from /v1/models")
         self._last_tokens: tuple[float, float] | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         return self.app[_SESSION]
 
+    def _host_and_gpus(self) -> tuple[HostSample, tuple[GpuSample, ...]]:
+        return self.host.sample(), self.gpu.sample()
+
     async def sample_host(self) -> None:
-        self.live.host = self.host.sample()
-        self.live.gpus = self.gpu.sample()
+        # NVML calls can block for milliseconds (more on a sick GPU): keep them off the loop.
+        self.live.host, self.live.gpus = await asyncio.to_thread(self._host_and_gpus)
         self.live.changed()
 
     async def sample_process(self) -> None:
@@ -152,6 +157,11 @@ class _Collectors:
             self.process_problem.report(self.process.reason)
         else:
             self.process_problem.clear()
+        if self.process.restarted and self.live.warm:
+            # A restart quicker than one probe never looks "gone" to the probe, but the new
+            # process has lost its caches all the same.
+            self.live.warm = False
+            log.warning("model-server process was replaced: warmup will run again")
         self.live.changed()
 
     async def sample_engine(self) -> None:
@@ -171,7 +181,7 @@ class _Collectors:
                 running=reading.running, waiting=reading.waiting, kv_cache=reading.kv_cache, tps=tps
             )
             self.engine_problem.clear()
-        except EngineMetricsError as exc:
+        except (EngineMetricsError, SnapshotError) as exc:  # unreadable, or out of range
             self.engine_problem.report(str(exc))
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.engine_problem.report(f"/metrics unreachable: {type(exc).__name__}: {exc}")
@@ -185,7 +195,9 @@ class _Collectors:
         last, self._last_tokens = self._last_tokens, (None if total is None else (now, total))
         if total is None or last is None or now <= last[0] or total < last[1]:
             return None  # no counter, first reading, or the counter reset with a restart
-        return (total - last[1]) / (now - last[0])
+        tps = (total - last[1]) / (now - last[0])
+        # A counter that leaps by more than 1e9 tokens/s is broken, not busy: unknown, not wrong.
+        return tps if 0.0 <= tps <= MAX_TPS else None
 
     async def probe_server(self) -> None:
         live, cfg = self.live, self.config
@@ -196,15 +208,38 @@ class _Collectors:
         if result.ok:
             self.server_problem.clear()
             if not was_ok and not cfg.models:
-                live.models = tuple(
-                    await list_models(self.session, cfg.model_url, cfg.probe_timeout_s)
-                )
+                learnt = await list_models(self.session, cfg.model_url, cfg.probe_timeout_s)
+                live.models = self._usable_names(learnt)
         else:
             self.server_problem.report(result.reason)
             if result.gone and live.warm:
                 live.warm = False  # a restarted server is cold again
                 log.warning("model server went away: warmup will run again")
         live.changed()
+
+    def _usable_names(self, names: list[str]) -> tuple[str, ...]:
+        """The learnt names a snapshot can carry; the others are left out, logged once."""
+        kept: list[str] = []
+        bad: list[str] = []
+        for name in names:
+            if 0 < len(name) <= MAX_NAME_CHARS and _encodable(name):
+                kept.append(name)
+            else:
+                bad.append(name)
+        problems = []
+        if bad:
+            shown = ", ".join(repr(n[:40] + "..." if len(n) > 40 else n) for n in bad[:3])
+            problems.append(
+                f"{len(bad)} empty, unencodable or over {MAX_NAME_CHARS} characters ({shown})"
+            )
+        if len(kept) > MAX_NAMES:
+            problems.append(f"{len(kept) - MAX_NAMES} beyond the first {MAX_NAMES}")
+            kept = kept[:MAX_NAMES]
+        if problems:
+            self.models_problem.report("left out " + "; ".join(problems))
+        else:
+            self.models_problem.clear()
+        return tuple(kept)
 
     async def warm_when_ready(self) -> None:
         """Warm up whenever the server answers and is not warm; back off after failures."""
@@ -236,6 +271,14 @@ class _Collectors:
         if self.config.warmup_at_start:
             tasks.append(asyncio.create_task(self.warm_when_ready(), name="sidecar-warmup"))
         return tasks
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")  # JSON may carry a lone surrogate, which msgpack cannot pack
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def run_warmup(app: web.Application) -> WarmupReport:
@@ -282,7 +325,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await app[_SESSION].close()
-        collectors.gpu.close()
+        # After any sample still running in its thread (cancelling the task does not stop it).
+        await asyncio.to_thread(collectors.gpu.close)
 
 
 async def _health(request: web.Request) -> web.Response:

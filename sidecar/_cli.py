@@ -13,13 +13,22 @@ from promptlb.shared import load_key_file as _load_key_file
 from promptlb.shared._serve import config_or_exit, serve
 
 from ._app import create_app
-from ._config import _ENGINES, SidecarConfig
+from ._config import _ENGINES, MIN_TOKEN_CHARS, SidecarConfig
 
 __all__ = ["main"]
 
 TOKEN_ENV = "PROMPTLB_SIDECAR_TOKEN"
 DEFAULT_WARMUP = SidecarConfig(node_name="-").warmup_prompts
-DEFAULT_WARMUP = SidecarConfig(node_name="-").warmup_prompts
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except empty ones and those of flags without a value: "(default: None)"
+    or "(default: False)" says nothing that the help does not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or action.default is None or action.default in ("", ()):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _names(value: str) -> tuple[str, ...]:
@@ -31,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="promptlb-sidecar",
         description="Health, warmup, drain and load snapshots for one model server.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model-url", default=d.model_url, help="the model server's base URL")
     p.add_argument(
@@ -67,10 +76,22 @@ def _parser() -> argparse.ArgumentParser:
         help="KID:SECRET on one line; snapshots are then HMAC-signed",
     )
     p.add_argument(
-        "--warmup-prompt", action="append", default=None, help="a warmup prompt (repeatable)"
+        "--warmup-prompt",
+        action="append",
+        default=None,
+        help=f"a warmup prompt, sent in order (repeatable; default: {DEFAULT_WARMUP[0]!r})",
     )
-    p.add_argument("--warmup-max-tokens", type=int, default=d.warmup_max_tokens)
-    p.add_argument("--warmup-timeout", default=f"{d.warmup_timeout_s:g}s")
+    p.add_argument(
+        "--warmup-max-tokens",
+        type=int,
+        default=d.warmup_max_tokens,
+        help="max_tokens of each warmup request (1..4096)",
+    )
+    p.add_argument(
+        "--warmup-timeout",
+        default=f"{d.warmup_timeout_s:g}s",
+        help="limit on each warmup request, e.g. 60s or 2m",
+    )
     p.add_argument("--no-warmup-at-start", action="store_true", help="warm up only on POST /warmup")
     p.add_argument(
         "--no-warmup-required",
@@ -78,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
         help="ready as soon as the model server answers",
     )
     p.add_argument("--sample-interval", default="250ms", help="e.g. 250ms or 1s")
-    p.add_argument("--probe-timeout", default="1s")
+    p.add_argument(
+        "--probe-timeout",
+        default=f"{d.probe_timeout_s:g}s",
+        help="limit on each readiness probe, /v1/models and /metrics request",
+    )
     p.add_argument(
         "--model-pid",
         type=int,
@@ -91,15 +116,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_token(path: Path | None) -> str | None:
+def _read_token(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
+    """The token, from the file or else the environment; a bad one names where it came from."""
     if path is None:
-        return os.environ.get(TOKEN_ENV) or None
+        token = os.environ.get(TOKEN_ENV) or None
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            # Not an argument: argparse's "argument --flag" form would blame the wrong thing.
+            parser.error(f"{TOKEN_ENV}: expected a token of at least {MIN_TOKEN_CHARS} characters")
+        return token
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("token_file", str(path), f"a readable file ({exc})") from None
-    if not token:
-        raise ConfigError("token_file", str(path), "a file holding a token")
+    if len(token) < MIN_TOKEN_CHARS:
+        expected = f"a file holding a token of at least {MIN_TOKEN_CHARS} characters"
+        raise ConfigError("token_file", str(path), expected)
     return token
 
 
@@ -124,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             models=args.models,
             tags=args.tags,
             tier=args.tier,
-            token=_read_token(args.token_file),
+            token=_read_token(parser, args.token_file),
             protect_reads=args.protect_reads,
             sign_key=sign_key,
             warmup_prompts=tuple(args.warmup_prompt or DEFAULT_WARMUP),

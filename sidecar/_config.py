@@ -9,8 +9,11 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError, SigningKey
+from promptlb.shared._snapshot import MAX_NAME_CHARS, MAX_NAMES
 
-__all__ = ["EngineChoice", "SidecarConfig"]
+__all__ = ["MIN_TOKEN_CHARS", "EngineChoice", "SidecarConfig"]
+
+MIN_TOKEN_CHARS = 8
 
 EngineChoice = Literal["auto", "vllm", "tgi", "llamacpp", "sglang", "none"]
 _ENGINES = ("auto", "vllm", "tgi", "llamacpp", "sglang", "none")
@@ -55,11 +58,16 @@ class SidecarConfig:
     gpu: bool = True
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.model_url)
+        url_expected = "an http(s) URL such as http://127.0.0.1:8000"
+        if not isinstance(self.model_url, str):
+            raise ConfigError("model_url", self.model_url, url_expected)
+        try:
+            parts = urlsplit(self.model_url)
+            _ = parts.port  # a port that is not a number in 0..65535 raises ValueError here
+        except ValueError as exc:  # also an unclosed IPv6 bracket: http://[::1
+            raise ConfigError("model_url", self.model_url, f"{url_expected} ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                "model_url", self.model_url, "an http(s) URL such as http://127.0.0.1:8000"
-            )
+            raise ConfigError("model_url", self.model_url, url_expected)
         object.__setattr__(self, "model_url", self.model_url.rstrip("/"))
         if self.engine not in _ENGINES:
             raise ConfigError("engine", self.engine, "one of " + ", ".join(_ENGINES))
@@ -73,12 +81,16 @@ class SidecarConfig:
             raise ConfigError("node_name", self.node_name, "1..253 characters")
         for key in ("models", "tags"):
             values = getattr(self, key)
-            if not all(isinstance(v, str) and 0 < len(v) <= 128 for v in values):
-                raise ConfigError(key, values, "names of 1..128 characters")
+            if len(values) > MAX_NAMES:
+                raise ConfigError(key, values, f"at most {MAX_NAMES} names")
+            if not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS for v in values):
+                raise ConfigError(key, values, f"names of 1..{MAX_NAME_CHARS} characters")
         if len(self.tier) > 128:
             raise ConfigError("tier", self.tier, "at most 128 characters")
-        if self.token is not None and len(self.token) < 8:
-            raise ConfigError("token_file", "<hidden>", "a token of at least 8 characters")
+        if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
+            raise ConfigError(
+                "token", "<hidden>", f"a token of at least {MIN_TOKEN_CHARS} characters"
+            )
         if self.protect_reads and self.token is None:
             raise ConfigError(
                 "protect_reads",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
+from promptlb.shared._snapshot import MAX_COUNT
 
 __all__ = ["ENGINES", "EngineMetricsError", "EngineName", "EngineReading", "parse_engine_metrics"]
 
@@ -129,7 +130,7 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
         running=_count(values, fam.running, engine, "running"),
         waiting=_count(values, fam.waiting, engine, "waiting"),
         kv_cache=_fraction(_first(values, fam.kv_cache, max)),
-        tokens_total=_first(values, fam.tokens, sum),
+        tokens_total=_finite(_first(values, fam.tokens, sum)),
     )
 
 
@@ -148,10 +149,16 @@ def _fraction(value: float | None) -> float | None:
     return None if value is None or math.isinf(value) else min(1.0, max(0.0, value))
 
 
+def _finite(value: float | None) -> float | None:
+    # A counter at +Inf (or summed past a float's range) gives no rate: leave it out.
+    return value if value is None or math.isfinite(value) else None
+
+
 def _count(values: dict[str, list[float]], names: tuple[str, ...], engine: str, what: str) -> int:
     total = _first(values, names, sum)
     if total is None:
         raise EngineMetricsError(f"{engine} /metrics has no {what} gauge ({', '.join(names)})")
-    if total < 0 or math.isinf(total):
-        raise EngineMetricsError(f"{engine} /metrics reports {what} = {total}")
+    # Beyond 2**53 a count is nonsense (and no longer exact as a float); the snapshot refuses it.
+    if not 0 <= total <= MAX_COUNT:
+        raise EngineMetricsError(f"{engine} /metrics reports {what} = {total:g}, outside 0..2**53")
     return round(total)

@@ -2,15 +2,19 @@
 
 NVML is initialised once, when the collector opens, and shut down when it closes. A host without
 a GPU, a driver or the library gives an empty list, logged once: the sidecar is as useful on a
-CPU-only node, it just has less to say.
+CPU-only node, it just has less to say. `sample` blocks (NVML calls can take milliseconds): the
+sidecar runs it in a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from promptlb.shared import GpuSample
+
+from ._live import Problem
 
 __all__ = ["GpuCollector"]
 
@@ -27,7 +31,12 @@ def _import_nvml() -> Any:
 
 
 class GpuCollector:
-    """Reads every GPU each sample; a GPU whose optional fields fail still reports the rest."""
+    """Reads every GPU each sample; a GPU whose optional fields fail still reports the rest.
+
+    Utilisation and memory are required: a GPU whose utilisation or memory query fails is left
+    out of that sample. Each GPU's problem is logged once when it appears or changes, and once
+    when the GPU reads again.
+    """
 
     def __init__(self, nvml: Any = ..., *, enabled: bool = True) -> None:
         # nvml is injectable so that the mapping from NVML to GpuSample is testable without a GPU.
@@ -35,6 +44,9 @@ class GpuCollector:
         self._enabled = enabled
         self._handles: list[Any] = []
         self._open = False
+        self._problems: dict[int, Problem] = {}
+        # close() runs on the event loop while a sample may still run in its worker thread.
+        self._lock = threading.Lock()
         self.reason = ""  # why there are no GPUs, for /health and the logs
 
     def open(self) -> None:
@@ -65,33 +77,51 @@ class GpuCollector:
             log.info("no GPU metrics: %s", self.reason)
 
     def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._handles = []
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception as exc:
-                log.warning("NVML shutdown failed: %s", exc)
+        with self._lock:
+            if self._open:
+                self._open = False
+                self._handles = []
+                try:
+                    self._nvml.nvmlShutdown()
+                except Exception as exc:
+                    log.warning("NVML shutdown failed: %s", exc)
+
+    def _problem(self, i: int) -> Problem:
+        problem = self._problems.get(i)
+        if problem is None:
+            problem = self._problems[i] = Problem(log, f"GPU {i}")
+        return problem
 
     def sample(self) -> tuple[GpuSample, ...]:
+        with self._lock:
+            return self._sample()
+
+    def _sample(self) -> tuple[GpuSample, ...]:
         nvml = self._nvml
         out: list[GpuSample] = []
         for i, handle in enumerate(self._handles):
+            problem = self._problem(i)
             try:
                 util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             except Exception as exc:
                 # A GPU that fell off the bus: report it once per change, keep the others.
-                self._note(f"GPU {i}: {exc}")
+                problem.report(f"left out, utilisation unreadable: {exc}")
                 continue
-            temp: float | None
-            power: float | None
             try:
-                temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-            except Exception:
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:
+                problem.report(f"left out, memory unreadable: {exc}")
+                continue
+            problem.clear()
+            # Whole degrees and watts, as the wire format has them: ints pack in 1-3 bytes.
+            temp: int | None
+            power: int | None
+            try:
+                temp = int(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+            except Exception:  # no sensor on this board: optional, so not worth a warning
                 temp = None
             try:
-                power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+                power = round(nvml.nvmlDeviceGetPowerUsage(handle) / 1000)  # from milliwatts
             except Exception:
                 power = None
             out.append(
@@ -105,8 +135,3 @@ class GpuCollector:
                 )
             )
         return tuple(out)
-
-    def _note(self, problem: str) -> None:
-        if problem != self.reason:
-            self.reason = problem
-            log.warning("GPU metrics incomplete: %s", problem)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import psutil
@@ -25,9 +26,15 @@ def find_listener(port: int) -> int | None:
 class ProcessCollector:
     """RSS of the model server, by pid or by the port it listens on, and its slope in bytes/s.
 
+    The RSS is summed over the process and all its descendants: vLLM V1 and SGLang run their
+    engines in child processes, where most of the memory is. Pages shared between them count
+    once per process, so the sum overstates; the slope, which is what warns of a leak, does not
+    care.
+
     The slope is a least-squares fit over the last ``window_s``; it is ``None`` until the window
     holds two samples a second apart, and starts over when the process is replaced (a restart
-    is not a leak).
+    is not a leak). ``restarted`` is true after a sample that found a different process than
+    the one before it.
     """
 
     def __init__(self, *, pid: int | None, port: int | None, window_s: float = 60.0) -> None:
@@ -35,8 +42,10 @@ class ProcessCollector:
         self._port = port
         self._window_s = window_s
         self._proc: psutil.Process | None = None
+        self._previous: psutil.Process | None = None  # the last process found, even if gone
         self._history: collections.deque[tuple[float, int]] = collections.deque()
         self.reason = ""
+        self.restarted = False
 
     def _process(self) -> psutil.Process | None:
         if self._proc is not None and self._proc.is_running():
@@ -58,15 +67,32 @@ class ProcessCollector:
         except psutil.Error as exc:
             self.reason = f"model-server process {pid}: {exc}"
             return None
+        # psutil compares pid and creation time: a reused pid is a different process too.
+        self.restarted = self._previous is not None and self._proc != self._previous
+        self._previous = self._proc
         self.reason = ""
         return self._proc
 
+    @staticmethod
+    def _tree_rss(proc: psutil.Process) -> int:
+        rss = int(proc.memory_info().rss)
+        try:
+            children = proc.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            # A child may exit between the listing and the reading, or not be ours to read.
+            with contextlib.suppress(psutil.Error):
+                rss += int(child.memory_info().rss)
+        return rss
+
     def sample(self, now: float | None = None) -> tuple[int | None, float | None]:
+        self.restarted = False
         proc = self._process()
         if proc is None:
             return (None, None)
         try:
-            rss = int(proc.memory_info().rss)
+            rss = self._tree_rss(proc)
         except psutil.Error as exc:
             self.reason = f"model-server process {proc.pid}: {exc}"
             self._proc = None

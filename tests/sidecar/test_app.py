@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from aiohttp import web
-from promptlb.shared import Snapshot, decode
-from promptlb.sidecar import SidecarConfig, create_app
-from promptlb.sidecar._app import LIVE
+from promptlb.shared import EngineSample, Snapshot, decode
+from promptlb.sidecar import EngineReading, SidecarConfig, create_app
+from promptlb.sidecar import _app as sidecar_app
+from promptlb.sidecar._app import LIVE, _Collectors
+from promptlb.sidecar._gpu import GpuCollector
+from promptlb.sidecar._live import Live
+
+from tests.sidecar.test_gpu import FakeNvml
 
 GOOD = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
 
@@ -80,3 +89,238 @@ async def test_a_snapshot_is_encoded_once_per_change() -> None:
     second = decode(live.encoded())
     assert second.seq == decode(first).seq + 1 and second.draining
     assert abs(second.ts - time.time()) < 5
+
+
+# --- a controllable model server, and a sidecar in process beside it ------------------------------
+
+Reply = Callable[[web.Request], web.StreamResponse]
+
+
+@asynccontextmanager
+async def sidecar_beside(
+    routes: dict[str, Reply], **overrides: Any
+) -> AsyncIterator[tuple[web.Application, Live]]:
+    """A model server answering ``routes`` (path -> reply; others 404) and a sidecar for it."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        reply = routes.get(request.path)
+        return reply(request) if reply else web.Response(status=404)
+
+    model = web.Application()
+    model.router.add_route("*", "/{tail:.*}", handler)
+    model_runner, model_url = await serve(model)
+    settings: dict[str, Any] = {
+        "model_url": model_url,
+        "node_name": "n",
+        "sample_interval_s": 0.02,
+        "warmup_at_start": False,
+        "warmup_required": False,
+        "gpu": False,
+        **overrides,
+    }
+    sidecar = create_app(SidecarConfig(**settings))
+    sidecar_runner, _ = await serve(sidecar)
+    try:
+        yield sidecar, sidecar[LIVE]
+    finally:
+        await sidecar_runner.cleanup()
+        await model_runner.cleanup()
+
+
+async def until(condition: Callable[[], object], limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
+def text(body: str, status: int = 200) -> Reply:
+    return lambda request: web.Response(text=body, status=status)
+
+
+def models_reply(*names: str) -> Reply:
+    return lambda request: web.json_response({"data": [{"id": n} for n in names]})
+
+
+def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.exc_info]
+
+
+# --- learnt model names ---------------------------------------------------------------------------
+
+
+async def test_learnt_model_names_that_break_the_limits_are_left_out_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = "/mnt/models/" + "meta-llama/Llama-3.1-70B-Instruct/".ljust(200, "x")  # 212 chars
+    # Over 256 characters, empty, and a lone surrogate (valid JSON, but msgpack cannot pack it).
+    names = (path, "y" * 300, "", "bad\ud800", *(f"m{i}" for i in range(70)))
+    routes = {"/health": text("ok"), "/v1/models": models_reply(*names)}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes) as (_, live):
+            await until(lambda: live.models)
+            await asyncio.sleep(0.2)  # ten probes more
+            snap = decode(live.encoded())
+    # vLLM's model id is often a long path: up to 256 characters fit; 64 names in all.
+    assert snap.models == (path, *(f"m{i}" for i in range(63)))
+    warnings = [r.getMessage() for r in caplog.records if "model names" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "3 empty, unencodable or over 256 characters" in warnings[0]
+    assert "7 beyond the first 64" in warnings[0]
+    assert not tracebacks(caplog)
+
+
+async def test_configured_models_override_the_learnt_ones() -> None:
+    routes = {"/health": text("ok"), "/v1/models": models_reply("learnt")}
+    async with sidecar_beside(routes, models=("a", "b")) as (_, live):
+        await until(lambda: live.server_ok)
+        await asyncio.sleep(0.1)
+        assert decode(live.encoded()).models == ("a", "b")
+
+
+# --- readiness ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [404, 405])
+async def test_a_server_without_health_is_probed_on_v1_models(status: int) -> None:
+    models = {"reply": models_reply("m")}
+    routes: dict[str, Reply] = {
+        "/health": text("no such route", status),
+        "/v1/models": lambda request: models["reply"](request),
+    }
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.server_ok)
+        snap = decode(live.encoded())
+        assert snap.ready and snap.models == ("m",)
+        models["reply"] = text("loading", 503)
+        await until(lambda: not live.server_ok)
+        assert live.reasons() == ["model server /v1/models answered 503"]
+
+
+async def test_a_health_error_other_than_404_or_405_is_not_ready() -> None:
+    routes = {"/health": text("boom", 500), "/v1/models": models_reply("m")}
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.server_reason != "model server not probed yet")
+        assert not live.server_ok
+        assert live.server_reason == "model server /health answered 500"
+
+
+# --- engine readings out of range -----------------------------------------------------------------
+
+
+async def test_an_out_of_range_engine_count_drops_the_engine_and_logs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics = {"text": GOOD}
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/metrics": lambda request: web.Response(text=metrics["text"]),
+    }
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes) as (_, live):
+            await until(lambda: live.engine is not None)
+            metrics["text"] = "vllm:num_requests_running 1e30\nvllm:num_requests_waiting 0\n"
+            await until(lambda: live.engine is None)
+            await asyncio.sleep(0.2)  # ten scrapes more
+            assert decode(live.encoded()).engine is None
+            metrics["text"] = GOOD
+            await until(lambda: live.engine is not None)
+    messages = [r.getMessage() for r in caplog.records if "engine metrics" in r.getMessage()]
+    assert len(messages) == 2, messages
+    assert "running = 1e+30" in messages[0] and "ok again" in messages[1]
+    assert not tracebacks(caplog)
+
+
+async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    load = (
+        "vllm:num_requests_running {}\nvllm:num_requests_waiting 0\n"
+        "# TYPE vllm:generation_tokens_total counter\n"
+    )
+    metrics = {"text": load.format(1) + "vllm:generation_tokens_total 0\n"}
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/metrics": lambda request: web.Response(text=metrics["text"]),
+    }
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes) as (_, live):
+            await until(lambda: live.engine is not None)
+            await asyncio.sleep(0.1)
+            assert live.engine is not None and live.engine.tps == 0.0  # the counter is read
+            metrics["text"] = load.format(5) + "vllm:generation_tokens_total 1e30\n"
+            await until(lambda: live.engine is not None and live.engine.running == 5)
+            assert live.engine is not None and live.engine.tps is None
+            metrics["text"] = load.format(6) + "vllm:generation_tokens_total 1e30\n"
+            await until(lambda: live.engine is not None and live.engine.running == 6)
+            assert live.engine is not None and live.engine.tps == 0.0  # no growth: a real rate
+    assert not tracebacks(caplog)
+
+
+async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever slips past the parser, the snapshot's own checks must not become a traceback.
+    def parse(text: str, engine: str) -> EngineReading:
+        return EngineReading("vllm", 2**60, 0, None, None)
+
+    monkeypatch.setattr(sidecar_app, "parse_engine_metrics", parse)
+    routes = {"/health": text("ok"), "/metrics": text(GOOD)}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes) as (_, live):
+            live.engine = EngineSample(running=1, waiting=0)  # must not outlive the problem
+            await until(lambda: live.engine is None)
+            await asyncio.sleep(0.2)
+            assert decode(live.encoded()).engine is None
+    messages = [r.getMessage() for r in caplog.records if "engine metrics" in r.getMessage()]
+    assert len(messages) == 1 and "engine.running" in messages[0], messages
+    assert not tracebacks(caplog)
+
+
+# --- host and GPU sampling ------------------------------------------------------------------------
+
+
+async def test_gpus_are_sampled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: set[int] = set()
+
+    class TracedNvml(FakeNvml):
+        def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+            threads.add(threading.get_ident())
+            return super().nvmlDeviceGetUtilizationRates(h)
+
+    nvml = TracedNvml()
+    monkeypatch.setattr(
+        sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
+    )
+    async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
+        await until(lambda: live.gpus)
+        assert [g.i for g in decode(live.encoded()).gpus] == [0, 1]
+    assert threads and threading.get_ident() not in threads
+    assert (nvml.inits, nvml.shutdowns) == (1, 1)
+
+
+# --- the model-server process ---------------------------------------------------------------------
+
+
+async def test_a_replaced_model_server_process_makes_the_node_cold(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(SidecarConfig(model_url="http://127.0.0.1:9", node_name="n", gpu=False))
+    collectors = _Collectors(app)
+    live = collectors.live
+    process = collectors.process
+    replaced = {"now": False}
+
+    def sample(now: float | None = None) -> tuple[int | None, float | None]:
+        process.reason, process.restarted = "", replaced["now"]
+        return (1 << 30, None)
+
+    monkeypatch.setattr(process, "sample", sample)
+    live.warm = True
+    await collectors.sample_process()
+    assert live.warm and live.rss == 1 << 30
+    replaced["now"] = True
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
+        await collectors.sample_process()
+    assert not live.warm
+    assert "warmup will run again" in caplog.text

@@ -1,9 +1,22 @@
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
+from promptlb.sidecar import _cli
 from promptlb.sidecar._cli import main
+
+
+@pytest.fixture(autouse=True)
+def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config that should have been refused fails the test, instead of serving for ever."""
+
+    def serve(*args: Any) -> None:
+        raise AssertionError("the sidecar was configured and would serve")
+
+    monkeypatch.setattr(_cli, "serve", serve)
 
 
 @pytest.mark.parametrize(
@@ -17,6 +30,12 @@ from promptlb.sidecar._cli import main
         (["--engine", "triton"], "--engine"),
         (["--model-url", "ftp://example"], "--model-url"),
         (["--model-url", "not a url"], "--model-url"),
+        (["--model-url", "http://127.0.0.1:abc"], "--model-url"),
+        (["--model-url", "http://127.0.0.1:99999"], "--model-url"),
+        (["--model-url", "http://[::1"], "--model-url"),
+        (["--models", ",".join(f"m{i}" for i in range(65))], "--models"),
+        (["--models", "m" * 257], "--models"),
+        (["--tags", ",".join(f"t{i}" for i in range(65))], "--tags"),
         (["--token-file", "/nonexistent/token"], "--token-file"),
         (["--protect-reads"], "--protect-reads"),
         (["--warmup-max-tokens", "0"], "--warmup-max-tokens"),
@@ -48,3 +67,41 @@ def test_bad_key_and_token_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["--token-file", str(empty)])
     assert "--token-file" in capsys.readouterr().err
+
+
+def test_a_short_token_file_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("short\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--token-file", str(token)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --token-file" in err and "at least 8 characters" in err
+
+
+def test_a_short_token_from_the_environment_names_the_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROMPTLB_SIDECAR_TOKEN", "short")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.splitlines()[-1]  # after the usage lines
+    assert "PROMPTLB_SIDECAR_TOKEN" in message and "at least 8 characters" in message
+    assert "--token-file" not in message and "short" not in message
+
+
+def test_help_explains_every_value_and_shows_no_empty_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: ())" not in text
+    assert "default: the host name" in text
+    actions = {a.option_strings[-1]: a for a in _cli._parser()._actions if a.option_strings}
+    for flag in ("--warmup-timeout", "--probe-timeout", "--warmup-max-tokens"):
+        assert actions[flag].help and actions[flag].help != argparse.SUPPRESS, flag

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -213,3 +214,44 @@ async def test_without_a_token_the_control_endpoints_are_closed(launch: Launcher
             assert "no token configured" in (await response.json())["error"]
         async with http.get(sidecar.url + "/snapshot") as response:
             assert response.status == 200
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_stops_the_sidecar_promptly_with_exit_0(
+    launch: Launcher, tmp_path: Path, sig: signal.Signals
+) -> None:
+    model = launch("emulator", "--ttft-ms", "5")
+    sidecar = launch("sidecar", *sidecar_args(model, tmp_path, "--sample-interval", "50ms"))
+    async with aiohttp.ClientSession() as http:
+        await wait_health(http, sidecar, 200)  # collectors and warmup have run
+    sent = time.monotonic()
+    sidecar.proc.send_signal(sig)
+    code = sidecar.proc.wait(timeout=10)
+    took = time.monotonic() - sent
+    assert code == 0, sidecar.log()
+    assert took < 3.0, f"took {took:.2f}s to stop"
+    assert "Traceback" not in sidecar.log()
+
+
+async def test_each_repeated_warmup_prompt_is_sent(launch: Launcher, tmp_path: Path) -> None:
+    model = launch("emulator", "--ttft-ms", "5")
+    sidecar = launch(
+        "sidecar",
+        *sidecar_args(model, tmp_path, "--warmup-prompt", "first", "--warmup-prompt", "second"),
+    )
+    async with aiohttp.ClientSession() as http:
+        body = await wait_health(http, sidecar, 200)
+    report = body["warmup"]
+    assert isinstance(report, dict) and report["ok"] is True
+    assert len(report["durations_ms"]) == 2
+
+
+async def test_models_given_on_the_command_line_override_the_learnt_ones(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    model = launch("emulator", "--model", "big", "--model", "small", "--ttft-ms", "5")
+    sidecar = launch("sidecar", *sidecar_args(model, tmp_path, "--models", "small"))
+    async with aiohttp.ClientSession() as http:
+        await wait_health(http, sidecar, 200)  # warmed up on "small", which the server has
+        snap = await get_snapshot(http, sidecar)
+    assert snap.models == ("small",)  # not ("big", "small") from /v1/models

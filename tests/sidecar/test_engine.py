@@ -108,3 +108,34 @@ def test_two_engines_at_once_need_an_explicit_choice() -> None:
     with pytest.raises(EngineMetricsError, match="several engines"):
         parse_engine_metrics(text)
     assert parse_engine_metrics(text, "sglang").running == 162
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "vllm:num_requests_running 1e30\nvllm:num_requests_waiting 0\n",
+        "vllm:num_requests_running 0\nvllm:num_requests_waiting +Inf\n",
+        # Each sample is in range; their sum is not.
+        'vllm:num_requests_running{engine="0"} 9e15\nvllm:num_requests_running{engine="1"} 9e15\n'
+        "vllm:num_requests_waiting 0\n",
+    ],
+    ids=["1e30", "inf", "summed"],
+)
+def test_counts_beyond_2_53_are_engine_metrics_errors(text: str) -> None:
+    with pytest.raises(EngineMetricsError, match=r"outside 0\.\.2\*\*53"):
+        parse_engine_metrics(text)
+
+
+def test_a_count_of_exactly_2_53_is_read() -> None:
+    text = f"vllm:num_requests_running {2**53}\nvllm:num_requests_waiting 0\n"
+    assert parse_engine_metrics(text).running == 2**53
+
+
+def test_an_infinite_token_counter_is_left_out() -> None:
+    text = (
+        "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+        "# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total +Inf\n"
+    )
+    assert parse_engine_metrics(text) == EngineReading("vllm", 1, 0, None, None)
+    finite = text.replace("+Inf", "12")
+    assert parse_engine_metrics(finite) == EngineReading("vllm", 1, 0, None, 12.0)

@@ -26,7 +26,8 @@ class FakeNvml:
         self.init_fails = init_fails
         self.inits = 0
         self.shutdowns = 0
-        self.broken: set[int] = set()
+        self.broken: set[int] = set()  # utilisation queries fail
+        self.broken_memory: set[int] = set()
 
     def nvmlInit(self) -> None:
         self.inits += 1
@@ -48,6 +49,8 @@ class FakeNvml:
         return SimpleNamespace(gpu=[87, 3][h], memory=10)
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        if h in self.broken_memory:
+            raise NVMLError("Unknown Error")
         return SimpleNamespace(used=[70_000, 1_000][h] * _MiB, total=81_559 * _MiB)
 
     def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
@@ -56,17 +59,21 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, h: int) -> int:
         if h == 1:
             raise NVMLError("Not Supported")
-        return 312_500  # milliwatts
+        return 312_600  # milliwatts
 
 
 def test_every_gpu_is_reported_with_what_it_has() -> None:
     nvml = FakeNvml()
     gpus = GpuCollector(nvml)
     gpus.open()
-    assert gpus.sample() == (
-        GpuSample(0, 0.87, 70_000, 81_559, 71.0, 312.5),
-        GpuSample(1, 0.03, 1_000, 81_559, 40.0, None),
+    samples = gpus.sample()
+    assert samples == (
+        GpuSample(0, 0.87, 70_000, 81_559, 71, 313),
+        GpuSample(1, 0.03, 1_000, 81_559, 40, None),
     )
+    # Whole degrees and watts (rounded from milliwatts), as ints: they pack in 1-3 bytes.
+    assert [type(g.temp_c) for g in samples] == [int, int]
+    assert type(samples[0].power_w) is int
     gpus.close()
     gpus.close()
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
@@ -82,6 +89,52 @@ def test_a_lost_gpu_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixture
             assert [g.i for g in gpus.sample()] == [1]
     assert len(caplog.records) == 1
     gpus.close()
+
+
+def test_each_failing_gpu_is_logged_once_and_so_is_its_recovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
+        nvml.broken.update((0, 1))
+        for _ in range(3):
+            assert gpus.sample() == ()
+        nvml.broken.clear()
+        for _ in range(3):
+            assert [g.i for g in gpus.sample()] == [0, 1]
+    messages = [r.getMessage() for r in caplog.records]
+    # Two GPUs failing together: one line each, not a line per GPU per sample.
+    assert len(messages) == 4, messages
+    assert messages[0].startswith("GPU 0: ") and "GPU is lost" in messages[0]
+    assert messages[1].startswith("GPU 1: ") and "GPU is lost" in messages[1]
+    assert messages[2:] == ["GPU 0: ok again", "GPU 1: ok again"]
+    gpus.close()
+
+
+def test_a_gpu_whose_memory_is_unreadable_is_left_out_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    nvml.broken_memory.add(1)
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar.gpu"):
+        for _ in range(3):
+            assert [g.i for g in gpus.sample()] == [0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1: left out, memory unreadable: Unknown Error"
+    ]
+    gpus.close()
+
+
+def test_a_gpu_sampled_after_close_reports_nothing() -> None:
+    nvml = FakeNvml()
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    gpus.close()
+    assert gpus.sample() == ()
 
 
 def test_no_nvml_gives_an_empty_list_logged_once(caplog: pytest.LogCaptureFixture) -> None:

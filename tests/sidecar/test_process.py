@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -64,3 +65,79 @@ def test_the_window_forgets_old_samples_and_a_new_process_starts_over() -> None:
     dead = ProcessCollector(pid=gone.pid, port=None)
     assert dead.sample() == (None, None)
     assert str(gone.pid) in dead.reason
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    proc.kill()
+    proc.wait(timeout=5)
+
+
+def test_the_rss_of_child_processes_is_counted() -> None:
+    # vLLM V1 and SGLang: the listening process is small, the engine child holds the memory.
+    child = (
+        "import sys\nb=bytearray(64<<20); b[::4096]=b'1'*len(range(0,len(b),4096))\n"
+        "print('ok', flush=True)\nsys.stdin.read()\n"
+    )
+    parent_code = (
+        f"import subprocess,sys\nsubprocess.Popen([sys.executable, '-c', {child!r}]).wait()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    try:
+        assert parent.stdout.readline() == "ok\n"  # the grandchild holds its 64 MiB
+        alone = psutil.Process(parent.pid).memory_info().rss
+        rss, _ = ProcessCollector(pid=parent.pid, port=None).sample()
+        assert rss is not None and rss >= alone + 64 * 2**20
+    finally:
+        _kill_tree(parent)
+
+
+def _listener(port: int = 0) -> tuple[subprocess.Popen[str], int]:
+    code = (
+        "import socket,sys\ns=socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+        "print(s.getsockname()[1], flush=True)\nsys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def test_a_process_replaced_on_the_port_is_flagged_once_as_restarted() -> None:
+    first, port = _listener()
+    collector = ProcessCollector(pid=None, port=port)
+    second = None
+    try:
+        assert collector.sample()[0] is not None
+        assert not collector.restarted  # the first process found is no restart
+        assert collector.sample()[0] is not None and not collector.restarted
+        first.kill()
+        first.wait(timeout=5)
+        second, same_port = _listener(port)  # quicker than any probe would notice
+        assert same_port == port
+        rss, slope = collector.sample()
+        assert rss is not None and slope is None and collector.restarted
+        collector.sample()
+        assert not collector.restarted  # only the sample that found the new process says so
+    finally:
+        _kill_tree(first)
+        if second is not None:
+            _kill_tree(second)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from promptlb.shared import ConfigError, Snapshot, decode, encode
+from promptlb.sidecar import SidecarConfig
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://[::1", "http://[::1:80/"]
+)
+def test_a_url_that_does_not_parse_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(model_url=url, node_name="n")
+    assert error.value.key == "model_url"
+
+
+def test_an_ipv6_url_and_its_port_are_accepted() -> None:
+    assert SidecarConfig(model_url="http://[::1]:8000/", node_name="n").model_port == 8000
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"models": tuple(f"m{i}" for i in range(65))},
+        {"tags": tuple(f"t{i}" for i in range(65))},
+        {"models": ("m" * 257,)},
+        {"tags": ("",)},
+    ],
+    ids=["65 models", "65 tags", "a 257-character model", "an empty tag"],
+)
+def test_models_and_tags_beyond_the_snapshot_limits_are_config_errors(
+    fields: dict[str, Any],
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(node_name="n", **fields)
+    assert error.value.key == next(iter(fields))
+
+
+def test_models_and_tags_at_the_limits_fit_in_a_snapshot() -> None:
+    # A vLLM model id is often a path: 256 characters each, 64 of each.
+    models = tuple(f"/models/{i:02}/".ljust(256, "x") for i in range(64))
+    tags = tuple(f"t{i}" for i in range(64))
+    config = SidecarConfig(node_name="n", models=models, tags=tags)
+    snap = Snapshot(node="n", boot="b", seq=1, ts=1.0, models=config.models, tags=config.tags)
+    assert decode(encode(snap)).models == models
+
+
+def test_a_short_token_names_the_token() -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(node_name="n", token="short")
+    assert error.value.key == "token" and "short" not in str(error.value)
