@@ -462,7 +462,8 @@ class Resource(_Scored):
                     # Holding the snapshot keeps the identity test sound: no new object can
                     # reuse the id of one still referenced.
                     scores[node.name] = (snap, score)
-            costs.append(_ramped(score, node.ramp))
+            # _ramped, inlined: a call per node is a third of a 1,000-node scan.
+            costs.append(1.0 - (1.0 - score) * node.ramp)
         return _at_random(candidates, costs, min(costs), rng)
 
 
