@@ -53,6 +53,7 @@ class Phase:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: int = 0
     sent: int = 0
+    why: list[str] = field(default_factory=list)
 
     def all_latencies(self) -> list[float]:
         return [x for values in self.latencies.values() for x in values]
@@ -94,12 +95,14 @@ async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase) -> No
                 await response.read()
                 if response.status != 200:
                     phase.errors += 1
+                    phase.why.append(f"{response.status} {(await response.text())[:160]}")
                     return
                 phase.latencies[response.headers["x-promptlb-node"]].append(
                     time.monotonic() - began
                 )
-        except aiohttp.ClientError:
+        except aiohttp.ClientError as exc:
             phase.errors += 1
+            phase.why.append(f"{type(exc).__name__}: {exc}")
 
     await asyncio.gather(*(one(at, n) for at, n in arrivals(seed=42)))
 
@@ -212,6 +215,9 @@ async def main_async(workdir: Path) -> None:
                 f"  {phase.strategy:<12} {phase.sent:>8} {phase.errors:>6} "
                 f"{statistics.median(lat) * 1e3:>7.0f} {pct(lat, 0.99) * 1e3:>7.0f}   {share}"
             )
+        for phase in phases:
+            for why in phase.why[:3]:
+                print(f"  {phase.strategy} error: {why}")
     finally:
         for service in [*sidecars.values(), *models.values()]:
             service.stop()
