@@ -149,3 +149,18 @@ def test_the_gateway_rejects_a_bad_config_with_exit_2(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "strategy: got 'fastest'" in done.stderr
+
+
+def test_the_retry_budget_is_a_share_of_active_requests_with_a_floor() -> None:
+    from promptlb.middleware._balancer import _RetryBudget
+
+    budget = _RetryBudget(percent=20.0, min_concurrent=3)
+    budget.active = 5
+    budget.retrying = 2
+    assert budget.allow()  # under the floor of 3
+    budget.retrying = 3
+    assert not budget.allow()  # 20% of 5 is 1, the floor is 3
+    budget.active = 100
+    assert budget.allow()  # 20% of 100 is 20
+    budget.retrying = 20
+    assert not budget.allow()
