@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean FORCE
+.PHONY: demo test lint bench bench-full clean FORCE
 
 # strict editable installs link each file: a file added or removed needs a reinstall, so the
 # stamp also depends on the list of package files (rewritten only when that list changes).
-LISTING := $(shell find shared sidecar emulator middleware -name '*.py' -o -name py.typed | sort | tr '\n' ' ')
+LISTING := $(shell find shared sidecar emulator middleware bench -name '*.py' -o -name py.typed | sort | tr '\n' ' ')
 FILES := $(VENV)/.files
 
 $(FILES): FORCE
@@ -33,10 +33,33 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# make bench: quick (a few minutes on 2 cores). The short cluster run writes under
+# bench/results/quick/ so that it never replaces the full runs' committed numbers.
 bench: $(STAMP)
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/pick_bench.py
+	$(BIN)/python bench/proxy_bench.py --quick
+	$(BIN)/promptlb-bench sim seed-3am
+	$(BIN)/promptlb-bench sim hetero-8
+	$(BIN)/promptlb-bench sim uniform-4
+	$(BIN)/promptlb-bench sim burst
+	$(BIN)/promptlb-bench cluster uniform-4 --duration 15s --peers none --out bench/results/quick
+
+# make bench-full: everything, the live cluster runs with the peers (nginx, LiteLLM) that are
+# installed; a missing peer is reported as missing and the rest still runs. About an hour.
+bench-full: $(STAMP)
+	$(BIN)/python bench/snapshot_bench.py
+	$(BIN)/python bench/pick_bench.py
 	$(BIN)/python bench/proxy_bench.py
+	$(BIN)/promptlb-bench sim seed-3am
+	$(BIN)/promptlb-bench sim hetero-8
+	$(BIN)/promptlb-bench sim uniform-4
+	$(BIN)/promptlb-bench sim burst
+	$(BIN)/promptlb-bench sim hetero-8 --nodes 1000 --replicas 50
+	$(BIN)/promptlb-bench cluster uniform-4
+	$(BIN)/promptlb-bench cluster burst
+	$(BIN)/promptlb-bench cluster seed-3am
+	$(BIN)/promptlb-bench cluster hetero-8
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -47,11 +47,41 @@ class _Stats:
 
 
 @dataclass(slots=True)
+class _Faults:
+    """The faults that can change while the process runs (``POST /_emulator/faults``); the CLI
+    flags are only their starting values. A benchmark plays a scenario's faults over time with
+    them, without restarting the process (which would reset its queue and its leaked memory)."""
+
+    slow_factor: float = 1.0
+    leak_mb_per_req: float = 0.0
+    error_rate: float = 0.0
+    # Set while the node is hung: requests wait on it, then go on once the hang is lifted, as
+    # the work queued on a stalled server does when it recovers.
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.running.set()
+
+    @property
+    def hang(self) -> bool:
+        return not self.running.is_set()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "slow_factor": self.slow_factor,
+            "hang": self.hang,
+            "leak_mb_per_req": self.leak_mb_per_req,
+            "error_rate": self.error_rate,
+        }
+
+
+@dataclass(slots=True)
 class _State:
     config: EmulatorConfig
     capacity: Capacity
     rng: random.Random
     ready_at: float
+    faults: _Faults
     stats: _Stats = field(default_factory=_Stats)
 
 
@@ -144,6 +174,7 @@ class _Handlers:
             os._exit(3)  # a crash, not a shutdown: no cleanup, connections reset
         if cfg.hang_after and seen > cfg.hang_after:
             await asyncio.get_running_loop().create_future()  # until the client gives up
+        await state.faults.running.wait()  # a runtime hang: until it is lifted or the client goes
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -153,11 +184,12 @@ class _Handlers:
         model = body.get("model", cfg.models[0])
         if model not in cfg.models:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if cfg.error_rate and state.rng.random() < cfg.error_rate:
+        faults = state.faults
+        if faults.error_rate and state.rng.random() < faults.error_rate:
             state.stats.errors += 1
             return _error(500, "emulated internal error", "internal_server_error")
-        if cfg.leak_mb_per_req:
-            leak = bytearray(int(cfg.leak_mb_per_req * _MiB))
+        if faults.leak_mb_per_req:
+            leak = bytearray(int(faults.leak_mb_per_req * _MiB))
             leak[::4096] = b"\x01" * len(range(0, len(leak), 4096))  # touch pages: real RSS
             state.stats.leaked.append(leak)
         return body
@@ -189,10 +221,11 @@ class _Handlers:
         cfg, state = self.cfg, self.state
         n_in = _estimate_tokens(prompt)
         n_out = self._output_tokens(body)
-        rate = cfg.tokens_per_s / cfg.slow_factor
-        ttft = cfg.ttft_ms / 1000 * cfg.slow_factor
+        slow = state.faults.slow_factor  # read once: a change applies to requests that start after
+        rate = cfg.tokens_per_s / slow
+        ttft = cfg.ttft_ms / 1000 * slow
         if cfg.prefill_tokens_per_s:
-            ttft += n_in / cfg.prefill_tokens_per_s * cfg.slow_factor
+            ttft += n_in / cfg.prefill_tokens_per_s * slow
         model = body.get("model", cfg.models[0])
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -264,7 +297,7 @@ class _Handlers:
         try:
             async with self.state.capacity.slot():
                 # One forward pass for the whole batch, as a real engine does.
-                await asyncio.sleep(cfg.ttft_ms / 1000 * cfg.slow_factor)
+                await asyncio.sleep(cfg.ttft_ms / 1000 * self.state.faults.slow_factor)
         except QueueFull:
             return _error(429, "queue is full", "rate_limit_error")
         n_in = sum(_estimate_tokens(v) for v in inputs)
@@ -296,12 +329,75 @@ class _Handlers:
             return web.json_response({"status": "loading"}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state.faults.as_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """``POST /_emulator/faults`` with any of ``slow_factor`` (> 0), ``hang`` (bool),
+        ``leak_mb_per_req`` (>= 0), ``error_rate`` (0..1) and ``free_leaked`` (true drops the
+        memory leaked so far). All are checked before any applies; answers the new state."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        problem = _check_faults(body)
+        if problem:
+            return _error(400, problem, "invalid_request_error")
+        faults = self.state.faults
+        if "slow_factor" in body:
+            faults.slow_factor = float(body["slow_factor"])
+        if "leak_mb_per_req" in body:
+            faults.leak_mb_per_req = float(body["leak_mb_per_req"])
+        if "error_rate" in body:
+            faults.error_rate = float(body["error_rate"])
+        if body.get("free_leaked"):
+            self.state.stats.leaked.clear()
+        if "hang" in body:
+            if body["hang"]:
+                faults.running.clear()
+            else:
+                faults.running.set()
+        log.warning("faults now %s", faults.as_dict())
+        return web.json_response(faults.as_dict())
+
     async def metrics(self, request: web.Request) -> web.Response:
         registry: CollectorRegistry = request.app[REGISTRY]
         return web.Response(
             body=generate_latest(registry),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _check_faults(body: dict[str, Any]) -> str | None:
+    """What is wrong with a faults update, or None."""
+    known = ("slow_factor", "hang", "leak_mb_per_req", "error_rate", "free_leaked")
+    for key in body:
+        if key not in known:
+            return f"unknown key `{key}`; expected some of {', '.join(known)}"
+    for key in ("hang", "free_leaked"):
+        if key in body and not isinstance(body[key], bool):
+            return f"`{key}` must be true or false"
+    if "slow_factor" in body:
+        value = _number(body["slow_factor"])
+        if value is None or value <= 0:
+            return "`slow_factor` must be a number > 0"
+    if "leak_mb_per_req" in body:
+        value = _number(body["leak_mb_per_req"])
+        if value is None or value < 0:
+            return "`leak_mb_per_req` must be a number >= 0"
+    if "error_rate" in body:
+        value = _number(body["error_rate"])
+        if value is None or not 0 <= value <= 1:
+            return "`error_rate` must be a probability in 0..1"
+    return None
 
 
 def _vector(value: object, dim: int) -> list[float]:
@@ -396,6 +492,11 @@ def create_app(config: EmulatorConfig) -> web.Application:
         capacity=Capacity(config.slots, config.max_queue),
         rng=random.Random(config.seed),
         ready_at=time.monotonic() + config.load_time_s,
+        faults=_Faults(
+            slow_factor=config.slow_factor,
+            leak_mb_per_req=config.leak_mb_per_req,
+            error_rate=config.error_rate,
+        ),
     )
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_VllmMetrics(state))
@@ -409,4 +510,6 @@ def create_app(config: EmulatorConfig) -> web.Application:
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/_emulator/faults", handlers.get_faults)
+    app.router.add_post("/_emulator/faults", handlers.set_faults)
     return app

@@ -1,0 +1,79 @@
+"""``promptlb-bench``: the command line only parses and forwards to the runners."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from promptlb.shared import ConfigError
+
+__all__ = ["main"]
+
+DEFAULT_STRATEGIES = "round_robin,least_conn,p2c"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="promptlb-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    cluster = sub.add_parser("cluster", help="replay a scenario against a live emulated cluster")
+    cluster.add_argument("scenario", help="a name in bench/scenarios/ or a TOML path")
+    cluster.add_argument(
+        "--strategies", default=DEFAULT_STRATEGIES, help="comma-separated promptlb strategies"
+    )
+    cluster.add_argument(
+        "--peers",
+        default="nginx,litellm",
+        help="comma-separated peers to run too (nginx, litellm), or none",
+    )
+    cluster.add_argument("--duration", default=None, help="override the scenario's duration")
+    cluster.add_argument("--out", default=None, help="results folder (default bench/results)")
+    cluster.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+    sim = sub.add_parser("sim", help="discrete-event simulation with a virtual clock")
+    sim.add_argument("scenario", help="a name in bench/scenarios/ or a TOML path")
+    sim.add_argument("--strategies", default=DEFAULT_STRATEGIES + ",resource,weighted")
+    sim.add_argument("--replicas", type=int, default=8, help="middleware replicas")
+    sim.add_argument("--staleness", default="1s", help="snapshot age the replicas see")
+    sim.add_argument(
+        "--nodes", type=int, default=None, help="scale the scenario's node list to this many nodes"
+    )
+    sim.add_argument("--duration", default=None, help="override the scenario's duration")
+    sim.add_argument("--out", default=None, help="results folder (default bench/results)")
+
+    endpoint = sub.add_parser("endpoint", help="capacity planning against any OpenAI endpoint")
+    endpoint.add_argument("url", help="base URL, e.g. http://127.0.0.1:8000")
+    endpoint.add_argument("--model", required=True)
+    endpoint.add_argument("--concurrency", default="1,2,4,8,16,32")
+    endpoint.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
+    endpoint.add_argument("--max-tokens", type=int, default=64)
+    endpoint.add_argument(
+        "--target-rate",
+        type=float,
+        default=None,
+        help="requests/s to plan for (with 20%% headroom)",
+    )
+    endpoint.add_argument("--out", default=None, help="results folder (default bench/results)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "cluster":
+            from ._live import run_cluster
+
+            run_cluster(args)
+        elif args.command == "sim":
+            from ._sim import run_sim
+
+            run_sim(args)
+        else:
+            from ._endpoint import run_endpoint
+
+            run_endpoint(args)
+    except ConfigError as exc:
+        print(f"promptlb-bench: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,624 @@
+"""``promptlb-bench cluster SCENARIO``: the scenario's nodes as real processes (one emulator and
+one sidecar each), then one gateway per strategy and each peer in turn, all replaying the same
+seeded open-loop trace with the scenario's faults played at their times.
+
+Between runs, crashed nodes are started again on their port and every live fault is reset, so
+that each strategy starts from the same cluster. Every process started is stopped at the end,
+on errors and on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.middleware._strategies import DEFAULT_STRATEGY
+from promptlb.shared import ConfigError, parse_duration
+
+from . import _peers
+from ._loadgen import Progress, Result, replay
+from ._peers import Target
+from ._report import RESULTS, environment, plot_cluster, summarize, table, write_json
+from ._scenario import Arrival, Burst, Fault, NodeSpec, Scenario, load_scenario
+
+__all__ = ["Cluster", "run_cluster", "scaled"]
+
+REQUEST_TIMEOUT_S = 60.0  # each request, whoever serves it
+DRAIN_S = 60.0  # after the trace's last send: time left to the requests still in flight
+HEALTH_INTERVAL = "1s"
+SAMPLE_INTERVAL = "250ms"
+READY_TIMEOUT_S = 30.0
+# Issue 5's targets for the default strategy, reported next to the numbers (never tuned to).
+TARGET_VS_ROUND_ROBIN = 0.5
+TARGET_VS_LITELLM = 0.8
+
+
+def scaled(scenario: Scenario, duration: float) -> tuple[Scenario, float]:
+    """The scenario over ``duration``: fault and burst times scaled with it, so that a shorter
+    run still plays the whole story (a crash at 30 s of 60 s happens at 15 s of 30 s). Returns
+    the scenario and the scale."""
+    scale = duration / scenario.duration
+    if scale == 1.0:
+        return scenario, 1.0
+    nodes = tuple(
+        dataclasses.replace(
+            n, faults=tuple(dataclasses.replace(f, at=f.at * scale) for f in n.faults)
+        )
+        for n in scenario.nodes
+    )
+    bursts = tuple(
+        Burst(at=b.at * scale, duration=b.duration * scale, factor=b.factor)
+        for b in scenario.workload.bursts
+    )
+    workload = dataclasses.replace(scenario.workload, bursts=bursts)
+    return dataclasses.replace(scenario, duration=duration, nodes=nodes, workload=workload), scale
+
+
+@dataclass
+class LiveNode:
+    spec: NodeSpec
+    model: Service
+    sidecar: Service
+    argv: list[str]  # the emulator's command line without --port
+
+    @property
+    def alive(self) -> bool:
+        return self.model.proc.poll() is None
+
+
+@dataclass
+class Cluster:
+    """The scenario's nodes as processes; it owns them and stops them all."""
+
+    scenario: Scenario
+    nodes: dict[str, LiveNode] = field(default_factory=dict)
+    # Every process ever started, recorded the moment it listens: Ctrl-C during a start or a
+    # restart (in a worker thread) must still find it. Stopping twice is harmless.
+    services: list[Service] = field(default_factory=list)
+    stopping: bool = False
+
+    def _track(self, service: Service) -> Service:
+        self.services.append(service)
+        if self.stopping:  # started after stop() began: do not outlive the run
+            service.stop()
+            raise RuntimeError("the cluster is stopping")
+        return service
+
+    def start(self) -> None:
+        specs = self.scenario.nodes
+        argvs = {
+            spec.name: [
+                "-m",
+                "promptlb.emulator",
+                "--model",
+                self.scenario.model,
+                "--seed",
+                str(self.scenario.seed * 1000 + i),
+                "--log-level",
+                "ERROR",
+                *spec.emulator_flags(),
+            ]
+            for i, spec in enumerate(specs)
+        }
+
+        def model(argv: list[str]) -> Service:
+            return self._track(start_command("emulator", [*argv, "--port", "0"]))
+
+        # Started side by side: a Python process takes about a second to import and listen.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            models = dict(zip(argvs, pool.map(model, argvs.values()), strict=True))
+            sidecars = dict(
+                zip(
+                    argvs,
+                    pool.map(lambda s: self._track(self._sidecar(s, models[s.name])), specs),
+                    strict=True,
+                )
+            )
+        for spec in specs:
+            self.nodes[spec.name] = LiveNode(
+                spec, models[spec.name], sidecars[spec.name], argvs[spec.name]
+            )
+
+    @staticmethod
+    def _sidecar(spec: NodeSpec, model: Service) -> Service:
+        flags = ["--tier", spec.tier] if spec.tier else []
+        if spec.tags:
+            flags += ["--tags", ",".join(spec.tags)]
+        return start_service(
+            "sidecar",
+            "--model-url",
+            model.url,
+            "--node-name",
+            spec.name,
+            "--sample-interval",
+            SAMPLE_INTERVAL,
+            "--no-warmup-required",
+            "--no-warmup-at-start",
+            "--no-gpu",  # the emulators are CPU processes; a real GPU here would mislead
+            "--log-level",
+            "ERROR",
+            *flags,
+        )
+
+    def stop(self) -> None:
+        self.stopping = True
+        for service in reversed(self.services):
+            with contextlib.suppress(Exception):
+                service.stop()
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {name: node.model.url for name, node in self.nodes.items()}
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return {name: node.spec.slots for name, node in self.nodes.items()}
+
+    def crash(self, name: str) -> None:
+        """A crash, not a shutdown: SIGKILL, connections reset mid-stream."""
+        node = self.nodes[name]
+        if node.alive:
+            node.model.proc.kill()
+            node.model.proc.wait(timeout=5)
+
+    def restart(self, name: str) -> None:
+        """The node's emulator again, on the port its sidecar and every router point at."""
+        node = self.nodes[name]
+        self.crash(name)
+        port = str(node.model.port)
+        node.model = self._track(start_command("emulator", [*node.argv, "--port", port]))
+
+    async def set_faults(
+        self, http: aiohttp.ClientSession, name: str, body: dict[str, Any]
+    ) -> None:
+        url = self.nodes[name].model.url + "/_emulator/faults"
+        async with http.post(url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{name}: faults {body} -> {response.status}")
+
+    async def apply(self, http: aiohttp.ClientSession, name: str, fault: Fault) -> None:
+        if fault.kind == "crash":
+            self.crash(name)
+        elif fault.kind == "recover":
+            if self.nodes[name].alive:
+                await self.set_faults(http, name, _RESET)
+            else:
+                await asyncio.to_thread(self.restart, name)  # the trace goes on meanwhile
+        elif fault.kind == "slow":
+            await self.set_faults(http, name, {"slow_factor": fault.value or 2.0})
+        elif fault.kind == "hang":
+            await self.set_faults(http, name, {"hang": True})
+        elif fault.kind == "leak":
+            await self.set_faults(http, name, {"leak_mb_per_req": fault.value})
+
+    async def reset(self, http: aiohttp.ClientSession) -> None:
+        """Every node as it started: dead ones started again, live faults off, leaks freed,
+        nothing in flight."""
+        for name, node in self.nodes.items():
+            if not node.alive:
+                await asyncio.to_thread(self.restart, name)
+            await self.set_faults(http, name, {**_RESET, "free_leaked": True})
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            busy = [n for n in self.nodes if await self._in_flight(http, n) > 0]
+            if not busy:
+                return
+            await asyncio.sleep(0.2)
+
+    async def _in_flight(self, http: aiohttp.ClientSession, name: str) -> float:
+        url = self.nodes[name].model.url + "/metrics"
+        total = 0.0
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with http.get(url) as response:
+                for line in (await response.text()).splitlines():
+                    if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                        total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+_RESET: dict[str, Any] = {"slow_factor": 1.0, "hang": False, "leak_mb_per_req": 0.0}
+
+
+def gateway_config(strategy: str, cluster: Cluster) -> str:
+    """The gateway's TOML: the nodes with their sidecars, the strategy, 1 s health checks and
+    everything else (retries, outlier ejection, slow start) at its default."""
+    tables = "".join(
+        f"\n[[nodes]]\nname = '{name}'\nurl = '{node.model.url}'\n"
+        f"sidecar = '{node.sidecar.url}'\nmodels = ['{cluster.scenario.model}']\n"
+        for name, node in cluster.nodes.items()
+    )
+    return (
+        f"strategy = '{strategy}'\nadmin_local_only = true\n\n"
+        f"[health]\ninterval = '{HEALTH_INTERVAL}'\n" + tables
+    )
+
+
+def start_gateway(strategy: str, cluster: Cluster, workdir: Path) -> Target:
+    path = workdir / f"gateway-{strategy}.toml"
+    path.write_text(gateway_config(strategy, cluster), encoding="utf-8")
+    service = start_service("middleware", "--config", str(path), "--log-level", "warning")
+    return Target(
+        name=f"promptlb {strategy}",
+        kind="promptlb",
+        strategy=strategy,
+        url=service.url,
+        stop=service.stop,
+        log=service.log,
+    )
+
+
+async def wait_ready(http: aiohttp.ClientSession, target: Target, count: int) -> None:
+    """A gateway is measured once it sees every node ready with a trusted snapshot: a run must
+    not start while the strategy is still blind."""
+    if target.kind != "promptlb":
+        return
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    seen: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with http.get(target.url + "/_promptlb/status") as response:
+                seen = await response.json()
+            nodes = seen["nodes"]
+            if len(nodes) == count and all(
+                n["state"] == "ready" and n["snapshot_trusted"] for n in nodes
+            ):
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{target.name}: nodes not all ready after {READY_TIMEOUT_S:g}s: {seen}")
+
+
+class ProgressBar:
+    """A plain-text bar on stderr, redrawn with ``\\r`` on a terminal; elsewhere (a log, CI)
+    one line every few seconds."""
+
+    def __init__(self, label: str, duration: float, progress: Progress) -> None:
+        self.label, self.duration, self.progress = label, duration, progress
+        self.tty = sys.stderr.isatty()
+
+    def line(self, now: float) -> str:
+        p = self.progress
+        elapsed = now - p.started_at if p.started_at else 0.0
+        share = min(1.0, elapsed / self.duration) if self.duration else 1.0
+        bar = "#" * round(share * 24) + "-" * (24 - round(share * 24))
+        tail = f" draining {p.sent - p.done}" if elapsed > self.duration else ""
+        return (
+            f"  {self.label:<30} [{bar}] {min(elapsed, self.duration):5.1f}/{self.duration:g}s "
+            f"sent {p.sent}/{p.total} done {p.done} err {p.errors}{tail}"
+        )
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = 0.25 if self.tty else 5.0
+        while True:
+            await asyncio.sleep(period)
+            if self.tty:
+                sys.stderr.write("\r" + self.line(loop.time()).ljust(110))
+            else:
+                sys.stderr.write(self.line(loop.time()) + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        end = "\r" if self.tty else ""
+        sys.stderr.write(end + self.line(loop.time()).ljust(110 if self.tty else 0) + "\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class Run:
+    target: str
+    kind: str
+    strategy: str
+    results: list[Result]
+    faults: list[dict[str, Any]]
+
+
+async def measure(
+    http: aiohttp.ClientSession, cluster: Cluster, target: Target, trace: Sequence[Arrival]
+) -> Run:
+    """One replay of the trace through ``target``, the faults played on the same clock."""
+    scenario = cluster.scenario
+    schedule = sorted(
+        ((f.at, name, f) for name, n in cluster.nodes.items() for f in n.spec.faults),
+        key=lambda x: x[0],
+    )
+    applied: list[dict[str, Any]] = []
+    progress = Progress()
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def play() -> None:
+        for at, name, fault in schedule:
+            if at >= scenario.duration:
+                break  # past the trace: nothing left to see it
+            await asyncio.sleep(max(0.0, progress.started_at + at - loop.time()))
+            began = loop.time() - progress.started_at
+            try:
+                await cluster.apply(http, name, fault)
+                outcome = "ok"
+            except Exception as exc:  # reported, and the run goes on: a benchmark, not a test
+                outcome = f"failed: {exc}"
+            applied.append(
+                {
+                    "node": name,
+                    "kind": fault.kind,
+                    "value": fault.value,
+                    "at": round(at, 3),
+                    "applied_at": round(began, 3),
+                    "outcome": outcome,
+                }
+            )
+
+    def on_start() -> None:
+        tasks.append(asyncio.create_task(play()))
+
+    bar = ProgressBar(target.name, scenario.duration, progress)
+    drawing = asyncio.create_task(bar.run())
+    try:
+        results = await replay(
+            target.url,
+            trace,
+            model=scenario.model,
+            timeout_s=REQUEST_TIMEOUT_S,
+            drain_s=DRAIN_S,
+            upstreams=target.upstreams,
+            progress=progress,
+            on_start=on_start,
+        )
+    finally:
+        for task in [drawing, *tasks]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        bar.close()
+    return Run(target.name, target.kind, target.strategy, results, applied)
+
+
+@dataclass
+class Plan:
+    """What to run: our strategies, then each peer's strategies; what is missing, and why."""
+
+    ours: list[str]
+    peers: list[tuple[str, str]]  # (peer, strategy)
+    missing: list[str]
+
+
+def plan(strategies: str, peers: str) -> Plan:
+    ours = [s.strip() for s in strategies.split(",") if s.strip()]
+    known = ("round_robin", "weighted", "least_conn", "resource", "p2c")
+    for s in ours:
+        if s not in known:
+            raise ConfigError("strategies", s, "one of " + ", ".join(known))
+    wanted = [p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none"]
+    runs: list[tuple[str, str]] = []
+    missing: list[str] = []
+    for peer in wanted:
+        if peer == "nginx":
+            why = _peers.nginx_missing()
+            strategies_of: Sequence[str] = _peers.NGINX_STRATEGIES
+        elif peer == "litellm":
+            why = _peers.litellm_missing()
+            strategies_of = _peers.LITELLM_STRATEGIES
+        else:
+            raise ConfigError("peers", peer, "nginx, litellm or none")
+        if why:
+            missing.append(f"missing: {why}")
+        else:
+            runs += [(peer, s) for s in strategies_of]
+    return Plan(ours, runs, missing)
+
+
+def _start_target(kind: str, strategy: str, cluster: Cluster, workdir: Path) -> Target:
+    if kind == "promptlb":
+        return start_gateway(strategy, cluster, workdir)
+    if kind == "nginx":
+        return _peers.start_nginx(strategy, cluster.urls)
+    return _peers.start_litellm(strategy, cluster.urls, cluster.scenario.model)
+
+
+def targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 5's targets for the default strategy, from the p99 of each run."""
+
+    def p99(name: str) -> float | None:
+        value = runs.get(name, {}).get("latency_ms", {}).get("p99")
+        return float(value) if value is not None else None
+
+    ours = p99(f"promptlb {DEFAULT_STRATEGY}")
+    out: dict[str, Any] = {"strategy": DEFAULT_STRATEGY, "p99_ms": ours}
+    rr = p99("promptlb round_robin")
+    litellm = {n: p99(n) for n, r in runs.items() if r.get("kind") == "litellm"}
+    best = min(((v, n) for n, v in litellm.items() if v is not None), default=None)
+    if ours is not None and rr:
+        out["vs_round_robin"] = {
+            "ratio": round(ours / rr, 3),
+            "target": TARGET_VS_ROUND_ROBIN,
+            "met": ours / rr <= TARGET_VS_ROUND_ROBIN,
+        }
+    if ours is not None and best is not None:
+        out["vs_best_litellm"] = {
+            "best": best[1],
+            "ratio": round(ours / best[0], 3),
+            "target": TARGET_VS_LITELLM,
+            "met": ours / best[0] <= TARGET_VS_LITELLM,
+        }
+    return out
+
+
+def target_lines(t: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, what in (("vs_round_robin", "round_robin"), ("vs_best_litellm", "best LiteLLM")):
+        if key in t:
+            v = t[key]
+            who = f" ({v['best']})" if "best" in v else ""
+            lines.append(
+                f"target: {t['strategy']} p99 <= {v['target']}x {what}{who}: "
+                f"{v['ratio']:.2f}x -> {'met' if v['met'] else 'MISSED'}"
+            )
+        else:
+            lines.append(f"target: {t['strategy']} vs {what}: not measured in this run")
+    return lines
+
+
+async def run_all(
+    scenario: Scenario, chosen: Plan, meta: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, list[Result]]]:
+    """Every run, then the report; the results per run too, for the plot."""
+    # SIGTERM cancels the run as Ctrl-C does (the loop's runner handles SIGINT), unwinding
+    # through every finally that stops a process.
+    me = asyncio.current_task()
+    assert me is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
+    trace = scenario.arrivals()
+    cluster = Cluster(scenario)
+    started: list[Target] = []
+    runs: dict[str, Run] = {}
+    failed: dict[str, str] = {}
+    print(
+        f"{scenario.name}: {len(scenario.nodes)} nodes, {len(trace)} requests in "
+        f"{scenario.duration:g}s ({len(trace) / scenario.duration:.1f}/s offered, "
+        f"{scenario.capacity():.1f}/s capacity)",
+        file=sys.stderr,
+    )
+    for line in chosen.missing:
+        print(f"  {line}", file=sys.stderr)
+    try:
+        cluster.start()  # blocking is fine: nothing else runs yet, and Ctrl-C lands here
+        with tempfile.TemporaryDirectory(prefix="promptlb-bench-") as tmp:
+            timeout = aiohttp.ClientTimeout(total=10)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                todo = [("promptlb", s) for s in chosen.ours] + chosen.peers
+                for kind, strategy in todo:
+                    name = f"{kind} {strategy}"
+                    await cluster.reset(http)
+                    try:
+                        target = await asyncio.to_thread(
+                            _start_target, kind, strategy, cluster, Path(tmp)
+                        )
+                    except Exception as exc:  # a peer that fails to start is reported, not fatal
+                        failed[name] = f"did not start: {exc}"[:2000]
+                        print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
+                        continue
+                    started.append(target)
+                    try:
+                        await wait_ready(http, target, len(cluster.nodes))
+                        runs[name] = await measure(http, cluster, target, trace)
+                    except RuntimeError as exc:
+                        failed[name] = str(exc)[:2000]
+                        print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
+                    finally:
+                        target.stop()
+                        started.remove(target)
+                await cluster.reset(http)
+    finally:
+        for target in started:
+            with contextlib.suppress(Exception):
+                target.stop()
+        await asyncio.to_thread(cluster.stop)
+    summaries = {
+        name: {
+            "kind": run.kind,
+            "strategy": run.strategy,
+            **summarize(run.results, cluster.slots, scenario.duration),
+            "faults_applied": run.faults,
+        }
+        for name, run in runs.items()
+    }
+    report: dict[str, Any] = {
+        "benchmark": "cluster",
+        **environment(),
+        "scenario": {
+            "name": scenario.name,
+            "description": scenario.description,
+            "duration_s": scenario.duration,
+            "seed": scenario.seed,
+            "requests": len(trace),
+            "offered_rps": round(len(trace) / scenario.duration, 3),
+            "capacity_rps": round(scenario.capacity(), 3),
+            "nodes": [
+                {
+                    "name": n.name,
+                    "slots": n.slots,
+                    "tokens_per_s": n.tokens_per_s,
+                    "ttft_ms": n.ttft_ms,
+                    "faults": [dataclasses.asdict(f) for f in n.faults],
+                }
+                for n in scenario.nodes
+            ],
+            **meta,
+        },
+        "settings": {
+            "request_timeout_s": REQUEST_TIMEOUT_S,
+            "drain_s": DRAIN_S,
+            "gateway": f"health interval {HEALTH_INTERVAL}, every other key at its default",
+            "sidecar_sample_interval": SAMPLE_INTERVAL,
+            "nginx": "worker_processes 1, max_fails=3 fail_timeout=10s, keepalive 128",
+            "litellm": f"Router defaults, timeout {_peers.LITELLM_TIMEOUT_S:g}s",
+            "latency": "percentiles over successful requests; error_rate counts the rest",
+            "utilisation": "busy slot-seconds / (slots x duration), from the requests' timing",
+            "note": "load generator, routers and every node share this machine's cores",
+        },
+        "missing": chosen.missing,
+        "failed": failed,
+        "runs": summaries,
+        "targets": targets(summaries),
+    }
+    plots = {name: run.results for name, run in runs.items()}
+    return report, plots
+
+
+def _run(main: Callable[[], Any]) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with the emulator extra
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def run_cluster(args: argparse.Namespace) -> None:
+    scenario = load_scenario(args.scenario)
+    meta: dict[str, Any] = {}
+    if args.duration is not None:
+        duration = parse_duration("duration", args.duration)
+        if duration <= 0:
+            raise ConfigError("duration", args.duration, "> 0")
+        original = scenario.duration
+        scenario, scale = scaled(scenario, duration)
+        meta = {"scenario_duration_s": original, "fault_time_scale": round(scale, 4)}
+    chosen = plan(args.strategies, args.peers)
+    out = Path(args.out) if args.out else RESULTS
+    try:
+        report, plots = _run(lambda: run_all(scenario, chosen, meta))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\ninterrupted: every process started was stopped.", file=sys.stderr)
+        raise SystemExit(130) from None
+    write_json(out / f"cluster-{scenario.name}.json", report)
+    if not args.no_plot and plots:
+        slots = {n.name: n.slots for n in scenario.nodes}
+        title = (
+            f"{scenario.name} ({scenario.duration:g}s, {report['scenario']['requests']} requests)"
+        )
+        plot_cluster(out / f"cluster-{scenario.name}.png", title, plots, slots, scenario.duration)
+    print(
+        f"\n{scenario.name}: commit {report['commit']}, {report['scenario']['requests']} requests"
+    )
+    print(table(report["runs"]))
+    for line in report["missing"]:
+        print(line)
+    for name, why in report["failed"].items():
+        print(f"failed: {name}: {why[:200]}")
+    for line in target_lines(report["targets"]):
+        print(line)
+    print(f"wrote {out / f'cluster-{scenario.name}.json'}")

@@ -1,0 +1,261 @@
+"""The load generator: replays a list of `Arrival` open loop against an OpenAI-compatible URL.
+
+Open loop: each request is sent at its own time whatever the others do, so a slow strategy
+meets the same offered load as a fast one, and its queues show in the latencies (a closed loop
+would slow down with the system and hide them). Every request streams, so that the time to the
+first content chunk (TTFT) is measured, and every request is bounded: a total timeout each,
+and the run ends at the trace end plus a drain limit, whatever is still pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ._scenario import Arrival
+
+__all__ = [
+    "NODE_HEADER",
+    "UPSTREAM_HEADER",
+    "Progress",
+    "Result",
+    "chat_body",
+    "node_from_headers",
+    "prompt_text",
+    "replay",
+    "request_once",
+]
+
+NODE_HEADER = "x-promptlb-node"
+# What the peers (nginx's $upstream_addr, our LiteLLM server) answer: the upstream's host:port.
+UPSTREAM_HEADER = "x-bench-upstream"
+
+_TEXT = (
+    "route each prompt to the node that can answer it soonest while the others take the rest "
+    "of the traffic without queueing behind a slow or failing model server "
+)
+
+
+@dataclass(slots=True)
+class Result:
+    """One request as the client saw it. Times are seconds from the start of the run."""
+
+    index: int
+    prompt_class: str
+    max_tokens: int
+    at: float  # when the trace says to send it
+    start: float = 0.0  # when it was sent
+    end: float = 0.0  # when it finished (ok or not)
+    ttft: float | None = None  # first content chunk, from start
+    status: int = 0  # HTTP status; 0 when none came
+    error: str = ""  # "" when ok, else a short kind: http_503, timeout, connect, truncated, ...
+    node: str = "?"
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def lateness(self) -> float:
+        return self.start - self.at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "i": self.index,
+            "class": self.prompt_class,
+            "max_tokens": self.max_tokens,
+            "at": round(self.at, 4),
+            "start": round(self.start, 4),
+            "latency": round(self.latency, 4),
+            "ttft": None if self.ttft is None else round(self.ttft, 4),
+            "status": self.status,
+            "error": self.error,
+            "node": self.node,
+        }
+
+
+def prompt_text(tokens: int) -> str:
+    """About ``tokens`` tokens of English (four characters a token, as the emulator counts)."""
+    chars = max(1, tokens) * 4
+    repeats = chars // len(_TEXT) + 1
+    return (_TEXT * repeats)[:chars]
+
+
+def node_from_headers(headers: Mapping[str, str], upstreams: Mapping[str, str]) -> str:
+    """The node that answered: promptlb's own header, else a peer's upstream address mapped to
+    the node's name. nginx lists every upstream it tried ("a:1, b:2"): the last one answered."""
+    if name := headers.get(NODE_HEADER):
+        return name
+    if addr := headers.get(UPSTREAM_HEADER):
+        last = addr.split(",")[-1].strip().split(" : ")[-1].strip()
+        return upstreams.get(last, last)
+    return "?"
+
+
+@dataclass(slots=True)
+class Progress:
+    """Live counts for a progress bar; the replay only adds to them."""
+
+    total: int = 0
+    sent: int = 0
+    done: int = 0
+    errors: int = 0
+    started_at: float = 0.0  # loop.time() of the run's start; 0 until it starts
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return "disconnected"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return "reset"
+    return type(exc).__name__
+
+
+async def request_once(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    result: Result,
+    clock: Callable[[], float],
+    upstreams: Mapping[str, str],
+    headers: Mapping[str, str],
+) -> None:
+    """Send one streamed chat completion and fill in ``result`` (``start`` is already set)."""
+    try:
+        async with http.post(url, data=body, headers=headers) as response:
+            result.status = response.status
+            result.node = node_from_headers(response.headers, upstreams)
+            if response.status != 200:
+                await response.read()
+                result.error = f"http_{response.status}"
+                return
+            done = False
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                # Parsed only until the first content: after it, only [DONE] matters.
+                if result.ttft is None and _has_content(data):
+                    result.ttft = clock() - result.start
+            if not done:
+                result.error = "truncated"  # a 200 whose stream stopped before [DONE]
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        result.error = _error_kind(exc)
+    finally:
+        result.end = clock()
+
+
+def _has_content(data: bytes) -> bool:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    if not isinstance(chunk, dict):
+        return False
+    if "error" in chunk:
+        return False
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True
+    return False
+
+
+def chat_body(model: str, arrival: Arrival) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt_text(arrival.prompt_tokens)}],
+            "max_tokens": arrival.max_tokens,
+            "stream": True,
+        }
+    ).encode()
+
+
+async def replay(
+    base_url: str,
+    trace: Sequence[Arrival],
+    *,
+    model: str,
+    timeout_s: float = 60.0,
+    drain_s: float = 60.0,
+    upstreams: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+    headers: Mapping[str, str] | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> list[Result]:
+    """Replay ``trace`` against ``base_url``'s ``/v1/chat/completions``; one Result each.
+
+    The bodies are built before the clock starts, so sending costs only the write. Requests
+    still pending at the trace end + ``drain_s`` are cancelled and marked ``unfinished``.
+    ``on_start`` runs when the clock starts (the fault schedule keys off the same moment).
+    """
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    upstreams = upstreams or {}
+    send_headers = {"content-type": "application/json", **(headers or {})}
+    bodies = [chat_body(model, a) for a in trace]
+    results = [Result(i, a.prompt_class, a.max_tokens, a.at) for i, a in enumerate(trace)]
+    progress = progress or Progress()
+    progress.total = len(trace)
+    loop = asyncio.get_running_loop()
+    # No connection limit: an open loop must never queue in the client's own pool.
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    pending: set[asyncio.Task[None]] = set()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        t0 = loop.time()
+        progress.started_at = t0
+
+        def clock() -> float:
+            return loop.time() - t0
+
+        async def one(result: Result, body: bytes) -> None:
+            try:
+                await request_once(http, url, body, result, clock, upstreams, send_headers)
+            except asyncio.CancelledError:
+                result.error = result.error or "unfinished"
+                result.end = clock()
+                raise
+            finally:
+                progress.done += 1
+                if result.error:
+                    progress.errors += 1
+
+        if on_start is not None:
+            on_start()
+        for result, body in zip(results, bodies, strict=True):
+            delay = result.at - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result.start = clock()
+            task = asyncio.create_task(one(result, body))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            progress.sent += 1
+        end = (trace[-1].at if trace else 0.0) + drain_s
+        if pending:
+            await asyncio.wait(set(pending), timeout=max(0.0, end - clock()))
+        for task in list(pending):
+            task.cancel()
+        for task in list(pending):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return results

@@ -1,0 +1,270 @@
+"""Statistics, tables, JSON and the PNG of a benchmark run. Pure functions over `Result` lists,
+so that the numbers can be tested on known inputs without any process running."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._loadgen import Result
+
+__all__ = [
+    "RESULTS",
+    "busy_slot_seconds",
+    "environment",
+    "git_commit",
+    "jain",
+    "load_over_time",
+    "percentile",
+    "plot_cluster",
+    "summarize",
+    "table",
+    "write_json",
+]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """The p-th percentile (0..100), interpolated between closest ranks (numpy's default
+    "linear" method); None for no values."""
+    if not values:
+        return None
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile {p} is not in 0..100")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def jain(values: Sequence[float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one node
+    takes everything. None without values; 1 when all are zero (equally idle is fair)."""
+    if not values:
+        return None
+    square_sum = sum(v * v for v in values)
+    if square_sum == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * square_sum)
+
+
+def _intervals(results: Iterable[Result], node: str) -> list[tuple[float, float]]:
+    # A request holds its node from send to end only if the node took it: a 200. Failures end
+    # at the proxy or before a slot (a refused connect, a 503), or never got a slot (a hang).
+    return [(r.start, r.end) for r in results if r.node == node and r.status == 200]
+
+
+def busy_slot_seconds(intervals: Sequence[tuple[float, float]], slots: int, window: float) -> float:
+    """Slot-seconds in use over ``[0, window]``: at each instant the node runs
+    min(in flight, slots) requests (the rest wait in its FIFO queue), integrated over time."""
+    events: list[tuple[float, int]] = []
+    for start, end in intervals:
+        start, end = max(0.0, start), min(window, end)
+        if end > start:
+            events += [(start, 1), (end, -1)]
+    events.sort()
+    busy = 0.0
+    in_flight = 0
+    last = 0.0
+    for t, step in events:
+        busy += min(in_flight, slots) * (t - last)
+        in_flight += step
+        last = t
+    return busy
+
+
+def load_over_time(
+    intervals: Sequence[tuple[float, float]], window: float, step: float = 0.5
+) -> list[float]:
+    """Mean requests in flight at the node in each ``step`` bin of ``[0, window]``."""
+    bins = max(1, math.ceil(window / step))
+    out = [0.0] * bins
+    for start, end in intervals:
+        start, end = max(0.0, start), min(window, end)
+        if end <= start:
+            continue
+        first, last = int(start // step), min(bins - 1, int(end // step))
+        for b in range(first, last + 1):
+            lo, hi = max(start, b * step), min(end, (b + 1) * step)
+            if hi > lo:
+                out[b] += (hi - lo) / step
+    return out
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+def summarize(
+    results: Sequence[Result], slots: Mapping[str, int], duration: float
+) -> dict[str, Any]:
+    """Everything the report says about one run. Latency and TTFT percentiles are over the
+    requests that succeeded; the error rate says how many did not, and why. ``duration`` is
+    the trace's: utilisation and throughput are over ``[0, duration]``."""
+    ok = [r for r in results if r.ok]
+    latencies = [r.latency for r in ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    span = max([duration, *(r.end for r in results)]) if results else duration
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    nodes: dict[str, Any] = {}
+    for name, n_slots in slots.items():
+        mine = _intervals(results, name)
+        util = busy_slot_seconds(mine, n_slots, duration) / (n_slots * duration)
+        nodes[name] = {
+            "requests": sum(1 for r in results if r.node == name),
+            "ok": sum(1 for r in ok if r.node == name),
+            "share": round(sum(1 for r in ok if r.node == name) / max(1, len(ok)), 4),
+            "utilisation": round(util, 4),
+            "p99_ms": _ms(percentile([r.latency for r in ok if r.node == name], 99)),
+        }
+    lateness = [r.lateness for r in results]
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "error_rate": round((len(results) - len(ok)) / max(1, len(results)), 4),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+        # Completions inside the trace's window: what the cluster got done while the load was
+        # on. Over the whole span (the drain included) one straggler would drag a good run down.
+        "throughput_rps": round(sum(1 for r in ok if r.end <= duration) / duration, 3)
+        if duration > 0
+        else 0.0,
+        "goodput_over_span_rps": round(len(ok) / span, 3) if span > 0 else 0.0,
+        "span_s": round(span, 3),
+        "offered_rps": round(len(results) / duration, 3) if duration > 0 else 0.0,
+        "latency_ms": {f"p{p}": _ms(percentile(latencies, p)) for p in (50, 90, 99)},
+        "ttft_ms": {f"p{p}": _ms(percentile(ttfts, p)) for p in (50, 90, 99)},
+        "jain_utilisation": _round(jain([n["utilisation"] for n in nodes.values()])),
+        "send_lateness_ms": {
+            "mean": _ms(sum(lateness) / len(lateness)) if lateness else None,
+            "max": _ms(max(lateness)) if lateness else None,
+        },
+        "nodes": nodes,
+    }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(runs: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per run: the headline numbers, then each node's share/utilisation."""
+    head = (
+        f"{'run':<30} {'p50':>7} {'p90':>7} {'p99':>7} {'ttft99':>7} {'rps':>6} "
+        f"{'err%':>6} {'jain':>5}  per-node util% (share%)"
+    )
+    lines = [head, "-" * len(head)]
+    for name, s in runs.items():
+        lat, ttft = s["latency_ms"], s["ttft_ms"]
+        per_node = " ".join(
+            f"{n}={v['utilisation'] * 100:.0f}({v['share'] * 100:.0f})"
+            for n, v in s["nodes"].items()
+        )
+        lines.append(
+            f"{name:<30} {_fmt(lat['p50']):>7} {_fmt(lat['p90']):>7} {_fmt(lat['p99']):>7} "
+            f"{_fmt(ttft['p99']):>7} {s['throughput_rps']:>6.1f} "
+            f"{s['error_rate'] * 100:>6.2f} {_fmt(s['jain_utilisation'], '.3f'):>5}  {per_node}"
+        )
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    """The commit measured: ``git rev-parse --short HEAD``, or "unknown" outside a checkout."""
+    out = _git("rev-parse", "--short", "HEAD")
+    return out or "unknown"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers come from. ``dirty``: tracked files differed from the commit, so the
+    commit alone does not reproduce them."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": git_commit(),
+        "dirty": None if status is None else bool(status),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+    }
+
+
+def write_json(path: Path, report: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+
+def plot_cluster(
+    path: Path,
+    title: str,
+    runs: Mapping[str, Sequence[Result]],
+    slots: Mapping[str, int],
+    duration: float,
+) -> None:
+    """Latency CDF per run (top), then per run the load of each node over time: requests in
+    flight per slot, so 1 is full and above 1 is a queue."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    cols = 2 if len(names) > 1 else 1
+    rows = math.ceil(len(names) / cols)
+    fig = plt.figure(figsize=(7 * cols, 4 + 2.6 * rows))
+    grid = fig.add_gridspec(1 + rows, cols, height_ratios=[1.6] + [1.0] * rows)
+    cdf = fig.add_subplot(grid[0, :])
+    for name in names:
+        values = sorted(r.latency for r in runs[name] if r.ok)
+        if values:
+            ys = [(i + 1) / len(values) for i in range(len(values))]
+            cdf.step(values, ys, where="post", label=name)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("latency of successful requests (s, log scale)")
+    cdf.set_ylabel("share of requests")
+    cdf.set_title(title)
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend(fontsize=8, loc="lower right")
+    step = 0.5
+    for k, name in enumerate(names):
+        ax = fig.add_subplot(grid[1 + k // cols, k % cols])
+        for node, n_slots in slots.items():
+            load = load_over_time(_intervals(runs[name], node), duration, step)
+            ax.plot([i * step for i in range(len(load))], [v / n_slots for v in load], label=node)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_title(f"{name}: in flight per slot", fontsize=9)
+        ax.set_xlabel("s", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if k == 0:
+            ax.legend(fontsize=6, ncol=4, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,349 @@
+"""Benchmark scenarios: a TOML file of nodes (emulator parameters, faults over time) and a
+workload (open-loop Poisson arrivals, a length mix, bursts). The live runner and the simulator
+read the same objects, so both replay the same trace for the same seed."""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from promptlb.shared import ConfigError, parse_duration
+
+__all__ = [
+    "Arrival",
+    "Burst",
+    "Dist",
+    "Fault",
+    "NodeSpec",
+    "PromptClass",
+    "Scenario",
+    "Workload",
+    "load_scenario",
+    "scenario_path",
+]
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+FaultKind = Literal["crash", "recover", "slow", "hang", "leak"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dist:
+    """A length distribution: ``fixed`` (mean), ``lognormal`` (mean and sigma: heavy-tailed),
+    ``uniform`` (lo..hi). Draws are clipped to ``lo..hi``."""
+
+    kind: Literal["fixed", "lognormal", "uniform"] = "fixed"
+    mean: float = 64.0
+    sigma: float = 0.0
+    lo: int = 1
+    hi: int = 8192
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.mean
+        elif self.kind == "uniform":
+            value = rng.uniform(self.lo, self.hi)
+        else:
+            mu = math.log(self.mean) - self.sigma**2 / 2  # keeps the mean
+            value = rng.lognormvariate(mu, self.sigma)
+        return max(self.lo, min(self.hi, round(value)))
+
+    def expected(self) -> float:
+        """The mean after clipping, estimated once with a fixed-seed sample."""
+        if self.kind == "fixed":
+            return float(max(self.lo, min(self.hi, round(self.mean))))
+        rng = random.Random(0)
+        return sum(self.draw(rng) for _ in range(4000)) / 4000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptClass:
+    name: str
+    share: float
+    prompt_tokens: Dist
+    max_tokens: Dist
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Burst:
+    at: float
+    duration: float
+    factor: float  # multiplies the base rate while it lasts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    rate: float | None = None  # requests per second, or ...
+    load: float | None = None  # ... a share of the cluster's total capacity
+    mix: tuple[PromptClass, ...] = ()
+    bursts: tuple[Burst, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault:
+    at: float
+    kind: FaultKind
+    value: float = 0.0  # slow: the factor; leak: MB per request
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    name: str
+    slots: int = 8
+    tokens_per_s: float = 50.0
+    ttft_ms: float = 100.0
+    prefill_tokens_per_s: float = 0.0
+    tier: str = ""
+    tags: tuple[str, ...] = ()
+    faults: tuple[Fault, ...] = ()
+
+    def capacity(self, mean_output: float, mean_input: float = 0.0) -> float:
+        """Requests per second at full use: slots over the mean service time."""
+        service = self.ttft_ms / 1000 + mean_output / self.tokens_per_s
+        if self.prefill_tokens_per_s:
+            service += mean_input / self.prefill_tokens_per_s
+        return self.slots / service
+
+    def emulator_flags(self) -> list[str]:
+        return [
+            "--slots",
+            str(self.slots),
+            "--tokens-per-s",
+            str(self.tokens_per_s),
+            "--ttft-ms",
+            str(self.ttft_ms),
+            "--prefill-tokens-per-s",
+            str(self.prefill_tokens_per_s),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    at: float  # seconds from the start
+    prompt_class: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    name: str
+    duration: float
+    seed: int
+    model: str = "bench"
+    nodes: tuple[NodeSpec, ...]
+    workload: Workload
+    description: str = ""
+    _rate: float = field(default=0.0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Under ``load`` the rate follows an estimated capacity (thousands of draws): work it
+        # out once here, not for every arrival.
+        if self.workload.rate is not None:
+            rate = self.workload.rate
+        else:
+            assert self.workload.load is not None
+            rate = self.workload.load * self.capacity()
+        object.__setattr__(self, "_rate", rate)
+
+    @property
+    def base_rate(self) -> float:
+        """Requests per second before bursts."""
+        return self._rate
+
+    def capacity(self) -> float:
+        mean_out = sum(c.share * c.max_tokens.expected() for c in self.workload.mix)
+        mean_in = sum(c.share * c.prompt_tokens.expected() for c in self.workload.mix)
+        return sum(n.capacity(mean_out, mean_in) for n in self.nodes)
+
+    def rate_at(self, t: float) -> float:
+        rate = self.base_rate
+        for burst in self.workload.bursts:
+            if burst.at <= t < burst.at + burst.duration:
+                rate *= burst.factor
+        return rate
+
+    def arrivals(self, seed: int | None = None) -> list[Arrival]:
+        """The open-loop Poisson trace: the same for the same seed, whoever replays it.
+
+        A piecewise-constant rate (bursts) is handled by thinning against the peak rate."""
+        rng = random.Random(self.seed if seed is None else seed)
+        peak = max([self.base_rate] + [self.base_rate * b.factor for b in self.workload.bursts])
+        shares = [c.share for c in self.workload.mix]
+        out: list[Arrival] = []
+        t = 0.0
+        while True:
+            t += rng.expovariate(peak)
+            if t >= self.duration:
+                return out
+            if rng.random() * peak > self.rate_at(t):
+                continue
+            cls = rng.choices(self.workload.mix, weights=shares)[0]
+            out.append(Arrival(t, cls.name, cls.prompt_tokens.draw(rng), cls.max_tokens.draw(rng)))
+
+
+def scenario_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    return SCENARIOS / f"{name_or_path}.toml"
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A scenario by name (``bench/scenarios/NAME.toml``) or path; errors name the key."""
+    path = scenario_path(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError("scenario", str(path), f"a readable TOML file ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("scenario", str(path), f"valid TOML ({exc})") from None
+    return parse_scenario(data, default_name=path.stem)
+
+
+def _get(
+    data: dict[str, Any], key: str, where: str, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
+    if key not in data:
+        if default is ...:
+            raise ConfigError(f"{where}{key}", None, "a value (it is required)")
+        return default
+    value = data[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ConfigError(f"{where}{key}", value, f"a {kind}")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}{key}", value, f"a value of type {kind}")
+    return value
+
+
+def _positive(key: str, value: float, *, zero: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(key, value, ">= 0" if zero else "> 0")
+    return float(value)
+
+
+def _dist(raw: Any, where: str) -> Dist:
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return Dist(kind="fixed", mean=_positive(where, raw))
+    if not isinstance(raw, dict):
+        raise ConfigError(where, raw, "a number or a table {dist, mean, sigma, lo, hi}")
+    kind = raw.get("dist", "lognormal")
+    if kind not in ("fixed", "lognormal", "uniform"):
+        raise ConfigError(f"{where}.dist", kind, "fixed, lognormal or uniform")
+    lo = int(_get(raw, "lo", f"{where}.", int, 1))
+    hi = int(_get(raw, "hi", f"{where}.", int, 8192))
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"{where}.lo", lo, "1 <= lo <= hi")
+    return Dist(
+        kind=kind,
+        mean=_positive(f"{where}.mean", _get(raw, "mean", f"{where}.", (int, float), 64.0)),
+        sigma=_positive(
+            f"{where}.sigma", _get(raw, "sigma", f"{where}.", (int, float), 0.0), zero=True
+        ),
+        lo=lo,
+        hi=hi,
+    )
+
+
+def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
+    known = {"name", "description", "duration", "seed", "model", "nodes", "workload"}
+    for key in data:
+        if key not in known:
+            raise ConfigError(key, data[key], "one of " + ", ".join(sorted(known)))
+    duration = parse_duration("duration", data.get("duration", "60s"))
+    if duration <= 0:
+        raise ConfigError("duration", data.get("duration"), "> 0")
+    raw_nodes = _get(data, "nodes", "", list)
+    nodes: list[NodeSpec] = []
+    for i, raw in enumerate(raw_nodes):
+        where = f"nodes[{i}]."
+        count = _get(raw, "count", where, int, 1)
+        faults = tuple(
+            Fault(
+                at=parse_duration(f"{where}faults[{j}].at", f.get("at", 0)),
+                kind=_fault_kind(f.get("kind"), f"{where}faults[{j}].kind"),
+                value=float(f.get("value", 0.0)),
+            )
+            for j, f in enumerate(_get(raw, "faults", where, list, []))
+        )
+        base = _get(raw, "name", where, str)
+        for k in range(count):
+            nodes.append(
+                NodeSpec(
+                    name=base if count == 1 else f"{base}-{k + 1}",
+                    slots=_get(raw, "slots", where, int, 8),
+                    tokens_per_s=_positive(
+                        f"{where}tokens_per_s", _get(raw, "tokens_per_s", where, (int, float), 50.0)
+                    ),
+                    ttft_ms=_positive(
+                        f"{where}ttft_ms",
+                        _get(raw, "ttft_ms", where, (int, float), 100.0),
+                        zero=True,
+                    ),
+                    prefill_tokens_per_s=_positive(
+                        f"{where}prefill_tokens_per_s",
+                        _get(raw, "prefill_tokens_per_s", where, (int, float), 0.0),
+                        zero=True,
+                    ),
+                    tier=_get(raw, "tier", where, str, ""),
+                    tags=tuple(_get(raw, "tags", where, list, [])),
+                    faults=faults,
+                )
+            )
+    if not nodes:
+        raise ConfigError("nodes", [], "at least one [[nodes]] table")
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise ConfigError("nodes", names, "unique node names")
+    raw_work = _get(data, "workload", "", dict)
+    rate = _get(raw_work, "rate", "workload.", (int, float), None)
+    load = _get(raw_work, "load", "workload.", (int, float), None)
+    if (rate is None) == (load is None):
+        raise ConfigError("workload", raw_work, "exactly one of rate (req/s) or load (0..2)")
+    if rate is not None:
+        _positive("workload.rate", rate)
+    if load is not None and not 0 < load <= 2:
+        raise ConfigError("workload.load", load, "a share of capacity in (0, 2]")
+    mix = tuple(
+        PromptClass(
+            name=_get(c, "name", f"workload.mix[{i}].", str),
+            share=_positive(
+                f"workload.mix[{i}].share",
+                _get(c, "share", f"workload.mix[{i}].", (int, float), 1.0),
+            ),
+            prompt_tokens=_dist(c.get("prompt_tokens", 64), f"workload.mix[{i}].prompt_tokens"),
+            max_tokens=_dist(c.get("max_tokens", 64), f"workload.mix[{i}].max_tokens"),
+        )
+        for i, c in enumerate(_get(raw_work, "mix", "workload.", list, [{"name": "default"}]))
+    )
+    bursts = tuple(
+        Burst(
+            at=parse_duration(f"workload.bursts[{i}].at", b.get("at", 0)),
+            duration=parse_duration(f"workload.bursts[{i}].duration", b.get("duration", 0)),
+            factor=_positive(f"workload.bursts[{i}].factor", b.get("factor", 1.0)),
+        )
+        for i, b in enumerate(_get(raw_work, "bursts", "workload.", list, []))
+    )
+    return Scenario(
+        name=_get(data, "name", "", str, default_name),
+        description=_get(data, "description", "", str, ""),
+        duration=duration,
+        seed=_get(data, "seed", "", int, 1),
+        model=_get(data, "model", "", str, "bench"),
+        nodes=tuple(nodes),
+        workload=Workload(
+            rate=None if rate is None else float(rate),
+            load=None if load is None else float(load),
+            mix=mix,
+            bursts=bursts,
+        ),
+    )
+
+
+def _fault_kind(value: object, where: str) -> FaultKind:
+    if value not in ("crash", "recover", "slow", "hang", "leak"):
+        raise ConfigError(where, value, "crash, recover, slow, hang or leak")
+    return value

@@ -1,0 +1,423 @@
+"""``promptlb-bench sim``: the scenario through the discrete-event simulator, strategy by strategy.
+
+Every strategy replays the same arrival trace on the same emulated nodes (see `_simcore` for the
+model). ``round_robin`` and the ``perfect`` bound always run, since the report gives each
+strategy's p99 as a ratio to both. The table goes to stdout and the numbers, with the commit and
+every parameter, to ``<out>/sim-<scenario>.json`` (``-n<N>`` appended when ``--nodes`` rescaled
+the cluster, so the scaled run does not overwrite the scenario's own). Above 64 nodes the JSON
+gives node classes (the scenario's original nodes) rather than every node.
+
+Latency percentiles are over the requests that succeeded; the error rate counts the rest.
+Throughput is successes per second of the whole run, from 0 to the last completion (backlog
+drained). Utilisation is slot-seconds of work within the trace's window over slots x window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from promptlb.middleware._strategies import DEFAULT_STRATEGY
+from promptlb.shared import ConfigError, parse_duration
+
+from ._scenario import Scenario, load_scenario
+from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
+
+__all__ = [
+    "by_class",
+    "jain",
+    "percentile",
+    "run_sim",
+    "scale_nodes",
+    "summarise",
+    "trace_scenario",
+]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASELINES = ("round_robin", PERFECT)
+# Issue 5's targets for the default strategy, reported next to the numbers (never tuned to).
+TARGET_VS_ROUND_ROBIN = 0.5
+TARGET_VS_PERFECT = 1.3
+_PER_NODE_ROWS = 16  # beyond this many nodes the table shows node classes ...
+_PER_NODE_JSON = 64  # ... and beyond this many, the JSON too (1,000 nodes' rows are ~1 MB)
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default) of sorted values."""
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one has everything."""
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    if squares == 0:
+        return 1.0
+    return total * total / (len(values) * squares)
+
+
+def scale_nodes(scenario: Scenario, count: int | None) -> tuple[Scenario, list[str]]:
+    """The scenario on ``count`` nodes: its node list cycled (copies named ``NAME~K``, faults
+    and all), and a fixed ``rate`` scaled by the capacity ratio so the load stays the same (a
+    ``load`` follows capacity by itself). Also returns each node's class: the original's name."""
+    specs = scenario.nodes
+    if count is None or count == len(specs):
+        return scenario, [s.name for s in specs]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError("nodes", count, "an integer >= 1")
+    nodes = []
+    classes = []
+    for i in range(count):
+        spec = specs[i % len(specs)]
+        copy = i // len(specs)
+        nodes.append(
+            dataclasses.replace(spec, name=spec.name if copy == 0 else f"{spec.name}~{copy}")
+        )
+        classes.append(spec.name)
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise ConfigError("nodes", count, "a count whose copies' names do not clash")
+    scaled = dataclasses.replace(scenario, nodes=tuple(nodes))
+    if scenario.workload.rate is not None:
+        rate = scenario.workload.rate * scaled.capacity() / scenario.capacity()
+        scaled = dataclasses.replace(
+            scaled, workload=dataclasses.replace(scenario.workload, rate=rate)
+        )
+    return scaled, classes
+
+
+def trace_scenario(scenario: Scenario) -> Scenario:
+    """The same scenario with its base rate fixed as a number.
+
+    ``Scenario.base_rate`` under ``load`` re-estimates capacity (thousands of draws) each time
+    it is read, and ``arrivals()`` reads it per arrival: minutes for a 1,000-node trace. Fixing
+    the very same float as ``rate`` leaves the trace identical, draw for draw."""
+    if scenario.workload.rate is not None:
+        return scenario
+    rate = scenario.base_rate
+    return dataclasses.replace(
+        scenario, workload=dataclasses.replace(scenario.workload, rate=rate, load=None)
+    )
+
+
+def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[str, Any]:
+    """One strategy's row of the report (ratios are added once every strategy has run)."""
+    ordered = sorted(result.latencies)
+    ok = len(ordered)
+    duration = result.duration
+    tries = sum(result.dispatched) or 1
+    utilisation = [
+        busy / (slots * duration) if duration > 0 else 0.0
+        for busy, slots in zip(result.busy, result.slots, strict=True)
+    ]
+    nodes = [
+        {
+            "name": name,
+            "class": cls,
+            "slots": slots,
+            "tries": tried,
+            "served": served,
+            "share": tried / tries,
+            "utilisation": util,
+            "max_depth": depth,
+        }
+        for name, cls, slots, tried, served, util, depth in zip(
+            result.node_names,
+            classes or result.node_names,
+            result.slots,
+            result.dispatched,
+            result.served,
+            utilisation,
+            result.max_depth,
+            strict=True,
+        )
+    ]
+    return {
+        "strategy": result.strategy,
+        "requests": result.requests,
+        "ok": ok,
+        "p50_s": percentile(ordered, 0.50),
+        "p90_s": percentile(ordered, 0.90),
+        "p99_s": percentile(ordered, 0.99),
+        "mean_s": sum(ordered) / ok if ok else float("nan"),
+        "mean_wait_s": sum(result.waits) / ok if ok else float("nan"),
+        "throughput_rps": ok / result.makespan if result.makespan > 0 else 0.0,
+        "error_rate": result.failed / result.requests if result.requests else 0.0,
+        "errors": result.errors,
+        "retries": result.retries,
+        "ejections": result.ejections,
+        "jain_utilisation": jain(utilisation),
+        "wall_s": result.wall_s,
+        "events": result.events,
+        "nodes": nodes,
+    }
+
+
+def _strategies(raw: str) -> list[str]:
+    names: list[str] = []
+    for name in (part.strip() for part in raw.split(",")):
+        if not name:
+            continue
+        if name not in SIM_STRATEGIES:
+            raise ConfigError("strategies", name, "one of " + ", ".join(SIM_STRATEGIES))
+        if name not in names:
+            names.append(name)
+    for name in BASELINES:
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _commit() -> tuple[str, bool | None]:
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    return commit or "unknown", bool(dirty)
+
+
+def _ratio(value: float, base: float) -> float | None:
+    if base > 0 and value == value and base == base:  # NaN-safe: no successes, no ratio
+        return value / base
+    return None
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def _print_table(header: str, rows: list[dict[str, Any]], wall_total: float) -> None:
+    print(header)
+    cols = (
+        f"{'strategy':<12} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'mean s':>7} {'req/s':>8} "
+        f"{'err %':>6} {'jain':>5} {'p99/perf':>8} {'p99/rr':>7} {'wall s':>7}"
+    )
+    print(cols)
+    print("-" * len(cols))
+    for row in rows:
+        print(
+            f"{row['strategy']:<12} {_fmt(row['p50_s']):>7} {_fmt(row['p90_s']):>7} "
+            f"{_fmt(row['p99_s']):>7} {_fmt(row['mean_s']):>7} "
+            f"{_fmt(row['throughput_rps'], '.1f'):>8} {100 * row['error_rate']:>6.2f} "
+            f"{row['jain_utilisation']:>5.3f} {_fmt(row['p99_vs_perfect'], '.2f'):>8} "
+            f"{_fmt(row['p99_vs_round_robin'], '.2f'):>7} {row['wall_s']:>7.2f}"
+        )
+    print(f"wall time, all strategies: {wall_total:.2f} s")
+
+
+def by_class(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-node rows summed up per node class: total share, utilisation's mean and range."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        groups.setdefault(node["class"], []).append(node)
+    out = []
+    for cls, members in groups.items():
+        utils = [n["utilisation"] for n in members]
+        out.append(
+            {
+                "class": cls,
+                "nodes": len(members),
+                "slots": members[0]["slots"],
+                "tries": sum(n["tries"] for n in members),
+                "served": sum(n["served"] for n in members),
+                "share": sum(n["share"] for n in members),
+                "utilisation_mean": sum(utils) / len(utils),
+                "utilisation_min": min(utils),
+                "utilisation_max": max(utils),
+                "max_depth": max(n["max_depth"] for n in members),
+            }
+        )
+    return out
+
+
+def _print_nodes(rows: list[dict[str, Any]]) -> None:
+    """Per node (or per node class, for big clusters): share of requests / utilisation."""
+    first = rows[0]["nodes"]
+    per_class = len(first) > _PER_NODE_ROWS
+    keys: list[str] = []
+    for node in first:
+        key = node["class"] if per_class else node["name"]
+        if key not in keys:
+            keys.append(key)
+    width = max(12, *(len(k) for k in keys))
+    head = f"{'class' if per_class else 'node':<{width}} {'slots':>5}"
+    head += "".join(f" {row['strategy'][:15]:>15}" for row in rows)
+    print(
+        "share of tries / utilisation"
+        + (" (share: the class's total; utilisation: its mean)" if per_class else "")
+    )
+    print(head)
+    for key in keys:
+        line = ""
+        slots = 0
+        for row in rows:
+            members = [n for n in row["nodes"] if (n["class"] if per_class else n["name"]) == key]
+            slots = members[0]["slots"]
+            share = sum(n["share"] for n in members)
+            util = sum(n["utilisation"] for n in members) / len(members)
+            line += f" {100 * share:>6.2f}%/{100 * util:>5.1f}%"
+        print(f"{key:<{width}} {slots:>5}{line}")
+
+
+def run_sim(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the ``sim`` subcommand; returns the report it wrote."""
+    scenario = load_scenario(args.scenario)
+    if getattr(args, "duration", None) is not None:
+        duration = parse_duration("duration", args.duration)
+        if duration <= 0:
+            raise ConfigError("duration", args.duration, "> 0")
+        scenario = dataclasses.replace(scenario, duration=duration)
+    node_count = getattr(args, "nodes", None)
+    original_nodes = len(scenario.nodes)
+    scenario, classes = scale_nodes(scenario, node_count)
+    params = SimParams(
+        replicas=getattr(args, "replicas", 8),
+        staleness=parse_duration("staleness", getattr(args, "staleness", "1s")),
+        seed=scenario.seed,
+        model=scenario.model,
+    )
+    names = _strategies(getattr(args, "strategies", DEFAULT_STRATEGY))
+    capacity = scenario.capacity()
+    traced = trace_scenario(scenario)
+    started = time.perf_counter()
+    arrivals = traced.arrivals()
+    trace_s = time.perf_counter() - started
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        result = simulate(scenario.nodes, arrivals, name, duration=scenario.duration, params=params)
+        rows.append(summarise(result, classes))
+    by_name = {row["strategy"]: row for row in rows}
+    for row in rows:
+        row["p99_vs_perfect"] = _ratio(row["p99_s"], by_name[PERFECT]["p99_s"])
+        row["p99_vs_round_robin"] = _ratio(row["p99_s"], by_name["round_robin"]["p99_s"])
+    wall_total = time.perf_counter() - started
+    commit, dirty = _commit()
+    scaled = len(scenario.nodes) != original_nodes
+    label = f"{scenario.name}-n{len(scenario.nodes)}" if scaled else scenario.name
+    report: dict[str, Any] = {
+        "benchmark": "sim",
+        "scenario": scenario.name,
+        "label": label,
+        "commit": commit,
+        "dirty": dirty,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "parameters": {
+            "nodes": len(scenario.nodes),
+            "replicas": params.replicas,
+            "staleness_s": params.staleness,
+            "duration_s": scenario.duration,
+            "seed": scenario.seed,
+            "rate_rps": traced.workload.rate,
+            "load": scenario.workload.load,
+            "offered_load": (traced.workload.rate or 0.0) / capacity if capacity else None,
+            "capacity_rps": capacity,
+            "requests": len(arrivals),
+            # Every knob of the middleware and client model (see _simcore), by its name there.
+            "model": {k: v for k, v in dataclasses.asdict(params).items() if k != "model"},
+            "strategies": names,
+        },
+        "wall_s": {"trace": trace_s, "total": wall_total},
+        "targets": _targets(by_name),
+        "results": rows,
+    }
+    header = (
+        f"sim {label}: {len(scenario.nodes)} nodes, {params.replicas} replicas, staleness "
+        f"{params.staleness:g}s, {len(arrivals)} requests in {scenario.duration:g}s "
+        f"({len(arrivals) / scenario.duration:.1f}/s, "
+        f"{100 * (traced.workload.rate or 0.0) / capacity:.0f}% of capacity), commit {commit}"
+        f"{'+dirty' if dirty else ''}"
+    )
+    _print_table(header, rows, wall_total)
+    _print_nodes(rows)
+    for line in _target_lines(report["targets"]):
+        print(line)
+    if len(scenario.nodes) > _PER_NODE_JSON:
+        report["per_node"] = f"summed up per node class above {_PER_NODE_JSON} nodes"
+        for row in rows:
+            row["node_classes"] = by_class(row.pop("nodes"))
+    out = Path(args.out) if getattr(args, "out", None) else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sim-{label}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return report
+
+
+def _clean(value: Any) -> Any:
+    """NaN (a strategy with no success has no percentiles) as JSON null, not invalid JSON."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _targets(by_name: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    row = by_name.get(DEFAULT_STRATEGY)
+    if row is None:
+        return {"strategy": DEFAULT_STRATEGY, "ran": False}
+    vs_rr = row["p99_vs_round_robin"]
+    vs_perfect = row["p99_vs_perfect"]
+    return {
+        "strategy": DEFAULT_STRATEGY,
+        "ran": True,
+        "p99_vs_round_robin": vs_rr,
+        "p99_vs_round_robin_target": TARGET_VS_ROUND_ROBIN,
+        "p99_vs_round_robin_met": None if vs_rr is None else vs_rr <= TARGET_VS_ROUND_ROBIN,
+        "p99_vs_perfect": vs_perfect,
+        "p99_vs_perfect_target": TARGET_VS_PERFECT,
+        "p99_vs_perfect_met": None if vs_perfect is None else vs_perfect <= TARGET_VS_PERFECT,
+    }
+
+
+def _target_lines(targets: dict[str, Any]) -> list[str]:
+    if not targets.get("ran"):
+        return [f"targets: {targets['strategy']} (the default strategy) was not run"]
+    lines = []
+    for key, target in (
+        ("p99_vs_round_robin", TARGET_VS_ROUND_ROBIN),
+        ("p99_vs_perfect", TARGET_VS_PERFECT),
+    ):
+        value = targets[key]
+        met = targets[f"{key}_met"]
+        verdict = "n/a" if met is None else ("met" if met else "MISSED")
+        lines.append(
+            f"target: {targets['strategy']} {key.replace('_', ' ')} = {_fmt(value, '.2f')}x "
+            f"(<= {target}x): {verdict}"
+        )
+    return lines

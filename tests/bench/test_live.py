@@ -1,0 +1,88 @@
+"""The live runner's pure parts: the run plan, missing peers, scaled faults, the configs it
+writes. (The runs themselves start a cluster and take minutes: `make bench` does them.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from promptlb.bench import _peers
+from promptlb.bench._live import Cluster, gateway_config, plan, scaled, targets
+from promptlb.bench._scenario import load_scenario
+from promptlb.shared import ConfigError
+
+
+def test_plan_runs_ours_and_reports_missing_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_peers, "nginx_missing", lambda: "nginx (not found)")
+    monkeypatch.setattr(_peers, "litellm_missing", lambda: None)
+    chosen = plan("round_robin,p2c", "nginx,litellm")
+    assert chosen.ours == ["round_robin", "p2c"]
+    assert chosen.missing == ["missing: nginx (not found)"]
+    assert chosen.peers == [("litellm", s) for s in _peers.LITELLM_STRATEGIES]
+    assert plan("p2c", "none").peers == []
+
+
+def test_nginx_missing_names_the_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(_peers, "NGINX", str(tmp_path / "nginx"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "not found" in (_peers.nginx_missing() or "")
+
+
+def test_plan_rejects_unknown_names() -> None:
+    with pytest.raises(ConfigError, match="strategies"):
+        plan("fastest", "none")
+    with pytest.raises(ConfigError, match="peers"):
+        plan("p2c", "haproxy")
+
+
+def test_nginx_config_has_the_upstreams_and_passive_checks(tmp_path: Path) -> None:
+    nodes = {"a": "http://127.0.0.1:8001", "b": "http://127.0.0.1:8002"}
+    conf = _peers.nginx_config("least_conn", nodes, 9000, tmp_path)
+    assert "least_conn;" in conf
+    assert "server 127.0.0.1:8001 max_fails=3 fail_timeout=10s;" in conf
+    assert "server 127.0.0.1:8002 max_fails=3 fail_timeout=10s;" in conf
+    assert "proxy_buffering off;" in conf
+    assert "listen 127.0.0.1:9000;" in conf
+    assert "add_header x-bench-upstream $upstream_addr always;" in conf
+    assert f"pid {tmp_path}/nginx.pid;" in conf
+    assert (
+        "least_conn"
+        not in _peers.nginx_config("round_robin", nodes, 9000, tmp_path).split("upstream")[1]
+    )
+    with pytest.raises(ValueError, match="nginx strategy"):
+        _peers.nginx_config("ip_hash", nodes, 9000, tmp_path)
+
+
+def test_scaled_keeps_the_story_in_a_shorter_run() -> None:
+    scenario = load_scenario("seed-3am")
+    half, scale = scaled(scenario, scenario.duration / 2)
+    assert scale == 0.5
+    assert half.duration == scenario.duration / 2
+    before = [f.at for n in scenario.nodes for f in n.faults]
+    after = [f.at for n in half.nodes for f in n.faults]
+    assert after == [t / 2 for t in before]
+    assert scaled(scenario, scenario.duration) == (scenario, 1.0)
+
+
+def test_gateway_config_names_every_node_and_sidecar() -> None:
+    cluster = Cluster(load_scenario("uniform-4"))
+    text = gateway_config("p2c", cluster)  # no nodes started: only the header
+    assert "strategy = 'p2c'" in text
+    assert "interval = '1s'" in text
+
+
+def test_targets_compare_the_default_strategy() -> None:
+    def run(kind: str, p99: float) -> dict[str, object]:
+        return {"kind": kind, "latency_ms": {"p99": p99}}
+
+    runs = {
+        "promptlb round_robin": run("promptlb", 1000.0),
+        "promptlb p2c": run("promptlb", 400.0),
+        "litellm simple-shuffle": run("litellm", 900.0),
+        "litellm least-busy": run("litellm", 600.0),
+    }
+    out = targets(runs)
+    assert out["vs_round_robin"] == {"ratio": 0.4, "target": 0.5, "met": True}
+    assert out["vs_best_litellm"]["best"] == "litellm least-busy"
+    assert out["vs_best_litellm"]["ratio"] == pytest.approx(0.667, abs=1e-3)
+    assert out["vs_best_litellm"]["met"] is True

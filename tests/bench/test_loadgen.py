@@ -1,0 +1,191 @@
+"""The load generator's rate accuracy against a real emulator, and the report's statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from promptlb.bench._endpoint import nodes_needed, run_endpoint
+from promptlb.bench._loadgen import Result, node_from_headers, prompt_text, replay
+from promptlb.bench._report import busy_slot_seconds, jain, load_over_time, percentile, summarize
+from promptlb.bench._scenario import Arrival
+from promptlb.emulator._launch import Service, start_service
+
+RATE = 50.0
+SECONDS = 10.0
+
+
+@pytest.fixture(scope="module")
+def fast_emulator() -> Iterator[Service]:
+    """Answers at once, with room for every request: only the generator's timing is measured."""
+    emu = start_service(
+        "emulator",
+        *("--model", "bench", "--ttft-ms", "5", "--tokens-per-s", "2000", "--slots", "512"),
+    )
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+def poisson(rate: float, seconds: float, seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    out: list[Arrival] = []
+    t = rng.expovariate(rate)
+    while t < seconds:
+        out.append(Arrival(t, "short", 20, 8))
+        t += rng.expovariate(rate)
+    return out
+
+
+async def test_open_loop_rate_is_within_5_percent_over_10_s(fast_emulator: Service) -> None:
+    trace = poisson(RATE, SECONDS, seed=5)
+    results = await replay(fast_emulator.url, trace, model="bench", timeout_s=10, drain_s=5)
+    assert len(results) == len(trace)
+    assert all(r.ok for r in results), {r.error for r in results}
+    # The trace's own rate (not the nominal 50/s: a Poisson draw of ~500 events varies by ~5%)
+    # against the rate the requests actually left at.
+    wanted = (len(trace) - 1) / (trace[-1].at - trace[0].at)
+    starts = sorted(r.start for r in results)
+    achieved = (len(starts) - 1) / (starts[-1] - starts[0])
+    assert achieved == pytest.approx(wanted, rel=0.05)
+    # Each request on time, not only on average: open loop means no drift behind the trace.
+    lateness = [r.lateness for r in results]
+    assert sum(lateness) / len(lateness) < 0.010
+    assert max(lateness) < 0.100
+    assert all(r.ttft is not None and 0 < r.ttft <= r.latency for r in results)
+    assert {r.node for r in results} == {"?"}  # no router in front: no node header
+
+
+async def test_requests_past_the_drain_limit_are_cut_and_counted(fast_emulator: Service) -> None:
+    # 2000 tokens at 2000/s: one second each; the drain gives them 0.2 s.
+    trace = [Arrival(0.0, "long", 10, 2000), Arrival(0.05, "long", 10, 2000)]
+    results = await replay(fast_emulator.url, trace, model="bench", timeout_s=10, drain_s=0.2)
+    assert [r.error for r in results] == ["unfinished", "unfinished"]
+    assert all(0.1 < r.end < 0.6 for r in results)
+
+
+async def test_failures_are_recorded_by_kind() -> None:
+    # Nothing listens on port 9 of 127.0.0.1 (discard): every connect is refused.
+    trace = [Arrival(0.0, "x", 10, 5)]
+    results = await replay("http://127.0.0.1:9", trace, model="bench", timeout_s=2, drain_s=2)
+    assert results[0].error == "connect"
+    assert results[0].status == 0
+
+
+def test_node_comes_from_promptlb_or_a_peers_upstream_header() -> None:
+    upstreams = {"127.0.0.1:8001": "a", "127.0.0.1:8002": "b"}
+    assert node_from_headers({"x-promptlb-node": "n1"}, upstreams) == "n1"
+    assert node_from_headers({"x-bench-upstream": "127.0.0.1:8002"}, upstreams) == "b"
+    # nginx lists every upstream it tried; the last one answered.
+    tried = {"x-bench-upstream": "127.0.0.1:8001, 127.0.0.1:8002"}
+    assert node_from_headers(tried, upstreams) == "b"
+    assert node_from_headers({}, upstreams) == "?"
+
+
+def test_prompt_text_is_about_four_characters_a_token() -> None:
+    assert len(prompt_text(100)) == 400
+    assert len(prompt_text(0)) == 4
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted input
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError, match="percentile"):
+        percentile(values, 101)
+
+
+def test_jains_index_on_known_inputs() -> None:
+    assert jain([0.5, 0.5, 0.5, 0.5]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)  # one node takes all: 1/n
+    assert jain([1.0, 1.0, 0.0, 0.0]) == pytest.approx(0.5)
+    # (1 + 2 + 3)^2 / (3 * (1 + 4 + 9)) = 36 / 42
+    assert jain([1.0, 2.0, 3.0]) == pytest.approx(36 / 42)
+    assert jain([0.0, 0.0]) == 1.0
+    assert jain([]) is None
+
+
+def test_busy_slot_seconds_caps_at_the_slots_and_clips_to_the_window() -> None:
+    # Three requests over [0, 2] on a 2-slot node: two run, one waits; 2 slots x 2 s.
+    assert busy_slot_seconds([(0, 2), (0, 2), (0, 2)], slots=2, window=10) == pytest.approx(4.0)
+    # One slot: [0, 1] and [0.5, 1.5] overlap, so the slot is busy from 0 to 1.5.
+    assert busy_slot_seconds([(0, 1), (0.5, 1.5)], slots=1, window=10) == pytest.approx(1.5)
+    # Clipped to the window.
+    assert busy_slot_seconds([(9, 12)], slots=4, window=10) == pytest.approx(1.0)
+    assert busy_slot_seconds([], slots=4, window=10) == 0.0
+
+
+def test_load_over_time_averages_in_flight_per_bin() -> None:
+    load = load_over_time([(0.0, 1.0), (0.5, 1.0)], window=2.0, step=0.5)
+    assert load == pytest.approx([1.0, 2.0, 0.0, 0.0])
+
+
+def _result(i: int, node: str, start: float, end: float, error: str = "") -> Result:
+    r = Result(i, "c", 10, at=start, start=start, end=end, ttft=0.1, node=node)
+    r.status, r.error = (200, "") if not error else (503, error)
+    return r
+
+
+def test_summarize_utilisation_share_and_errors() -> None:
+    results = [
+        _result(0, "a", 0.0, 5.0),
+        _result(1, "a", 0.0, 5.0),
+        _result(2, "b", 0.0, 10.0),
+        _result(3, "b", 1.0, 1.0, error="http_503"),
+    ]
+    summary = summarize(results, {"a": 2, "b": 1}, duration=10.0)
+    # a: 2 slots busy for 5 s of 10 -> 0.5; b: 1 slot busy the whole 10 s -> 1.0
+    assert summary["nodes"]["a"]["utilisation"] == pytest.approx(0.5)
+    assert summary["nodes"]["b"]["utilisation"] == pytest.approx(1.0)
+    assert summary["jain_utilisation"] == pytest.approx(1.5**2 / (2 * 1.25), abs=1e-4)
+    assert summary["nodes"]["a"]["share"] == pytest.approx(2 / 3, abs=1e-4)
+    assert summary["error_rate"] == 0.25
+    assert summary["errors"] == {"http_503": 1}
+    assert summary["latency_ms"]["p50"] == pytest.approx(5000.0)  # successes only
+    # Three successes, all ended by t=10: 3 / 10 s; over the span (to t=10) the same.
+    assert summary["throughput_rps"] == pytest.approx(0.3)
+    assert summary["goodput_over_span_rps"] == pytest.approx(0.3)
+    late = summarize([*results, _result(4, "a", 9.0, 20.0)], {"a": 2, "b": 1}, duration=10.0)
+    assert late["throughput_rps"] == pytest.approx(0.3)  # ended after the window
+    assert late["goodput_over_span_rps"] == pytest.approx(4 / 20)
+
+
+def test_nodes_needed_plans_for_120_percent() -> None:
+    assert nodes_needed(100.0, 30.0) == 4  # 1.2 x 100 / 30 = 4
+    assert nodes_needed(100.0, 40.0) == 3  # 3.0 exactly: no extra node
+    assert nodes_needed(1.0, 1000.0) == 1
+    assert nodes_needed(10.0, 0.0) is None
+
+
+def test_endpoint_measures_each_level_and_plans(
+    fast_emulator: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = argparse.Namespace(
+        url=fast_emulator.url,
+        model="bench",
+        concurrency="1,4",
+        seconds=0.5,
+        max_tokens=8,
+        target_rate=1000.0,
+        out=str(tmp_path),
+    )
+    run_endpoint(args)
+    (path,) = tmp_path.glob("endpoint-*.json")
+    report = json.loads(path.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+    assert all(lv["ok"] > 0 and lv["errors"] == {} for lv in report["levels"])
+    best = report["best"]["throughput_rps"]
+    assert report["plan"]["nodes"] == math.ceil(1.2 * 1000.0 / best)
+    assert "endpoint(s) like this one" in capsys.readouterr().out

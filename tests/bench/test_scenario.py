@@ -1,0 +1,215 @@
+"""The scenario parser: shipped scenarios load, bad values name their key, traces are seeded."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from promptlb.bench._scenario import SCENARIOS, load_scenario, parse_scenario
+from promptlb.shared import ConfigError
+
+
+def _valid() -> dict[str, Any]:
+    """A small scenario with a fixed rate: its trace is cheap to draw."""
+    return {
+        "name": "tiny",
+        "duration": "30s",
+        "seed": 5,
+        "workload": {
+            "rate": 20,
+            "mix": [
+                {
+                    "name": "qa",
+                    "share": 0.75,
+                    "prompt_tokens": {"dist": "lognormal", "mean": 80, "sigma": 0.6},
+                    "max_tokens": {"dist": "lognormal", "mean": 40, "sigma": 0.6, "hi": 400},
+                },
+                {"name": "gen", "share": 0.25, "prompt_tokens": 200, "max_tokens": 300},
+            ],
+        },
+        "nodes": [
+            {"name": "big", "slots": 16, "tokens_per_s": 100, "ttft_ms": 50},
+            {
+                "name": "small",
+                "slots": 4,
+                "tokens_per_s": 30,
+                "faults": [{"at": "10s", "kind": "crash"}, {"at": "20s", "kind": "recover"}],
+            },
+        ],
+    }
+
+
+def test_every_shipped_scenario_loads() -> None:
+    paths = sorted(SCENARIOS.glob("*.toml"))
+    names = {p.stem for p in paths}
+    assert {"seed-3am", "hetero-8", "uniform-4", "burst"} <= names
+    for path in paths:
+        scenario = load_scenario(path.stem)
+        assert scenario.name == path.stem
+        assert scenario.nodes and scenario.duration > 0
+        assert scenario.workload.mix
+        assert scenario.capacity() > 0
+        assert scenario.base_rate > 0
+
+
+def test_shipped_scenarios_tell_their_story() -> None:
+    hetero = load_scenario("hetero-8")
+    assert len(hetero.nodes) == 8
+    assert len({(n.slots, n.tokens_per_s, n.ttft_ms) for n in hetero.nodes}) == 3
+    assert hetero.workload.load == pytest.approx(0.85)
+    seed = load_scenario("seed-3am")
+    kinds = {f.kind for n in seed.nodes for f in n.faults}
+    assert {"leak", "crash"} <= kinds
+    burst = load_scenario("burst")
+    load = burst.workload.load
+    assert load == pytest.approx(0.5)
+    assert load is not None
+    assert [b.factor * load for b in burst.workload.bursts] == [pytest.approx(1.2)]
+
+
+def test_a_path_loads_too(tmp_path: Path) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        'duration = "5s"\n[workload]\nrate = 3\n[[nodes]]\nname = "solo"\n', encoding="utf-8"
+    )
+    scenario = load_scenario(str(path))
+    assert scenario.name == "mine"
+    assert [n.name for n in scenario.nodes] == ["solo"]
+    assert scenario.nodes[0].slots == 8  # the emulator's defaults
+    assert scenario.workload.mix[0].name == "default"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key"),
+    [
+        (("nodes", 0, "tokens_per_s"), -1, "nodes[0].tokens_per_s"),
+        (("nodes", 0, "tokens_per_s"), "fast", "nodes[0].tokens_per_s"),
+        (("nodes", 0, "tokens_per_s"), 0, "nodes[0].tokens_per_s"),
+        (("nodes", 1, "ttft_ms"), -5, "nodes[1].ttft_ms"),
+        (("nodes", 0, "slots"), True, "nodes[0].slots"),
+        (("nodes", 1, "faults", 0, "kind"), "explode", "nodes[1].faults[0].kind"),
+        (("nodes", 1, "faults", 0, "at"), "soonish", "nodes[1].faults[0].at"),
+        (("workload", "mix", 0, "max_tokens", "dist"), "pareto", "workload.mix[0].max_tokens.dist"),
+        (("workload", "mix", 0, "max_tokens", "lo"), 500, "workload.mix[0].max_tokens.lo"),
+        (("workload", "mix", 1, "prompt_tokens"), "long", "workload.mix[1].prompt_tokens"),
+        (("workload", "mix", 0, "share"), 0, "workload.mix[0].share"),
+        (("workload", "load"), 0.5, "workload"),  # rate and load both
+        (("workload", "rate"), -2, "workload.rate"),
+        (("duration",), "soon", "duration"),
+        (("duration",), 0, "duration"),
+        (("colour",), "blue", "colour"),
+        (("nodes",), [], "nodes"),
+    ],
+)
+def test_bad_values_name_their_key(path: tuple[str | int, ...], value: object, key: str) -> None:
+    data = _valid()
+    target: Any = data
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == key
+
+
+def test_workload_needs_exactly_one_of_rate_and_load() -> None:
+    data = _valid()
+    del data["workload"]["rate"]
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "workload"
+    data["workload"]["load"] = 3.0
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "workload.load"
+
+
+def test_node_names_are_required_and_unique() -> None:
+    data = _valid()
+    del data["nodes"][0]["name"]
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "nodes[0].name"
+    data = _valid()
+    data["nodes"][1]["name"] = "big"
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "nodes"
+
+
+def test_unreadable_or_invalid_files_name_the_scenario(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_scenario(str(tmp_path / "missing.toml"))
+    assert err.value.key == "scenario"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("nodes = [", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_scenario(str(bad))
+    assert err.value.key == "scenario"
+
+
+def test_count_replicates_nodes_with_unique_names() -> None:
+    data = _valid()
+    data["nodes"][0]["count"] = 3
+    scenario = parse_scenario(data)
+    names = [n.name for n in scenario.nodes]
+    assert names == ["big-1", "big-2", "big-3", "small"]
+    copies = scenario.nodes[:3]
+    assert {(n.slots, n.tokens_per_s, n.ttft_ms) for n in copies} == {(16, 100.0, 50.0)}
+
+
+def test_faults_are_parsed_in_seconds() -> None:
+    small = parse_scenario(_valid()).nodes[1]
+    assert [(f.at, f.kind) for f in small.faults] == [(10.0, "crash"), (20.0, "recover")]
+
+
+def test_arrivals_are_deterministic_for_a_seed() -> None:
+    scenario = parse_scenario(_valid())
+    first = scenario.arrivals()
+    assert first == scenario.arrivals()
+    assert first == parse_scenario(copy.deepcopy(_valid())).arrivals()
+    assert first != scenario.arrivals(seed=6)
+    times = [a.at for a in first]
+    assert times == sorted(times)
+    assert times[0] > 0 and times[-1] < scenario.duration
+
+
+def test_arrivals_follow_the_rate_and_the_mix() -> None:
+    data = _valid()
+    data["duration"] = "300s"
+    scenario = parse_scenario(data)
+    arrivals = scenario.arrivals()
+    # 6,000 expected: a Poisson count's sd is 1.3%, so 5% is a safe band.
+    assert len(arrivals) == pytest.approx(20 * 300, rel=0.05)
+    qa = sum(1 for a in arrivals if a.prompt_class == "qa") / len(arrivals)
+    assert qa == pytest.approx(0.75, abs=0.03)
+    assert all(1 <= a.max_tokens <= 400 for a in arrivals if a.prompt_class == "qa")
+    assert {a.max_tokens for a in arrivals if a.prompt_class == "gen"} == {300}
+    mean_qa = [a.max_tokens for a in arrivals if a.prompt_class == "qa"]
+    assert sum(mean_qa) / len(mean_qa) == pytest.approx(40, rel=0.08)  # lognormal keeps its mean
+
+
+def test_bursts_raise_the_rate_in_their_window() -> None:
+    data = _valid()
+    data["duration"] = "90s"
+    data["workload"]["bursts"] = [{"at": "30s", "duration": "30s", "factor": 3}]
+    scenario = parse_scenario(data)
+    assert scenario.rate_at(10) == 20 and scenario.rate_at(45) == 60 and scenario.rate_at(60) == 20
+    arrivals = scenario.arrivals()
+    inside = sum(1 for a in arrivals if 30 <= a.at < 60)
+    outside = len(arrivals) - inside
+    # 1,800 inside against 600 per 30 s outside: a ratio of 3, within a few sd.
+    assert inside / (outside / 2) == pytest.approx(3.0, rel=0.15)
+
+
+def test_load_follows_capacity() -> None:
+    data = _valid()
+    del data["workload"]["rate"]
+    data["workload"]["load"] = 0.5
+    scenario = parse_scenario(data)
+    assert scenario.base_rate == pytest.approx(0.5 * scenario.capacity())
+    big = scenario.nodes[0]
+    mean_out = sum(c.share * c.max_tokens.expected() for c in scenario.workload.mix)
+    assert big.capacity(mean_out) == pytest.approx(16 / (0.05 + mean_out / 100))

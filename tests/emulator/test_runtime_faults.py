@@ -1,0 +1,158 @@
+"""Faults changed while the emulator runs (``POST /_emulator/faults``), on a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import psutil
+import pytest
+from promptlb.emulator._launch import Service, start_service
+
+if TYPE_CHECKING:
+    from tests.emulator.conftest import StartEmulator
+
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[Service]:
+    """One emulator for the checks that must leave its state as it was."""
+    emu = start_service("emulator")
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+async def _faults(
+    session: aiohttp.ClientSession, url: str, body: object
+) -> tuple[int, dict[str, Any]]:
+    async with session.post(f"{url}/_emulator/faults", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _chat_s(session: aiohttp.ClientSession, url: str) -> float:
+    start = time.monotonic()
+    async with session.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+        await resp.read()
+        assert resp.status == 200
+    return time.monotonic() - start
+
+
+async def test_get_shows_the_cli_flags_as_the_starting_state(
+    start_emulator: StartEmulator,
+) -> None:
+    emu = start_emulator("--slow-factor", "1.5", "--leak-mb-per-req", "0.5")
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"{emu.url}/_emulator/faults") as resp,
+    ):
+        assert resp.status == 200
+        state = await resp.json()
+    assert state == {"slow_factor": 1.5, "hang": False, "leak_mb_per_req": 0.5, "error_rate": 0.0}
+
+
+async def test_slow_factor_applies_to_the_next_requests(start_emulator: StartEmulator) -> None:
+    # 5 tokens at 100/s + 20 ms TTFT: ~70 ms; slowed 5x: ~350 ms.
+    emu = start_emulator("--ttft-ms", "20", "--tokens-per-s", "100")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        fast = await _chat_s(session, emu.url)
+        status, state = await _faults(session, emu.url, {"slow_factor": 5})
+        assert status == 200 and state["slow_factor"] == 5.0
+        slow = await _chat_s(session, emu.url)
+        await _faults(session, emu.url, {"slow_factor": 1})
+        again = await _chat_s(session, emu.url)
+    assert fast < 0.2
+    assert slow > 0.3 and slow > 3 * fast
+    assert again < 0.2
+
+
+async def test_hang_holds_requests_until_lifted(start_emulator: StartEmulator) -> None:
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        status, state = await _faults(session, emu.url, {"hang": True})
+        assert status == 200 and state["hang"] is True
+        pending = asyncio.create_task(_chat_s(session, emu.url))
+        done, _ = await asyncio.wait({pending}, timeout=0.5)
+        assert not done  # hung
+        async with session.get(f"{emu.url}/health") as resp:
+            assert resp.status == 200  # a gray failure: the process still answers its health
+        lifted_at = time.monotonic()
+        await _faults(session, emu.url, {"hang": False})
+        await asyncio.wait_for(pending, timeout=5)
+        assert time.monotonic() - lifted_at < 1.0
+
+
+async def test_leak_and_free_leaked_move_the_rss(start_emulator: StartEmulator) -> None:
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    proc = psutil.Process(emu.pid)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _chat_s(session, emu.url)
+        before = proc.memory_info().rss
+        await _faults(session, emu.url, {"leak_mb_per_req": 8})
+        for _ in range(5):
+            await _chat_s(session, emu.url)
+        leaked = proc.memory_info().rss
+        status, state = await _faults(session, emu.url, {"leak_mb_per_req": 0, "free_leaked": True})
+        assert status == 200 and state["leak_mb_per_req"] == 0.0
+        freed = proc.memory_info().rss
+    assert leaked - before >= 30 * MiB  # 5 x 8 MiB, pages touched
+    assert leaked - freed >= 20 * MiB  # large blocks go back to the OS when dropped
+
+
+async def test_error_rate_can_be_switched_on(start_emulator: StartEmulator) -> None:
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _faults(session, emu.url, {"error_rate": 1.0})
+        async with session.post(f"{emu.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 500
+        await _faults(session, emu.url, {"error_rate": 0})
+        await _chat_s(session, emu.url)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"slow_factor": 0}, "slow_factor"),
+        ({"slow_factor": -1}, "slow_factor"),
+        ({"slow_factor": "2"}, "slow_factor"),
+        ({"slow_factor": True}, "slow_factor"),
+        ({"hang": 1}, "hang"),
+        ({"leak_mb_per_req": -4}, "leak_mb_per_req"),
+        ({"error_rate": 1.5}, "error_rate"),
+        ({"free_leaked": "yes"}, "free_leaked"),
+        ({"crash": True}, "crash"),
+        ([1, 2], "object"),
+    ],
+)
+async def test_bad_input_is_400_and_changes_nothing(
+    plain: Service, body: object, named: str
+) -> None:
+    emu = plain
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        # A valid key beside the bad one must not apply either: all are checked first.
+        sent = (
+            {**body, "slow_factor": 3}
+            if isinstance(body, dict) and named != "slow_factor"
+            else body
+        )
+        status, answer = await _faults(session, emu.url, sent)
+        assert status == 400
+        assert named in answer["error"]["message"]
+        async with session.get(f"{emu.url}/_emulator/faults") as resp:
+            assert (await resp.json())["slow_factor"] == 1.0
+
+
+async def test_body_that_is_not_json_is_400(plain: Service) -> None:
+    emu = plain
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{emu.url}/_emulator/faults", data=b"{nope") as resp,
+    ):
+        assert resp.status == 400
