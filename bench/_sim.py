@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError, parse_duration
 
+from ._report import environment
 from ._scenario import Scenario, load_scenario
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
 
@@ -181,30 +181,6 @@ def _strategies(raw: str) -> list[str]:
     return names
 
 
-def _commit() -> tuple[str, bool | None]:
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-    return commit or "unknown", bool(dirty)
-
-
 def _ratio(value: float, base: float) -> float | None:
     if base > 0 and value == value and base == base:  # NaN-safe: no successes, no ratio
         return value / base
@@ -320,7 +296,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         row["p99_vs_perfect"] = _ratio(row["p99_s"], by_name[PERFECT]["p99_s"])
         row["p99_vs_round_robin"] = _ratio(row["p99_s"], by_name["round_robin"]["p99_s"])
     wall_total = time.perf_counter() - started
-    commit, dirty = _commit()
+    env = environment()  # the one place that asks git what was measured
+    commit, dirty = env["commit"], env["dirty"]
     scaled = len(scenario.nodes) != original_nodes
     label = f"{scenario.name}-n{len(scenario.nodes)}" if scaled else scenario.name
     report: dict[str, Any] = {
