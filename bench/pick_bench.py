@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from promptlb.bench._report import environment
 from promptlb.middleware._strategies import Resource, make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import EngineSample, GpuSample, Snapshot
@@ -155,8 +156,7 @@ def main() -> None:
     rows = run(repeat, budget_s)
     report: dict[str, Any] = {
         "benchmark": "pick",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
+        **environment(),  # commit, dirty, when, python, cores: what was measured, where
         "machine": platform.machine(),
         "goals_us_at_1000_nodes": {"p2c": P2C_GOAL_US, "full_scan": SCAN_GOAL_US},
         "method": "timeit, min of repeats, per pick; nodes with 1-8 GPUs and engine load",

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from promptlb.bench._report import environment
 from promptlb.emulator._launch import Service, start_service
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -137,9 +137,7 @@ def main() -> None:
     count, seconds = (300, 1.0) if args.quick else (args.count, args.seconds)
     report = {
         "benchmark": "proxy",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "cores": os.cpu_count(),
+        **environment(),  # commit, dirty, when, python, cores: what was measured, where
         **asyncio.run(run(count, seconds, args.concurrency)),
     }
     lat, tp = report["latency_ms"], report["throughput"]

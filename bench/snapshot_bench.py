@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+from promptlb.bench._report import environment
 from promptlb.emulator._launch import Service, start_service
 from promptlb.shared import EngineSample, GpuSample, SigningKey, Snapshot, decode, encode
 from promptlb.sidecar._gpu import GpuCollector
@@ -168,8 +169,7 @@ def main() -> None:
     seconds = 1.0 if args.quick else args.seconds
     report: dict[str, Any] = {
         "benchmark": "snapshot",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
+        **environment(),  # commit, dirty, when, python, cores: what was measured, where
         "machine": platform.machine(),
         "codec_8_gpus": codec(repeat, number),
         "sidecar_snapshot": asyncio.run(snapshot_rate(seconds, args.concurrency, 200_000)),
