@@ -43,7 +43,18 @@ class _Stats:
     generation_tokens: int = 0
     success: int = 0
     errors: int = 0
+    cancelled: int = 0  # generations abandoned because the client went away
     leaked: list[bytearray] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "success": self.success,
+            "errors": self.errors,
+            "cancelled": self.cancelled,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+        }
 
 
 @dataclass(slots=True)
@@ -246,6 +257,10 @@ class _Handlers:
                         await asyncio.sleep(n_out / rate)
                         state.stats.generation_tokens += n_out
                         response = web.json_response(reply.whole())
+                except asyncio.CancelledError:
+                    # handler_cancellation: the client left (a hedge's loser, a gone caller)
+                    state.stats.cancelled += 1
+                    raise
                 finally:
                     state.capacity.kv_used -= reserved
         except QueueFull:
@@ -328,6 +343,10 @@ class _Handlers:
         if time.monotonic() < self.state.ready_at:
             return web.json_response({"status": "loading"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """``GET /_emulator/stats``: what the node did, for tests that check upstream effects."""
+        return web.json_response(self.state.stats.as_dict())
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.state.faults.as_dict())
@@ -511,5 +530,6 @@ def create_app(config: EmulatorConfig) -> web.Application:
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/_emulator/faults", handlers.get_faults)
+    app.router.add_get("/_emulator/stats", handlers.stats)
     app.router.add_post("/_emulator/faults", handlers.set_faults)
     return app

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -17,8 +17,9 @@ from ._background import Evidence
 from ._config import Config
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
+from ._shedding import Admission
 from ._strategies import NoNodeAvailable, make_strategy
-from ._view import RouteRequest
+from ._view import NodeView, RouteRequest
 
 __all__ = ["Balancer", "UnknownModel", "Upstream", "UpstreamError"]
 
@@ -65,6 +66,7 @@ class Upstream:
     deadline: float  # loop time by which the whole answer must be in
     first_byte_at: float | None = None
     failed: bool = False  # the caller saw the stream break
+    timed_out: bool = False  # the caller gave up on the node's first byte (a missed ttft)
 
 
 class _RetryBudget:
@@ -93,6 +95,7 @@ class Balancer:
         self.metrics = Metrics(lambda: self.table)
         self.rng = rng or random.Random()
         self._budget = _RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
+        self.admission = Admission(config.shedding, self.table)
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
         self._starting: asyncio.Lock | None = None
@@ -159,21 +162,34 @@ class Balancer:
         path: str,
         body: bytes,
         headers: Iterable[tuple[bytes, bytes]] = (),
+        *,
+        first_deadline: float | None = None,
+        total: float | None = None,
+        avoid: set[str] | None = None,
+        admit: Callable[[NodeView], bool] | None = None,
     ) -> AsyncIterator[Upstream]:
         """Route and send, retrying on another node (never the same twice) on connect errors,
         5xx, 429 and per-try timeouts. Yields the response to pass on; retries end here, so
-        nothing is retried once the caller has started answering."""
+        nothing is retried once the caller has started answering.
+
+        ``first_deadline`` (loop time) bounds the tries, ``total`` (seconds) the whole answer.
+        ``avoid`` is shared between attempts racing for one request (a hedge): no two of them
+        use the same node. ``admit`` narrows the candidates (load shedding), unless it would
+        leave none."""
         if self._session is None:
             await self.start()
         session = self._session
         assert session is not None
         cfg = self.config.retry
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.total_timeout
+        deadline = loop.time() + (total if total is not None else cfg.total_timeout)
+        try_by = deadline if first_deadline is None else min(deadline, first_deadline)
         headers = list(headers)
         budget = self._budget
         budget.active += 1
         tried: list[str] = []
+        if avoid is None:
+            avoid = set()
         upstream: Upstream | None = None
         last = "no try made"
         status = 502
@@ -182,8 +198,9 @@ class Balancer:
                 candidates = self.table.candidates(request.model)
                 if candidates is None:
                     raise UnknownModel(request.model)
+                if avoid:
+                    candidates = [c for c in candidates if c.name not in avoid]
                 if tried:
-                    candidates = [c for c in candidates if c.name not in tried]
                     if not candidates:
                         break
                     if not budget.allow():
@@ -192,6 +209,12 @@ class Balancer:
                 elif not candidates:
                     self.metrics.unavailable.labels(request.model).inc()
                     raise NoNodeAvailable(request.model)
+                remaining = try_by - loop.time()
+                if remaining <= 0:
+                    status, last = 504, "deadline passed before a try could start"
+                    break
+                if admit is not None:
+                    candidates = [c for c in candidates if admit(c)] or candidates
                 view = self.strategy.pick(request, candidates, self.rng)
                 node = self.table.nodes[view.name]
                 self.metrics.picks.labels(self.config.strategy, node.name).inc()
@@ -199,10 +222,10 @@ class Balancer:
                     self.metrics.retries.labels(tried[-1]).inc()
                     budget.retrying += 1
                 tried.append(node.name)
+                avoid.add(node.name)
                 view.in_flight += 1
                 started = time.monotonic()
                 try:
-                    remaining = deadline - loop.time()
                     async with asyncio.timeout(min(cfg.per_try_timeout, remaining)):
                         response = await session.post(
                             node.config.url + path,
@@ -224,7 +247,7 @@ class Balancer:
                     if len(tried) > 1:
                         budget.retrying -= 1
                 retryable = response.status >= 500 or response.status == 429
-                if retryable and len(tried) < cfg.attempts and self._more(request, tried):
+                if retryable and len(tried) < cfg.attempts and self._more(request, avoid):
                     response.release()
                     view.in_flight -= 1
                     last = f"{node.name}: answered {response.status}"
@@ -243,9 +266,22 @@ class Balancer:
                 aborted = True  # the caller gave up (client gone, deadline): not the node's fault
                 raise
             finally:
-                upstream.response.release()
-                upstream.node.view.in_flight -= 1
                 if aborted:
+                    upstream.response.close()  # the node sees the disconnect and stops working
+                else:
+                    upstream.response.release()
+                upstream.node.view.in_flight -= 1
+                if self.admission.enabled:
+                    self.admission.wake()
+                if upstream.timed_out:
+                    self._finish(
+                        upstream.node,
+                        ok=False,
+                        started=upstream.started,
+                        ttft=None,
+                        outcome="timeout",
+                    )
+                elif aborted:
                     self.metrics.requests.labels(upstream.node.name, "aborted").inc()
                 else:
                     code = upstream.response.status
@@ -264,7 +300,7 @@ class Balancer:
         finally:
             budget.active -= 1
 
-    def _more(self, request: RouteRequest, tried: list[str]) -> bool:
+    def _more(self, request: RouteRequest, tried: set[str]) -> bool:
         candidates = self.table.candidates(request.model) or ()
         return any(c.name not in tried for c in candidates)
 

@@ -4,13 +4,15 @@ like proxied traffic, without an HTTP hop to ourselves."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
+from ._balancer import UnknownModel, UpstreamError
+from ._cache import replay_sse
+from ._degrade import Answer, Dispatcher, Exhausted
 from ._proxy import route_request
+from ._shedding import Shed
 from ._strategies import NoNodeAvailable
 
 __all__ = ["PromptLBClient", "PromptLBError"]
@@ -29,8 +31,8 @@ class PromptLBError(Exception):
 
 
 class PromptLBClient:
-    def __init__(self, balancer: Balancer) -> None:
-        self._lb = balancer
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatch = dispatcher
 
     async def chat(
         self, *, model: str, messages: list[dict[str, Any]], **params: Any
@@ -62,23 +64,32 @@ class PromptLBClient:
         return self._stream("/v1/completions", body)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: dict[str, Any]) -> AsyncIterator[Upstream]:
-        """The balancer's upstream, with its refusals as `PromptLBError`: one type to catch."""
+    async def _open(self, path: str, body: dict[str, Any]) -> AsyncIterator[Answer]:
+        """The dispatcher's answer (fallbacks and cache included), with its refusals as
+        `PromptLBError`: one type to catch."""
         raw = json.dumps(body).encode()
+        request = route_request(body, len(raw))
         try:
-            async with self._lb.open(route_request(body, len(raw)), path, raw, _JSON) as up:
-                yield up
+            async with self._dispatch.answer(request, path, body, raw, _JSON) as answer:
+                yield answer
         except UnknownModel as exc:
             raise PromptLBError(404, str(exc), None) from None
-        except NoNodeAvailable as exc:
+        except (NoNodeAvailable, Exhausted) as exc:
             raise PromptLBError(503, str(exc), None) from None
+        except Shed as exc:
+            raise PromptLBError(429, str(exc), None) from None
         except UpstreamError as exc:
             raise PromptLBError(exc.status, str(exc), None) from None
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._open(path, body) as up:
-            data = await up.response.read()
-            up.first_byte_at = time.monotonic()
+        async with self._open(path, body) as answer:
+            up = answer.upstream
+            if up is None:
+                assert answer.entry is not None
+                parsed = json.loads(answer.entry.body)
+                assert isinstance(parsed, dict)
+                return parsed
+            data = answer.first + await up.response.read()
             parsed = json.loads(data) if data else None
             if up.response.status >= 400:
                 raise PromptLBError(up.response.status, parsed, up.node.name)
@@ -87,16 +98,46 @@ class PromptLBClient:
             return parsed
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async with self._open(path, body) as up:
+        async with self._open(path, body) as answer:
+            up = answer.upstream
+            if up is None:
+                assert answer.entry is not None
+                for event in _events(replay_sse(path, answer.entry)):
+                    yield event
+                return
             if up.response.status >= 400:
-                raise PromptLBError(up.response.status, await up.response.text(), up.node.name)
-            # SSE: events are separated by blank lines; "data: [DONE]" ends the stream.
-            async for line in up.response.content:
-                if up.first_byte_at is None:
-                    up.first_byte_at = time.monotonic()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
+                rest = await up.response.read()
+                raise PromptLBError(
+                    up.response.status, (answer.first + rest).decode(errors="replace"), up.node.name
+                )
+            chunks = _chunks(answer.first, up.response.content.iter_any())
+            async for event in _aevents(chunks):
+                yield event
+
+
+async def _chunks(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
+    for chunk in chunks:
+        for line in chunk.splitlines():
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                yield json.loads(line[5:])
+
+
+async def _aevents(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """SSE: events are separated by blank lines; "data: [DONE]" ends the stream."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)

@@ -6,7 +6,6 @@ key (``nodes[1].url``) in every error, with the value and what was expected.
 
 from __future__ import annotations
 
-import math
 import os
 import tomllib
 import types
@@ -15,36 +14,26 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
-from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_duration
 
+from ._config_base import DURATION, check_url, positive
+from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
+
 __all__ = [
+    "CacheConfig",
     "Config",
     "DiscoveryConfig",
+    "FallbackConfig",
     "HealthConfig",
     "NodeConfig",
     "OutlierConfig",
     "RetryConfig",
+    "SheddingConfig",
     "load_config",
 ]
 
 StrategyName = Literal["round_robin", "weighted", "least_conn", "resource", "p2c"]
-_DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
-
-
-def _url(key: str, value: str) -> str:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(key, value, "an http(s) URL such as http://10.0.0.1:8000")
-    return value.rstrip("/")
-
-
-def _positive(key: str, value: float, *, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(key, value, "a finite number")
-    if value < 0 or (value == 0 and not zero):
-        raise ConfigError(key, value, ">= 0" if zero else "> 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,10 +52,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 253:
             raise ConfigError("name", self.name, "1..253 characters")
-        object.__setattr__(self, "url", _url("url", self.url))
+        object.__setattr__(self, "url", check_url("url", self.url))
         if self.sidecar is not None:
-            object.__setattr__(self, "sidecar", _url("sidecar", self.sidecar))
-        _positive("weight", self.weight)
+            object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
+        positive("weight", self.weight)
         if self.api_key_env is not None and self.api_key is None:
             key = os.environ.get(self.api_key_env)
             if not key:
@@ -84,7 +73,7 @@ class DiscoveryConfig:
     port: int = 8000
     sidecar_port: int | None = 9500
     scheme: Literal["http", "https"] = "http"
-    interval: float = field(default=30.0, metadata=_DURATION)
+    interval: float = field(default=30.0, metadata=DURATION)
     models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -94,7 +83,7 @@ class DiscoveryConfig:
             port = getattr(self, key)
             if port is not None and not 1 <= port <= 65535:
                 raise ConfigError(key, port, "a TCP port in 1..65535")
-        _positive("interval", self.interval)
+        positive("interval", self.interval)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,9 +93,9 @@ class HealthConfig:
 
     enabled: bool = True
     path: str = "/health"
-    interval: float = field(default=5.0, metadata=_DURATION)
-    timeout: float = field(default=1.0, metadata=_DURATION)
-    interval_jitter: float = field(default=0.5, metadata=_DURATION)
+    interval: float = field(default=5.0, metadata=DURATION)
+    timeout: float = field(default=1.0, metadata=DURATION)
+    interval_jitter: float = field(default=0.5, metadata=DURATION)
     unhealthy_threshold: int = 2
     healthy_threshold: int = 2
     expected_statuses: tuple[tuple[int, int], ...] = ((200, 300),)
@@ -115,9 +104,9 @@ class HealthConfig:
     def __post_init__(self) -> None:
         if not self.path.startswith("/"):
             raise ConfigError("path", self.path, "a path starting with /")
-        _positive("interval", self.interval)
-        _positive("timeout", self.timeout)
-        _positive("interval_jitter", self.interval_jitter, zero=True)
+        positive("interval", self.interval)
+        positive("timeout", self.timeout)
+        positive("interval_jitter", self.interval_jitter, zero=True)
         for key in ("unhealthy_threshold", "healthy_threshold"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, getattr(self, key), "an integer >= 1")
@@ -138,15 +127,15 @@ class OutlierConfig:
     than ``max_ejection_percent`` of a model's nodes at once."""
 
     consecutive_failures: int = 5
-    base_ejection_time: float = field(default=30.0, metadata=_DURATION)
-    max_ejection_time: float = field(default=300.0, metadata=_DURATION)
+    base_ejection_time: float = field(default=30.0, metadata=DURATION)
+    max_ejection_time: float = field(default=300.0, metadata=DURATION)
     max_ejection_percent: float = 50.0
 
     def __post_init__(self) -> None:
         if self.consecutive_failures < 1:
             raise ConfigError("consecutive_failures", self.consecutive_failures, ">= 1")
-        _positive("base_ejection_time", self.base_ejection_time)
-        _positive("max_ejection_time", self.max_ejection_time)
+        positive("base_ejection_time", self.base_ejection_time)
+        positive("max_ejection_time", self.max_ejection_time)
         if not 0 <= self.max_ejection_percent <= 100:
             raise ConfigError("max_ejection_percent", self.max_ejection_percent, "0..100")
 
@@ -156,9 +145,9 @@ class RetryConfig:
     """Retries on another node, before the first byte reaches the client only."""
 
     attempts: int = 3  # tries in all, the first included
-    per_try_timeout: float = field(default=30.0, metadata=_DURATION)  # to the response headers
-    total_timeout: float = field(default=120.0, metadata=_DURATION)  # the whole answer
-    connect_timeout: float = field(default=2.0, metadata=_DURATION)
+    per_try_timeout: float = field(default=30.0, metadata=DURATION)  # to the response headers
+    total_timeout: float = field(default=120.0, metadata=DURATION)  # the whole answer
+    connect_timeout: float = field(default=2.0, metadata=DURATION)
     budget_percent: float = 20.0  # retries in flight, as a share of active requests ...
     min_concurrent: int = 3  # ... but always at least this many
 
@@ -166,7 +155,7 @@ class RetryConfig:
         if not 1 <= self.attempts <= 10:
             raise ConfigError("attempts", self.attempts, "1..10")
         for key in ("per_try_timeout", "total_timeout", "connect_timeout"):
-            _positive(key, getattr(self, key))
+            positive(key, getattr(self, key))
         if not 0 <= self.budget_percent <= 100:
             raise ConfigError("budget_percent", self.budget_percent, "0..100")
         if self.min_concurrent < 0:
@@ -184,13 +173,13 @@ class Config:
     models_route: str | None = "/v1/models"  # aggregated from the ready nodes
     max_body_bytes: int = 4 * 1024 * 1024
     forward_authorization: bool = False
-    gossip_interval: float = field(default=1.0, metadata=_DURATION)
-    gossip_timeout: float = field(default=0.5, metadata=_DURATION)
+    gossip_interval: float = field(default=1.0, metadata=DURATION)
+    gossip_timeout: float = field(default=0.5, metadata=DURATION)
     gossip_concurrency: int = 32
-    stale_after: float = field(default=5.0, metadata=_DURATION)
+    stale_after: float = field(default=5.0, metadata=DURATION)
     sign_key_file: str | None = None  # "KID:SECRET": unsigned or badly signed snapshots rejected
     sidecar_token_file: str | None = None  # bearer token for sidecars with --protect-reads
-    slow_start: float = field(default=30.0, metadata=_DURATION)  # 0 disables
+    slow_start: float = field(default=30.0, metadata=DURATION)  # 0 disables
     admin_token: str | None = field(default=None, repr=False)
     admin_local_only: bool = False
     admin_prefix: str = "/_promptlb"
@@ -198,6 +187,9 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    fallback: tuple[FallbackConfig, ...] = ()
+    cache: CacheConfig | None = None  # no response cache unless configured
+    shedding: SheddingConfig = field(default_factory=SheddingConfig)
 
     def __post_init__(self) -> None:
         if self.discovery.mode == "static" and not self.nodes:
@@ -211,14 +203,21 @@ class Config:
                 raise ConfigError("routes", route, "paths starting with /")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes", self.max_body_bytes, ">= 1024")
-        _positive("gossip_interval", self.gossip_interval)
-        _positive("gossip_timeout", self.gossip_timeout)
-        _positive("stale_after", self.stale_after)
-        _positive("slow_start", self.slow_start, zero=True)
+        positive("gossip_interval", self.gossip_interval)
+        positive("gossip_timeout", self.gossip_timeout)
+        positive("stale_after", self.stale_after)
+        positive("slow_start", self.slow_start, zero=True)
         if self.gossip_concurrency < 1:
             raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")
         if not self.admin_prefix.startswith("/") or self.admin_prefix.endswith("/"):
             raise ConfigError("admin_prefix", self.admin_prefix, "a path like /_promptlb")
+        chained: set[str] = set()
+        for i, chain in enumerate(self.fallback):
+            if chain.model in chained:
+                raise ConfigError(f"fallback[{i}].model", chain.model, "one chain per model")
+            chained.add(chain.model)
+            if CACHE_HOP in chain.then and self.cache is None:
+                raise ConfigError(f"fallback[{i}].then", list(chain.then), "a [cache] table")
 
     def sign_key(self) -> SigningKey | None:
         if self.sign_key_file is None:
@@ -305,6 +304,10 @@ def _convert(hint: Any, value: object, where: str, duration: bool) -> Any:
         if value not in args:
             raise ConfigError(where, value, "one of " + ", ".join(repr(a) for a in args))
         return value
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(where, value, "a table")
+        return {str(k): _convert(args[1], v, f"{where}.{k}", False) for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(where, value, "a list")

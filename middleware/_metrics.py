@@ -88,6 +88,30 @@ class Metrics:
         self.retry_budget_exhausted = Counter(
             "promptlb_retry_budget_exhausted", "Retries not made: the budget was spent.", registry=r
         )
+        self.fallbacks = Counter(
+            "promptlb_fallbacks",
+            "Requests that went on to the next hop of their fallback chain.",
+            ["model", "to"],
+            registry=r,
+        )
+        self.cache = Counter(
+            "promptlb_cache_lookups",
+            "Response cache lookups, by result (fresh_hit, stale_hit, miss).",
+            ["result"],
+            registry=r,
+        )
+        self.cache_errors = Counter(
+            "promptlb_cache_errors",
+            "Cache operations that failed or were skipped (counted as misses).",
+            ["op"],
+            registry=r,
+        )
+        self.hedges = Counter(
+            "promptlb_hedges", "Hedged attempts: sent, won_first, won_hedge.", ["event"], registry=r
+        )
+        self.shed = Counter(
+            "promptlb_shed", "Requests refused with 429 by load shedding.", ["priority"], registry=r
+        )
         r.register(_Live(table))
 
     def render(self) -> bytes:

@@ -11,6 +11,7 @@ from ._asgi import ASGIApp, Receive, Scope, Send, json_error, send_json
 from ._balancer import Balancer
 from ._client import PromptLBClient
 from ._config import Config, load_config
+from ._degrade import Dispatcher
 from ._proxy import Proxy, models_response
 from ._status import status_json
 
@@ -32,8 +33,9 @@ class PromptLBMiddleware:
         self.app = app
         self.config = load_config(config)
         self.balancer = Balancer(self.config)
-        self.client = PromptLBClient(self.balancer)
-        self._proxy = Proxy(self.balancer)
+        self.dispatcher = Dispatcher(self.balancer)
+        self.client = PromptLBClient(self.dispatcher)
+        self._proxy = Proxy(self.dispatcher)
         self._routes = frozenset(self.config.routes)
         self._models_route = self.config.models_route
         prefix = self.config.admin_prefix
@@ -75,7 +77,7 @@ class PromptLBMiddleware:
             if message["type"] == "lifespan.startup":
                 await self.balancer.start()
             elif message["type"] == "lifespan.shutdown":
-                await self.balancer.stop()
+                await self.dispatcher.stop()
             return message
 
         await self.app(scope, wrapped, send)

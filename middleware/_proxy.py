@@ -11,10 +11,13 @@ import aiohttp
 
 from ._asgi import Receive, Scope, Send, json_error, send_json
 from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
+from ._cache import CacheEntry, StreamAssembler, replay_sse
+from ._degrade import Answer, Dispatcher, Exhausted
+from ._shedding import Shed
 from ._strategies import NoNodeAvailable
-from ._view import RouteRequest
+from ._view import Priority, RouteRequest
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "models_response", "route_request", "send_cached"]
 
 _SSE = b"text/event-stream"
 
@@ -43,7 +46,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def route_request(body: dict[str, Any], size: int) -> RouteRequest:
+def route_request(body: dict[str, Any], size: int, priority: Priority = "standard") -> RouteRequest:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     return RouteRequest(
         model=body["model"],
@@ -52,21 +55,36 @@ def route_request(body: dict[str, Any], size: int) -> RouteRequest:
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         stream=body.get("stream") is True,
         session_key=body.get("user") if isinstance(body.get("user"), str) else None,
+        priority=priority,
     )
 
 
 class Proxy:
-    def __init__(self, balancer: Balancer) -> None:
-        self._lb = balancer
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatch = dispatcher
+        self._lb = balancer = dispatcher.balancer
         self._limit = balancer.config.max_body_bytes
-        self._retry_after = str(max(1, round(balancer.config.health.interval)))
+        self._retry_after = str(max(1, round(balancer.config.health.interval))).encode()
+        self._shed_after = str(balancer.config.shedding.retry_after).encode()
+        cache = balancer.config.cache
+        self._entry_limit = cache.max_entry_bytes if cache is not None else 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        priority = token = None
+        no_fallback = False
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self._limit:
-                return await json_error(
-                    send, 413, f"request body over {self._limit} bytes", "invalid_request_error"
-                )
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self._limit:
+                    return await json_error(
+                        send, 413, f"request body over {self._limit} bytes", "invalid_request_error"
+                    )
+            elif name.startswith(b"x-promptlb-"):
+                if name == b"x-promptlb-priority":
+                    priority = value
+                elif name == b"x-promptlb-priority-token":
+                    token = value
+                elif name == b"x-promptlb-no-fallback":
+                    no_fallback = value.strip() in (b"1", b"true", b"yes")
         try:
             raw = await _read_body(receive, self._limit)
         except _TooLarge:
@@ -90,12 +108,22 @@ class Proxy:
             return await json_error(
                 send, 400, "`model` is required", "invalid_request_error", param="model"
             )
-        request = route_request(body, len(raw))
-        await self.forward(scope, receive, send, request, raw)
+        rank: Priority = "standard"
+        if priority is not None:
+            rank = self._lb.admission.priority(priority, token, scope.get("client"))
+        request = route_request(body, len(raw), rank)
+        await self.forward(scope, receive, send, request, body, raw, no_fallback)
         return None
 
     async def forward(
-        self, scope: Scope, receive: Receive, send: Send, request: RouteRequest, raw: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request: RouteRequest,
+        body: dict[str, Any],
+        raw: bytes,
+        no_fallback: bool = False,
     ) -> None:
         # A client that goes away cancels this task, so the upstream try is cancelled too and
         # the balancer's bookkeeping (in-flight, results) unwinds exactly.
@@ -117,56 +145,19 @@ class Proxy:
 
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(on_message)
-        started = False
         path = scope["path"] + (
             ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
         )
+        started = False
         try:
-            async with self._lb.open(request, path, raw, scope["headers"]) as up:
-                response = up.response
-                headers = [
-                    (k, v)
-                    for k, v in response.raw_headers
-                    if k.lower().decode("latin-1") not in HOP_BY_HOP
-                    or k.lower() == b"content-length"
-                ]
-                headers += [
-                    (b"x-promptlb-node", up.node.name.encode()),
-                    (b"x-promptlb-model", request.model.encode()),
-                    (b"x-promptlb-attempts", str(up.attempts).encode()),
-                ]
-                await send(
-                    {"type": "http.response.start", "status": response.status, "headers": headers}
-                )
+            async with self._dispatch.answer(
+                request, path, body, raw, scope["headers"], no_fallback=no_fallback
+            ) as answer:
                 started = True
-                sse = response.headers.get("content-type", "").encode().startswith(_SSE)
-                try:
-                    async with asyncio.timeout_at(up.deadline):
-                        async for chunk in response.content.iter_any():
-                            if up.first_byte_at is None:
-                                up.first_byte_at = time.monotonic()
-                            await send(
-                                {"type": "http.response.body", "body": chunk, "more_body": True}
-                            )
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    # After the first byte nothing is retried: end the stream, say why.
-                    up.failed = True
-                    if sse:
-                        event = {
-                            "error": {
-                                "message": f"upstream stream broke: {exc!r}",
-                                "type": "upstream_error",
-                                "code": 502,
-                            }
-                        }
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                                "more_body": True,
-                            }
-                        )
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if answer.upstream is None:
+                    await send_cached(send, scope["path"], request.stream, answer)
+                else:
+                    await self._pass_on(send, scope["path"], answer)
             upstream_phase = False
         except asyncio.CancelledError:
             upstream_phase = False
@@ -189,20 +180,38 @@ class Proxy:
                 503,
                 str(exc),
                 "service_unavailable",
-                headers=[(b"retry-after", self._retry_after.encode())],
+                headers=[(b"retry-after", self._retry_after)],
             )
-        except UpstreamError as exc:
+        except Shed as exc:
+            upstream_phase = False
+            self._lb.metrics.shed.labels(request.priority).inc()
+            await json_error(
+                send,
+                429,
+                str(exc),
+                "rate_limit_error",
+                headers=[(b"retry-after", self._shed_after)],
+            )
+        except (UpstreamError, Exhausted) as exc:
             upstream_phase = False
             if started:
                 raise
+            status, kind = (
+                (exc.status, "upstream_error")
+                if isinstance(exc, UpstreamError)
+                else (
+                    503,
+                    "service_unavailable",
+                )
+            )
             await json_error(
                 send,
-                exc.status,
+                status,
                 str(exc),
-                "upstream_error",
+                kind,
                 headers=[
                     (b"x-promptlb-attempts", str(exc.attempts).encode()),
-                    (b"retry-after", self._retry_after.encode()),
+                    (b"retry-after", self._retry_after),
                 ],
             )
         finally:
@@ -210,6 +219,116 @@ class Proxy:
             if not watcher.done():
                 watcher.remove_done_callback(on_message)
                 watcher.cancel()
+
+    async def _pass_on(self, send: Send, path: str, answer: Answer) -> None:
+        up = answer.upstream
+        assert up is not None
+        response = up.response
+        headers = [
+            (k, v)
+            for k, v in response.raw_headers
+            if k.lower().decode("latin-1") not in HOP_BY_HOP or k.lower() == b"content-length"
+        ]
+        headers += [
+            (b"x-promptlb-node", up.node.name.encode()),
+            (b"x-promptlb-model", answer.model.encode()),
+            (b"x-promptlb-attempts", str(answer.attempts).encode()),
+        ]
+        if answer.degraded is not None:
+            headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        sse = response.headers.get("content-type", "").encode().startswith(_SSE)
+        recorder: StreamAssembler | _Body | None = None
+        if answer.store_key is not None:
+            limit = self._entry_limit
+            recorder = StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
+            if not sse:
+                recorder = _Body(limit)
+        if answer.first:
+            if recorder is not None:
+                recorder.feed(answer.first)
+            await send({"type": "http.response.body", "body": answer.first, "more_body": True})
+        try:
+            async with asyncio.timeout_at(up.deadline):
+                async for chunk in response.content.iter_any():
+                    if recorder is not None:
+                        recorder.feed(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # After the first byte nothing is retried: end the stream, say why.
+            up.failed = True
+            if sse:
+                event = {
+                    "error": {
+                        "message": f"upstream stream broke: {exc!r}",
+                        "type": "upstream_error",
+                        "code": 502,
+                    }
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                        "more_body": True,
+                    }
+                )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if recorder is not None and not up.failed and answer.store_key is not None:
+            complete = recorder.result()
+            if complete is not None:
+                self._dispatch.store(
+                    answer.store_key,
+                    CacheEntry(body=complete, model=answer.model, created=time.time()),
+                )
+
+
+class _Body:
+    """A non-stream answer, kept for the cache while it passes through (up to ``limit``)."""
+
+    __slots__ = ("chunks", "limit", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.chunks: list[bytes] | None = []
+        self.limit = limit
+        self.size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if self.chunks is None:
+            return
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.chunks = None
+        else:
+            self.chunks.append(chunk)
+
+    def result(self) -> bytes | None:
+        return None if self.chunks is None else b"".join(self.chunks)
+
+
+async def send_cached(send: Send, path: str, stream: bool, answer: Answer) -> None:
+    """A cached answer: as it was stored, or replayed as SSE for a client that asked to stream."""
+    entry = answer.entry
+    assert entry is not None
+    headers = [
+        (b"x-promptlb-node", b"cache"),
+        (b"x-promptlb-model", entry.model.encode()),
+        (b"x-promptlb-attempts", str(answer.attempts).encode()),
+        (b"x-promptlb-degraded", answer.degraded.encode())
+        if answer.degraded is not None
+        else (b"x-promptlb-cache", b"hit"),
+    ]
+    body = entry.body
+    content_type = entry.content_type.encode()
+    if stream:
+        try:
+            body = b"".join(replay_sse(path, entry))
+            content_type = _SSE
+            headers.append((b"cache-control", b"no-cache"))
+        except ValueError:
+            pass  # not a stream-shaped answer (embeddings): as stored
+    headers += [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def models_response(lb: Balancer, send: Send) -> None:

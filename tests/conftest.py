@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from promptlb.emulator._launch import Service, start_service
 
 Launcher = Callable[..., Service]
 
-__all__ = ["Launcher", "Service"]
+__all__ = ["Launcher", "RedisServer", "Service"]
 
 
 @pytest.fixture
@@ -25,3 +31,65 @@ def launch() -> Iterator[Launcher]:
     yield _launch
     for service in reversed(started):
         service.stop()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a random loopback port, in its own directory."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while not self._pong():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: Redis dies as it would on a crash (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=5)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed (apt-get install redis-server)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + ": CI must install it (.ci/run)")
+        pytest.skip(message)
+    server = RedisServer(binary, tmp_path)
+    try:
+        yield server
+    finally:
+        server.kill()

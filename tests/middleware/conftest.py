@@ -27,6 +27,15 @@ class Cluster:
     config_path: Path
     started: list[Service] = field(default_factory=list)
 
+    def another_app(self) -> Service:
+        """A second middleware instance with the same config (the same nodes and cache)."""
+        app = start_command(
+            "example-app",
+            [str(ROOT / "examples" / "app.py"), "--config", str(self.config_path), "--port", "0"],
+        )
+        self.started.append(app)
+        return app
+
     def restart_model(self, name: str) -> Service:
         """Start the node's emulator again on the port it had (its sidecar points there)."""
         node = self.nodes[name]
@@ -45,8 +54,9 @@ MakeCluster = Callable[..., Cluster]
 def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     """``cluster({"a": ("--slots", "2"), "b": ()}, config="strategy='p2c'")``.
 
-    Every node serves model ``m`` and has a sidecar unless its flags start with ``"nosidecar"``.
-    The config text is prepended to the generated ``[[nodes]]`` tables.
+    Every node serves model ``m`` (unless its flags name ``--model``s of their own) and has a
+    sidecar unless its flags start with ``"nosidecar"``. The config text is prepended to the
+    generated ``[[nodes]]`` tables. ``app_config`` (a path) starts one more app, sharing them.
     """
     started: list[Service] = []
 
@@ -57,7 +67,9 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         tables = []
         for name, raw_flags in nodes.items():
             with_sidecar = not raw_flags or raw_flags[0] != "nosidecar"
-            flags = ("--model", "m", *(raw_flags if with_sidecar else raw_flags[1:]))
+            own = raw_flags if with_sidecar else raw_flags[1:]
+            models = [own[i + 1] for i, f in enumerate(own) if f == "--model"] or ["m"]
+            flags = own if "--model" in own else ("--model", "m", *own)
             model = start_service("emulator", *flags)
             started.append(model)
             sidecar = None
@@ -77,7 +89,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
                 )
                 started.append(sidecar)
             made[name] = Node(name, model, sidecar, flags)
-            table = f"[[nodes]]\nname = '{name}'\nurl = '{model.url}'\nmodels = ['m']\n"
+            table = f"[[nodes]]\nname = '{name}'\nurl = '{model.url}'\nmodels = {models!r}\n"
             if sidecar is not None:
                 table += f"sidecar = '{sidecar.url}'\n"
             tables.append(table)
@@ -87,8 +99,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             "example-app", [str(ROOT / "examples" / "app.py"), "--config", str(path), "--port", "0"]
         )
         started.append(app)
-        result = Cluster(app, made, path, started)
-        return result
+        return Cluster(app, made, path, started)
 
     yield make
     for service in reversed(started):

@@ -16,6 +16,7 @@ from aiohttp import web
 from promptlb.middleware import PromptLBClient, PromptLBMiddleware
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import load_config
+from promptlb.middleware._degrade import Dispatcher
 
 from tests.conftest import Launcher
 
@@ -106,7 +107,7 @@ async def test_client_authorization_is_forwarded_only_when_configured(
 async def test_the_in_app_client_streams_and_embeds(launch: Launcher) -> None:
     model = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "500")
     lb = Balancer(load_config({"nodes": [{"name": "a", "url": model.url, "models": ["m"]}]}))
-    client = PromptLBClient(lb)
+    client = PromptLBClient(Dispatcher(lb))
     try:
         chunks = [
             c

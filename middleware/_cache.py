@@ -1,0 +1,375 @@
+"""The response cache: keys from normalized requests, complete answers stored in memory or in
+Redis, streams assembled into whole answers and whole answers replayed as streams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+
+__all__ = [
+    "CacheEntry",
+    "MemoryCache",
+    "RedisCache",
+    "ResponseCache",
+    "StreamAssembler",
+    "cache_key",
+    "open_cache",
+    "replay_sse",
+]
+
+# Fields that change how an answer is delivered or billed, not what it says.
+_IGNORED = frozenset(
+    {"model", "stream", "stream_options", "user", "metadata", "store", "service_tier"}
+)
+_PROMPT_FIELDS = ("messages", "prompt", "input")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    body: bytes  # the whole answer as a non-stream JSON body
+    model: str  # the model that produced it
+    created: float  # time.time() when stored
+    content_type: str = "application/json"
+
+    def age(self, now: float) -> float:
+        return now - self.created
+
+    def pack(self) -> bytes:
+        packed: bytes = msgpack.packb(
+            {"b": self.body, "m": self.model, "c": self.created, "t": self.content_type}
+        )
+        return packed
+
+    @classmethod
+    def unpack(cls, data: bytes) -> CacheEntry:
+        try:
+            raw = msgpack.unpackb(data)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise ValueError(f"not a cache entry: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("not a cache entry: not a map")
+        body, model, created, kind = raw.get("b"), raw.get("m"), raw.get("c"), raw.get("t")
+        if (
+            not isinstance(body, bytes)
+            or not isinstance(model, str)
+            or not isinstance(created, float | int)
+            or isinstance(created, bool)
+            or not isinstance(kind, str)
+        ):
+            raise ValueError("not a cache entry: bad fields")
+        return cls(body, model, float(created), kind)
+
+
+def cache_key(
+    path: str,
+    body: Mapping[str, Any],
+    model_key: str,
+    *,
+    cache_sampled: bool,
+    default_temperature: float = 1.0,
+) -> str | None:
+    """A hash of what decides the answer, or ``None`` when the answer is not repeatable."""
+    if not any(f in body for f in _PROMPT_FIELDS):
+        return None
+    if not path.endswith("/embeddings") and not cache_sampled:
+        temperature = body.get("temperature", default_temperature)
+        if temperature is None:
+            temperature = default_temperature
+        if not isinstance(temperature, int | float) or temperature > 0:
+            return None
+    shape = {k: v for k, v in body.items() if k not in _IGNORED}
+    try:
+        text = json.dumps(
+            [path, model_key, shape], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ResponseCache(Protocol):
+    name: str
+
+    async def get(self, key: str) -> CacheEntry | None: ...
+    async def put(self, key: str, entry: CacheEntry) -> None: ...
+    async def close(self) -> None: ...
+
+
+class MemoryCache:
+    """Per process: LRU bounded by bytes, entries kept ``ttl`` seconds."""
+
+    name = "memory"
+
+    def __init__(
+        self, *, max_bytes: int, ttl: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self._clock = clock
+        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self.size_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def get(self, key: str) -> CacheEntry | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        expires, data = item
+        if self._clock() >= expires:
+            self._drop(key)
+            return None
+        self._items.move_to_end(key)
+        return CacheEntry.unpack(data)
+
+    async def put(self, key: str, entry: CacheEntry) -> None:
+        data = entry.pack()
+        size = len(key) + len(data)
+        if size > self.max_bytes:
+            return
+        if key in self._items:
+            self._drop(key)
+        self._items[key] = (self._clock() + self.ttl, data)
+        self.size_bytes += size
+        while self.size_bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, key: str) -> None:
+        _, data = self._items.pop(key)
+        self.size_bytes -= len(key) + len(data)
+
+    async def close(self) -> None:
+        self._items.clear()
+        self.size_bytes = 0
+
+
+class RedisCache:
+    """Shared by every replica. Redis keeps the TTL. A failure or a reply slower than
+    ``timeout`` is a miss, never an error; after one, Redis is skipped for ``backoff``
+    seconds so that a dead Redis costs one timeout a second, not one per request."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        ttl: float,
+        timeout: float = 0.05,
+        on_error: Callable[[str], None] = lambda op: None,
+        backoff: float = 1.0,
+    ) -> None:
+        import redis.asyncio  # only a Redis backend needs the extra
+
+        self._client = redis.asyncio.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+        self._errors: tuple[type[BaseException], ...] = (
+            TimeoutError,
+            OSError,
+            ValueError,
+            redis.exceptions.RedisError,
+        )
+        self.prefix = prefix
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.timeout = timeout
+        self.backoff = backoff
+        self._on_error = on_error
+        self._down_until = 0.0
+
+    def _skip(self) -> bool:
+        if time.monotonic() < self._down_until:
+            self._on_error("skipped")
+            return True
+        return False
+
+    def _failed(self, op: str) -> None:
+        self._down_until = time.monotonic() + self.backoff
+        self._on_error(op)
+
+    async def get(self, key: str) -> CacheEntry | None:
+        if self._skip():
+            return None
+        try:
+            async with asyncio.timeout(self.timeout):
+                data = await self._client.get(self.prefix + key)
+            return None if not isinstance(data, bytes) else CacheEntry.unpack(data)
+        except self._errors:
+            self._failed("get")
+            return None
+
+    async def put(self, key: str, entry: CacheEntry) -> None:
+        if self._skip():
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._client.set(self.prefix + key, entry.pack(), px=self.ttl_ms)
+        except self._errors:
+            self._failed("put")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def open_cache(
+    backend: str,
+    *,
+    max_bytes: int,
+    ttl: float,
+    prefix: str,
+    timeout: float,
+    on_error: Callable[[str], None],
+) -> ResponseCache:
+    if backend == "memory":
+        return MemoryCache(max_bytes=max_bytes, ttl=ttl)
+    if backend.startswith(("redis://", "rediss://", "unix://")):
+        return RedisCache(backend, prefix=prefix, ttl=ttl, timeout=timeout, on_error=on_error)
+    raise ValueError(f"unknown cache backend {backend!r}: 'memory' or a redis:// URL")
+
+
+class StreamAssembler:
+    """Fed the SSE bytes of a stream as they pass; gives the whole answer (non-stream JSON)
+    once the stream ended well, or ``None``."""
+
+    __slots__ = (
+        "_buffer",
+        "_chat",
+        "_choices",
+        "_done",
+        "_failed",
+        "_head",
+        "_size",
+        "_usage",
+        "max_bytes",
+    )
+
+    def __init__(self, chat: bool, *, max_bytes: int = 1024 * 1024) -> None:
+        self._chat = chat
+        self.max_bytes = max_bytes
+        self._buffer = b""
+        self._size = 0
+        self._head: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+        self._usage: Any = None
+        self._done = False
+        self._failed = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._failed or self._done:
+            return
+        self._size += len(chunk)
+        if self._size > self.max_bytes:
+            self._failed = True
+            self._buffer = b""
+            return
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
+
+    def _event(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self._done = True
+            return
+        try:
+            event = json.loads(data)
+        except ValueError:
+            self._failed = True
+            return
+        if not isinstance(event, dict) or "error" in event:
+            self._failed = True
+            return
+        for key in ("id", "created", "model", "system_fingerprint"):
+            if key in event and key not in self._head:
+                self._head[key] = event[key]
+        if event.get("usage"):
+            self._usage = event["usage"]
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            into = self._choices.setdefault(index, {"text": [], "role": "assistant"})
+            if self._chat:
+                delta = choice.get("delta") or {}
+                if delta.get("role"):
+                    into["role"] = delta["role"]
+                if delta.get("content"):
+                    into["text"].append(delta["content"])
+            elif choice.get("text"):
+                into["text"].append(choice["text"])
+            if choice.get("finish_reason"):
+                into["finish_reason"] = choice["finish_reason"]
+
+    def result(self) -> bytes | None:
+        if self._failed or not self._done or not self._choices:
+            return None
+        choices = []
+        for index in sorted(self._choices):
+            c = self._choices[index]
+            if "finish_reason" not in c:
+                return None
+            text = "".join(c["text"])
+            if self._chat:
+                message = {"role": c["role"], "content": text}
+                choices.append(
+                    {"index": index, "message": message, "finish_reason": c["finish_reason"]}
+                )
+            else:
+                choices.append({"index": index, "text": text, "finish_reason": c["finish_reason"]})
+        obj = "chat.completion" if self._chat else "text_completion"
+        whole: dict[str, Any] = {**self._head, "object": obj, "choices": choices}
+        if self._usage is not None:
+            whole["usage"] = self._usage
+        return json.dumps(whole).encode()
+
+
+def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
+    """A whole cached answer as the SSE events of a stream the openai client parses."""
+    try:
+        whole = json.loads(entry.body)
+    except ValueError:
+        raise ValueError("cached body is not JSON") from None
+    if not isinstance(whole, dict) or not isinstance(whole.get("choices"), list):
+        raise ValueError("cached body has no choices to stream")
+    chat = whole.get("object") == "chat.completion" or path.endswith("/chat/completions")
+    head = {
+        "id": whole.get("id", "cached"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": whole.get("created", int(entry.created)),
+        "model": whole.get("model", entry.model),
+    }
+    events: list[bytes] = []
+
+    def emit(obj: dict[str, Any]) -> None:
+        events.append(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    for choice in whole["choices"]:
+        index = choice.get("index", 0)
+        if chat:
+            message = choice.get("message") or {}
+            delta = {
+                "role": message.get("role", "assistant"),
+                "content": message.get("content") or "",
+            }
+            emit({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
+            end = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
+        else:
+            text = choice.get("text", "")
+            emit({**head, "choices": [{"index": index, "text": text, "finish_reason": None}]})
+            end = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
+        emit({**head, "choices": [end]})
+    if whole.get("usage"):
+        emit({**head, "choices": [], "usage": whole["usage"]})
+    events.append(b"data: [DONE]\n\n")
+    return events

@@ -1,0 +1,349 @@
+"""The way to an answer: a fresh cached answer, admission, then the hops of the model's fallback
+chain (lighter models, the cache), each with its deadlines and optional hedging.
+
+Everything here happens before the first byte reaches the client: once an `Answer` is handed
+over, the caller streams it and nothing is retried or degraded any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
+from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
+from ._config_degrade import CACHE_HOP, FallbackConfig
+from ._shedding import QueueTimeout, Shed
+from ._strategies import NoNodeAvailable
+from ._view import RouteRequest
+
+__all__ = ["Answer", "Dispatcher", "Exhausted"]
+
+_HopError = (NoNodeAvailable, UnknownModel, UpstreamError)
+
+
+class Exhausted(Exception):
+    """Every hop of the chain failed and no cached answer was there: 503."""
+
+    def __init__(self, model: str, failures: list[str], attempts: int) -> None:
+        super().__init__(f"no answer for {model!r}: " + "; ".join(failures))
+        self.attempts = attempts
+
+
+@dataclass(slots=True)
+class Answer:
+    """What to pass on: a node's response (its first chunk already read) or a cached answer."""
+
+    model: str  # the model that answers
+    upstream: Upstream | None = None
+    first: bytes = b""
+    entry: CacheEntry | None = None
+    degraded: str | None = None  # "fallback" | "cache"
+    attempts: int = 0
+    store_key: str | None = None  # cache the answer under this key once it is complete
+    stack: AsyncExitStack | None = None
+
+
+class Dispatcher:
+    def __init__(self, balancer: Balancer) -> None:
+        self._lb = balancer
+        self.balancer = balancer
+        config = balancer.config
+        self.config = config
+        self._chains: dict[str, FallbackConfig] = {c.model: c for c in config.fallback}
+        cache_cfg = config.cache
+        self.cache_config = cache_cfg
+        self.cache: ResponseCache | None = None
+        if cache_cfg is not None:
+            errors = balancer.metrics.cache_errors
+            self.cache = open_cache(
+                cache_cfg.backend,
+                max_bytes=cache_cfg.max_bytes,
+                ttl=cache_cfg.stale_ttl,
+                prefix=cache_cfg.key_prefix,
+                timeout=cache_cfg.timeout,
+                on_error=lambda op: errors.labels(op).inc(),
+            )
+        self._families: Mapping[str, str] = cache_cfg.families if cache_cfg else {}
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def stop(self) -> None:
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        await self._lb.stop()
+        if self.cache is not None:
+            await self.cache.close()
+
+    def store(self, key: str, entry: CacheEntry) -> None:
+        """Write in the background: the client already has its answer."""
+        cache = self.cache
+        if cache is None:
+            return
+        task = asyncio.ensure_future(cache.put(key, entry))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def key(self, path: str, body: Mapping[str, Any], model: str) -> str | None:
+        cfg = self.cache_config
+        if cfg is None:
+            return None
+        return cache_key(
+            path,
+            body,
+            self._families.get(model, model),
+            cache_sampled=cfg.cache_sampled,
+            default_temperature=cfg.default_temperature,
+        )
+
+    @asynccontextmanager
+    async def answer(
+        self,
+        request: RouteRequest,
+        path: str,
+        body: Mapping[str, Any],
+        raw: bytes,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+        *,
+        no_fallback: bool = False,
+    ) -> AsyncIterator[Answer]:
+        """Find the answer (raising `UnknownModel`, `NoNodeAvailable`, `UpstreamError`, `Shed`
+        or `Exhausted` when there is none) and hold its upstream open while the caller passes
+        it on."""
+        found = await self._find(request, path, body, raw, list(headers), no_fallback)
+        if found.stack is None:
+            yield found
+            return
+        async with found.stack:
+            yield found
+
+    async def _find(
+        self,
+        request: RouteRequest,
+        path: str,
+        body: Mapping[str, Any],
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        no_fallback: bool,
+    ) -> Answer:
+        chain = self._chains.get(request.model)
+        if chain is not None and no_fallback and chain.allow_opt_out:
+            chain = None
+        hops: tuple[str, ...] = (request.model, *chain.then) if chain else (request.model,)
+        cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
+        keys: dict[str, str | None] = {}
+
+        def key_of(model: str) -> str | None:
+            if model not in keys:
+                keys[model] = self.key(path, body, model)
+            return keys[model]
+
+        if cache is not None and cfg is not None and cfg.serve_fresh:
+            key = key_of(request.model)
+            if key is not None:
+                entry = await cache.get(key)
+                if entry is not None and entry.age(time.time()) <= cfg.ttl:
+                    metrics.cache.labels("fresh_hit").inc()
+                    return Answer(entry.model, entry=entry)
+        first = 0
+        try:
+            await self._lb.admission.admit(request.model, request.priority)
+        except QueueTimeout:
+            if len(hops) == 1:
+                raise Shed(request.model, self.config.shedding.retry_after) from None
+            first = 1  # waited long enough for the primary: degrade
+        failures: list[str] = []
+        attempts = 0
+        last: Exception | None = None
+        outage_cache = cache is not None and cfg is not None and cfg.on_outage
+        for i in range(first, len(hops)):
+            hop = hops[i]
+            if hop == CACHE_HOP:
+                entry = await self._cached(hops[:i], key_of)
+                if entry is not None:
+                    return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
+                failures.append("cache: no answer")
+                continue
+            onward = i + 1 < len(hops) or outage_cache
+            hop_request = request if i == 0 else replace(request, model=hop)
+            hop_raw = raw if i == 0 else _rewrite(body, hop)
+            nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1] != CACHE_HOP else None
+            try:
+                answer = await self._try_model(
+                    hop_request, path, hop_raw, headers, chain, onward, body, nxt
+                )
+            except _HopError as exc:
+                if isinstance(exc, UnknownModel) and chain is None:
+                    raise
+                last = exc
+                attempts += getattr(exc, "attempts", 0)
+                failures.append(f"{hop}: {exc}")
+                if i + 1 < len(hops):
+                    metrics.fallbacks.labels(request.model, hops[i + 1]).inc()
+                continue
+            answer.attempts += attempts
+            if answer.model != request.model:
+                answer.degraded = "fallback"
+            if answer.upstream is not None and answer.upstream.response.status == 200:
+                answer.store_key = key_of(answer.model)
+            return answer
+        if outage_cache and CACHE_HOP not in hops:
+            entry = await self._cached(hops, key_of)
+            if entry is not None:
+                return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
+        if chain is None and last is not None:
+            raise last
+        raise Exhausted(request.model, failures, attempts)
+
+    async def _cached(self, models: Iterable[str], key_of: Any) -> CacheEntry | None:
+        """The answer to this request from the most preferred model that has one."""
+        cache, metrics = self.cache, self._lb.metrics
+        if cache is None:
+            return None
+        for model in models:
+            if model == CACHE_HOP:
+                continue
+            key = key_of(model)
+            if key is None:
+                continue
+            entry = await cache.get(key)
+            if entry is not None:
+                metrics.cache.labels("stale_hit").inc()
+                return entry
+        metrics.cache.labels("miss").inc()
+        return None
+
+    async def _try_model(
+        self,
+        request: RouteRequest,
+        path: str,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        chain: FallbackConfig | None,
+        onward: bool,
+        body: Mapping[str, Any],
+        nxt: str | None,
+    ) -> Answer:
+        loop = asyncio.get_running_loop()
+        ttft = chain.ttft if chain is not None else None
+        first_deadline = loop.time() + ttft if ttft is not None else None
+        total = chain.total if chain is not None else None
+        avoid: set[str] = set()
+        hedge_after = chain.hedge_after if chain is not None else None
+
+        def attempt(req: RouteRequest, data: bytes) -> asyncio.Task[Answer]:
+            return asyncio.ensure_future(
+                self._attempt(req, path, data, headers, first_deadline, total, avoid, onward)
+            )
+
+        if hedge_after is None:
+            return await self._attempt(
+                request, path, raw, headers, first_deadline, total, avoid, onward
+            )
+        tasks = [attempt(request, raw)]
+        winner: asyncio.Task[Answer] | None = None
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=hedge_after)
+            if not done:
+                candidates = self._lb.table.candidates(request.model) or ()
+                if any(c.name not in avoid for c in candidates):
+                    tasks.append(attempt(request, raw))
+                elif nxt is not None:
+                    tasks.append(attempt(replace(request, model=nxt), _rewrite(body, nxt)))
+                if len(tasks) > 1:
+                    self._lb.metrics.hedges.labels("sent").inc()
+            winner = await _first_success(tasks, self._lb)
+            return winner.result()
+        finally:
+            await _settle([t for t in tasks if t is not winner])
+
+    async def _attempt(
+        self,
+        request: RouteRequest,
+        path: str,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        first_deadline: float | None,
+        total: float | None,
+        avoid: set[str],
+        onward: bool,
+    ) -> Answer:
+        """One attempt at ``request.model``: tries (with retries) until a node's first chunk is
+        in. With somewhere ``onward`` to go, a final 5xx or 429 is a failure, not an answer."""
+        lb = self._lb
+        admit = (
+            lb.admission.open if lb.admission.enabled and request.priority != "critical" else None
+        )
+        stack = AsyncExitStack()
+        up: Upstream | None = None
+        try:
+            up = await stack.enter_async_context(
+                lb.open(
+                    request,
+                    path,
+                    raw,
+                    headers,
+                    first_deadline=first_deadline,
+                    total=total,
+                    avoid=avoid,
+                    admit=admit,
+                )
+            )
+            status = up.response.status
+            if onward and (status >= 500 or status == 429):
+                raise UpstreamError(status, f"{up.node.name}: answered {status}", up.attempts)
+            by = up.deadline if first_deadline is None else min(up.deadline, first_deadline)
+            try:
+                async with asyncio.timeout_at(by):
+                    first = await up.response.content.readany()
+            except TimeoutError:
+                up.timed_out = True
+                raise UpstreamError(
+                    504, f"{up.node.name}: no first byte in time", up.attempts
+                ) from None
+            except (OSError, ValueError) as exc:  # aiohttp's payload errors are both
+                up.failed = True
+                raise UpstreamError(502, f"{up.node.name}: broke: {exc!r}", up.attempts) from None
+            up.first_byte_at = time.monotonic()
+            return Answer(
+                request.model, upstream=up, first=first, attempts=up.attempts, stack=stack
+            )
+        except BaseException as exc:
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+
+
+async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asyncio.Task[Answer]:
+    pending = set(tasks)
+    error: BaseException | None = None
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:  # in start order: on a tie the first attempt wins
+            if task not in done:
+                continue
+            exc = task.exception()
+            if exc is None:
+                lb.metrics.hedges.labels("won_first" if task is tasks[0] else "won_hedge").inc()
+                return task
+            error = exc
+    assert error is not None
+    raise error
+
+
+async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
+    """Cancel the losers (their node sees the disconnect) and wait for them; close any that
+    got a response in the same instant as the winner."""
+    for task in losers:
+        task.cancel()
+    for result in await asyncio.gather(*losers, return_exceptions=True):
+        if isinstance(result, Answer) and result.stack is not None:
+            lost = asyncio.CancelledError()
+            await result.stack.__aexit__(type(lost), lost, None)
+
+
+def _rewrite(body: Mapping[str, Any], model: str) -> bytes:
+    return json.dumps({**body, "model": model}).encode()

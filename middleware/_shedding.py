@@ -1,0 +1,141 @@
+"""Load shedding by priority: who may raise a priority, when a pool is saturated, and the bounded
+queue where standard requests wait for room."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ._config_degrade import SheddingConfig
+from ._nodes import NodeTable
+from ._view import NodeView, Priority
+
+__all__ = ["Admission", "QueueTimeout", "Shed"]
+
+_PRIORITIES: dict[bytes, Priority] = {
+    b"critical": "critical",
+    b"standard": "standard",
+    b"sheddable": "sheddable",
+}
+_RANK = {"sheddable": 0, "standard": 1, "critical": 2}
+_POLL = 0.05  # a waiter also rechecks this often: snapshots change saturation without a wake
+
+
+class Shed(Exception):
+    """Refused with 429: the pool is saturated and the request may not wait (or waited)."""
+
+    def __init__(self, model: str, retry_after: int) -> None:
+        super().__init__(f"model {model!r} is saturated; retry later")
+        self.model = model
+        self.retry_after = retry_after
+
+
+class QueueTimeout(Exception):
+    """A standard request waited ``queue_timeout`` and the pool is still saturated."""
+
+
+class Admission:
+    def __init__(self, config: SheddingConfig, table: NodeTable) -> None:
+        self.config = config
+        self.enabled = config.enabled
+        self._table = table
+        self._networks = [ipaddress.ip_network(n, strict=False) for n in config.trusted_networks]
+        token = config.priority_token
+        self._token = token.encode() if token else None
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.waiting = 0
+
+    def priority(self, header: bytes | None, token: bytes | None, client: Any) -> Priority:
+        """The request's priority: as asked when it is a lowering (or the default); raised
+        above ``standard`` only for a trusted client."""
+        asked = _PRIORITIES.get(header.strip().lower(), "standard") if header else "standard"
+        if _RANK[asked] <= _RANK["standard"] or self._trusted(token, client):
+            return asked
+        return "standard"
+
+    def _trusted(self, token: bytes | None, client: Any) -> bool:
+        if (
+            self._token is not None
+            and token is not None
+            and hmac.compare_digest(token, self._token)
+        ):
+            return True
+        if not self._networks or not client:
+            return False
+        try:
+            address = ipaddress.ip_address(client[0])
+        except ValueError:
+            return False
+        return any(address in net for net in self._networks)
+
+    def over(self, view: NodeView) -> bool:
+        """True when the node is past one of the configured thresholds."""
+        cfg = self.config
+        if cfg.max_in_flight is not None and view.in_flight >= cfg.max_in_flight:
+            return True
+        snap = view.snapshot
+        if snap is None or snap.engine is None:
+            return False  # unknown load is not saturation: the in-flight cap still applies
+        engine = snap.engine
+        if cfg.max_kv is not None and engine.kv_cache is not None and engine.kv_cache >= cfg.max_kv:
+            return True
+        if cfg.max_waiting is not None:
+            ours_since = max(0, view.in_flight - view.in_flight_at_snapshot)
+            return engine.waiting + ours_since > cfg.max_waiting
+        return False
+
+    def open(self, view: NodeView) -> bool:
+        return not self.over(view)
+
+    def saturated(self, candidates: Iterable[NodeView]) -> bool:
+        saw = False
+        for view in candidates:
+            saw = True
+            if not self.over(view):
+                return False
+        return saw
+
+    async def admit(self, model: str, priority: Priority) -> None:
+        """Return when ``model`` may be tried; raise `Shed` (answer 429 now) or `QueueTimeout`
+        (degrade, or answer 429)."""
+        if not self.enabled or priority == "critical" or not self._is_saturated(model):
+            return
+        cfg = self.config
+        if priority == "sheddable" or self.waiting >= cfg.queue_size:
+            raise Shed(model, cfg.retry_after)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.queue_timeout
+        self.waiting += 1
+        future: asyncio.Future[None] | None = None
+        try:
+            while self._is_saturated(model):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise QueueTimeout(model)
+                if future is None or future.done():
+                    future = loop.create_future()
+                    self._waiters.append(future)
+                    if len(self._waiters) > 4 * cfg.queue_size + 16:
+                        self._waiters = deque(f for f in self._waiters if not f.done())
+                await asyncio.wait((future,), timeout=min(remaining, _POLL))
+        finally:
+            self.waiting -= 1
+            if future is not None and not future.done():
+                future.cancel()
+
+    def wake(self) -> None:
+        """A request finished: the oldest waiter rechecks."""
+        waiters = self._waiters
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
+
+    def _is_saturated(self, model: str) -> bool:
+        candidates: Sequence[NodeView] | None = self._table.candidates(model)
+        return bool(candidates) and self.saturated(candidates or ())

@@ -1,0 +1,264 @@
+"""Degradation end to end: fallback chains, the response cache (memory and a real Redis),
+shedding by priority and hedging, through the example app with real emulators and sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from tests.conftest import RedisServer
+from tests.middleware.conftest import Cluster, MakeCluster
+from tests.middleware.test_end_to_end import FAST, HELLO, client, status
+
+HEALTH = (
+    "[health]\ninterval = '200ms'\ninterval_jitter = '20ms'\ntimeout = '200ms'\n"
+    "unhealthy_threshold = 1\n"
+)
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": HELLO, "max_tokens": 6, "temperature": 0, **extra}
+
+
+async def post(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes, float]:
+    started = time.monotonic()
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        data = await response.read()
+        headers = {k.lower(): v for k, v in response.headers.items()}
+        return response.status, headers, data, time.monotonic() - started
+
+
+async def emulator_stats(url: str) -> dict[str, int]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/_emulator/stats") as response:
+        body: dict[str, int] = await response.json()
+        return body
+
+
+async def wait_down(c: Cluster, *names: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        states = {n["name"]: n["state"] for n in (await status(c))["nodes"]}
+        if all(states[name] != "ready" for name in names):
+            return
+        assert time.monotonic() < deadline, states
+        await asyncio.sleep(0.1)
+
+
+def kill(c: Cluster, name: str) -> None:
+    c.nodes[name].model.proc.kill()
+    c.nodes[name].model.proc.wait(timeout=5)
+
+
+async def test_a_slow_primary_falls_back_to_the_light_model_within_ttft(
+    cluster: MakeCluster,
+) -> None:
+    config = "[[fallback]]\nmodel = 'big'\nthen = ['small']\nttft = '500ms'\n"
+    c = cluster(
+        {
+            "big": ("--model", "big", "--ttft-ms", "5000", "--tokens-per-s", "400"),
+            "small": ("--model", "small", *FAST),
+        },
+        config,
+    )
+    api = client(c)
+    await api.chat.completions.create(model="small", messages=HELLO, max_tokens=2)  # warm
+    for stream in (False, True):
+        started = time.monotonic()
+        raw = await api.chat.completions.with_raw_response.create(
+            model="big", messages=HELLO, max_tokens=4, stream=stream
+        )
+        parsed = raw.parse()
+        if stream:
+            text = "".join([ch.choices[0].delta.content or "" async for ch in parsed])  # type: ignore[union-attr]
+        else:
+            text = parsed.choices[0].message.content or ""  # type: ignore[union-attr]
+        elapsed = time.monotonic() - started
+        assert text.split() == ["the", "quick", "brown", "fox"]
+        assert 0.5 <= elapsed < 0.5 + 0.4, elapsed
+        assert raw.headers["x-promptlb-degraded"] == "fallback"
+        assert raw.headers["x-promptlb-model"] == "small"
+        assert raw.headers["x-promptlb-node"] == "small"
+    # The slow node was told to stop: its generation was cancelled, not left running.
+    await asyncio.sleep(0.2)
+    assert (await emulator_stats(c.nodes["big"].model.url))["cancelled"] == 2
+
+
+async def test_clients_may_opt_out_of_fallback_only_where_allowed(cluster: MakeCluster) -> None:
+    config = (
+        "[retry]\nper_try_timeout = '300ms'\n"
+        "[[fallback]]\nmodel = 'big'\nthen = ['small']\nttft = '300ms'\n"
+        "[[fallback]]\nmodel = 'mid'\nthen = ['small']\nttft = '300ms'\nallow_opt_out = false\n"
+    )
+    c = cluster(
+        {
+            "big": ("--model", "big", "--model", "mid", "--ttft-ms", "3000"),
+            "small": ("--model", "small", *FAST),
+        },
+        config,
+    )
+    out = {"x-promptlb-no-fallback": "1"}
+    code, headers, _, _ = await post(c.app.url, chat_body(model="big"), out)
+    assert code == 504 and "x-promptlb-degraded" not in headers
+    code, headers, _, _ = await post(c.app.url, chat_body(model="mid"), out)
+    assert code == 200 and headers["x-promptlb-model"] == "small"
+
+
+async def test_everything_down_serves_the_shared_redis_cache_from_another_replica(
+    cluster: MakeCluster, redis_server: RedisServer
+) -> None:
+    config = (
+        HEALTH + f"[cache]\nbackend = '{redis_server.url}'\n"
+        "[[fallback]]\nmodel = 'm'\nthen = ['cache']\nttft = '1s'\n"
+    )
+    c = cluster({"a": FAST, "b": FAST}, config)
+    code, headers, fresh, _ = await post(c.app.url, chat_body())
+    assert code == 200 and "x-promptlb-degraded" not in headers
+    sampled, _, _, _ = await post(c.app.url, chat_body(temperature=0.7, max_tokens=3))
+    await asyncio.sleep(0.2)  # the write is in the background, after the answer
+    kill(c, "a")
+    kill(c, "b")
+    await wait_down(c, "a", "b")
+    code, headers, cached, elapsed = await post(c.app.url, chat_body())
+    assert code == 200, cached
+    assert headers["x-promptlb-degraded"] == "cache"
+    assert headers["x-promptlb-node"] == "cache"
+    assert cached == fresh
+    # A replica that never saw the answer serves it from the same Redis.
+    other = c.another_app()
+    code, headers, shared, _ = await post(other.url, chat_body())
+    assert code == 200 and headers["x-promptlb-degraded"] == "cache" and shared == fresh
+    # Not cached (sampled, temperature > 0) and nothing else up: a quick 503 with Retry-After.
+    code, headers, body, elapsed = await post(c.app.url, chat_body(temperature=0.7, max_tokens=3))
+    assert sampled == 200
+    assert code == 503 and headers["retry-after"].isdigit(), body
+    assert b'"error"' in body
+    assert elapsed < 0.25, elapsed  # the 50 ms goal is measured in bench/degrade_bench.py
+
+
+async def test_requests_succeed_when_redis_dies_mid_test(
+    cluster: MakeCluster, redis_server: RedisServer
+) -> None:
+    config = f"[cache]\nbackend = '{redis_server.url}'\nserve_fresh = true\ntimeout = '50ms'\n"
+    c = cluster({"a": FAST}, config)
+    code, headers, first, _ = await post(c.app.url, chat_body())
+    assert code == 200 and "x-promptlb-cache" not in headers
+    await asyncio.sleep(0.2)
+    code, headers, again, _ = await post(c.app.url, chat_body())
+    assert code == 200 and headers["x-promptlb-cache"] == "hit" and again == first
+    redis_server.kill()
+    for i in range(20):
+        code, headers, _, elapsed = await post(c.app.url, chat_body(max_tokens=2 + i % 3))
+        assert code == 200 and headers["x-promptlb-node"] == "a"
+        assert elapsed < 1.0
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(c.app.url + "/_promptlb/metrics") as response,
+    ):
+        metrics = await response.text()
+    assert 'promptlb_cache_errors_total{op="get"}' in metrics
+    assert 'promptlb_cache_errors_total{op="skipped"}' in metrics
+
+
+async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
+    cluster: MakeCluster,
+) -> None:
+    config = HEALTH + "[cache]\n[[fallback]]\nmodel = 'm'\nthen = ['cache']\n"
+    c = cluster({"a": FAST}, config)
+    api = client(c)
+
+    async def ask() -> tuple[str, str | None, dict[str, str]]:
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m", messages=HELLO, max_tokens=9, temperature=0, stream=True
+        )
+        chunks = [chunk async for chunk in raw.parse()]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        finish = next(
+            (
+                ch.choices[0].finish_reason
+                for ch in chunks
+                if ch.choices and ch.choices[0].finish_reason
+            ),
+            None,
+        )
+        return text, finish, dict(raw.headers)
+
+    text, finish, headers = await ask()
+    assert len(text.split()) == 9 and finish == "length"
+    await asyncio.sleep(0.2)
+    kill(c, "a")
+    await wait_down(c, "a")
+    replayed, replay_finish, headers = await ask()
+    assert headers["x-promptlb-degraded"] == "cache"
+    assert headers["content-type"].startswith("text/event-stream")
+    assert (replayed, replay_finish) == (text, finish)
+    # The same answer, asked without streaming, comes back whole.
+    whole = await api.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=9, temperature=0
+    )
+    assert whole.choices[0].message.content == text
+
+
+async def test_shedding_by_priority(cluster: MakeCluster) -> None:
+    config = (
+        "[shedding]\nenabled = true\nmax_in_flight = 1\nqueue_timeout = '600ms'\n"
+        "retry_after = 2\npriority_token = 'letmein'\n"
+    )
+    # 100 ms to the first token, then 10 tokens/s: max_tokens sets how long a request holds on.
+    c = cluster({"a": ("--slots", "4", "--ttft-ms", "100", "--tokens-per-s", "10")}, config)
+    url = c.app.url
+    busy = asyncio.ensure_future(post(url, chat_body(max_tokens=20)))  # ~2.1 s
+    await asyncio.sleep(0.3)  # the node is at its cap now: the pool is saturated
+    code, headers, _, elapsed = await post(url, chat_body(), {"x-promptlb-priority": "sheddable"})
+    assert code == 429 and headers["retry-after"] == "2" and elapsed < 0.2
+    code, headers, _, elapsed = await post(url, chat_body(), {"x-promptlb-priority": "standard"})
+    assert code == 429 and 0.6 <= elapsed < 1.0, elapsed
+    # Raising a priority needs the token: without it "critical" is standard.
+    code, _, _, elapsed = await post(url, chat_body(), {"x-promptlb-priority": "critical"})
+    assert code == 429 and elapsed >= 0.6
+    vip = {"x-promptlb-priority": "critical", "x-promptlb-priority-token": "letmein"}
+    code, headers, _, elapsed = await post(url, chat_body(max_tokens=1), vip)
+    assert code == 200 and not busy.done()  # through, while the pool is still saturated
+    assert (await busy)[0] == 200
+    # A standard request that finds room before its queue timeout goes through.
+    busy = asyncio.ensure_future(post(url, chat_body(max_tokens=3)))  # ~0.4 s
+    await asyncio.sleep(0.15)
+    code, _, _, elapsed = await post(url, chat_body(max_tokens=1))
+    assert code == 200 and elapsed >= 0.15
+    assert (await busy)[0] == 200
+
+
+async def test_a_hedge_wins_and_the_loser_is_cancelled_upstream(cluster: MakeCluster) -> None:
+    config = (
+        "strategy = 'round_robin'\n"
+        "[[fallback]]\nmodel = 'm'\nthen = []\nttft = '5s'\nhedge_after = '200ms'\n"
+    )
+    c = cluster({"slow": ("--ttft-ms", "3000"), "fast": FAST}, config)
+    api = client(c)
+    for _ in range(4):
+        started = time.monotonic()
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m", messages=HELLO, max_tokens=4
+        )
+        raw.parse()
+        assert raw.headers["x-promptlb-node"] == "fast"
+        assert time.monotonic() - started < 1.0
+    await asyncio.sleep(0.2)
+    slow = await emulator_stats(c.nodes["slow"].model.url)
+    assert slow["success"] == 0
+    async with aiohttp.ClientSession() as http, http.get(c.app.url + "/_promptlb/metrics") as r:
+        metrics = await r.text()
+    sent = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith('promptlb_hedges_total{event="sent"}')
+    )
+    # Every hedge's loser was cancelled on the slow node (its sidecar's warmup may still run).
+    assert slow["cancelled"] == sent >= 1

@@ -1,0 +1,112 @@
+"""Admission by priority: pure logic over node views, and the bounded queue on a real loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from promptlb.middleware._config import load_config
+from promptlb.middleware._config_degrade import SheddingConfig
+from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._shedding import Admission, QueueTimeout, Shed
+from promptlb.middleware._view import NodeView
+from promptlb.shared import EngineSample, Snapshot
+
+
+def view(name: str, *, waiting: int | None = None, kv: float | None = None) -> NodeView:
+    snap = None
+    if waiting is not None:
+        snap = Snapshot(
+            node=name,
+            boot="b00t",
+            seq=1,
+            ts=1_700_000_000.0,
+            ready=True,
+            warm=True,
+            engine=EngineSample(running=1, waiting=waiting, kv_cache=kv),
+        )
+    return NodeView(name=name, url=f"http://{name}:8000", snapshot=snap)
+
+
+def admission(**options: object) -> Admission:
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://a:1", "models": ["m"]}], "shedding": options}
+    )
+    return Admission(config.shedding, NodeTable(config))
+
+
+def test_priority_may_be_lowered_by_anyone_and_raised_only_when_trusted() -> None:
+    adm = admission(enabled=True, trusted_networks=["10.0.0.0/8"], priority_token="t0k")
+    outsider = ("192.0.2.7", 5000)
+    assert adm.priority(b"sheddable", None, outsider) == "sheddable"
+    assert adm.priority(b"critical", None, outsider) == "standard"
+    assert adm.priority(b"critical", b"wrong", outsider) == "standard"
+    assert adm.priority(b"critical", b"t0k", outsider) == "critical"
+    assert adm.priority(b"CRITICAL ", None, ("10.1.2.3", 1)) == "critical"
+    assert adm.priority(b"bogus", None, outsider) == "standard"
+    assert adm.priority(b"critical", None, None) == "standard"
+
+
+def test_a_node_is_over_by_queue_kv_or_in_flight_and_unknown_load_is_not_saturation() -> None:
+    adm = admission(enabled=True, max_waiting=4, max_kv=0.9, max_in_flight=3)
+    assert not adm.over(view("a", waiting=4))
+    assert adm.over(view("a", waiting=5))
+    assert adm.over(view("a", waiting=0, kv=0.95))
+    unknown = view("a")
+    assert not adm.over(unknown)
+    unknown.in_flight = 3
+    assert adm.over(unknown)
+    # What we sent since the snapshot counts on top of the engine's queue.
+    queued = view("a", waiting=3)
+    queued.in_flight = 2
+    assert adm.over(queued)
+    assert adm.saturated([view("a", waiting=9), view("b", waiting=9)])
+    assert not adm.saturated([view("a", waiting=9), view("b", waiting=0)])
+    assert not adm.saturated([])
+
+
+def test_bad_shedding_config_names_the_key() -> None:
+    for key, value in [
+        ("max_kv", 1.5),
+        ("max_in_flight", 0),
+        ("retry_after", 0),
+        ("trusted_networks", ["not-a-net"]),
+    ]:
+        with pytest.raises(Exception, match=f"shedding.{key}"):
+            admission(**{key: value})
+    assert "priority_token" not in repr(SheddingConfig(priority_token="secret"))
+
+
+async def test_queue_sheds_sheddable_at_once_and_times_out_standard() -> None:
+    adm = admission(enabled=True, max_in_flight=1, queue_timeout=0.2, queue_size=1)
+    node = adm._table.nodes["a"].view
+    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
+    node.in_flight = 1
+    with pytest.raises(Shed):
+        await adm.admit("m", "sheddable")
+    await adm.admit("m", "critical")  # through, saturated or not
+    started = time.monotonic()
+    first = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Shed):  # the queue (size 1) is full
+        await adm.admit("m", "standard")
+    with pytest.raises(QueueTimeout):
+        await first
+    assert 0.2 <= time.monotonic() - started < 0.4
+    assert adm.waiting == 0
+
+
+async def test_a_waiter_is_woken_when_a_request_finishes() -> None:
+    adm = admission(enabled=True, max_in_flight=1, queue_timeout=5)
+    node = adm._table.nodes["a"].view
+    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
+    node.in_flight = 1
+    waiter = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    node.in_flight = 0
+    adm.wake()
+    started = time.monotonic()
+    await asyncio.wait_for(waiter, 1)
+    assert time.monotonic() - started < 0.04  # woken, not the 50 ms poll
