@@ -4,6 +4,11 @@
 - node-b: light: 16 slots, fast; mostly idle under round robin.
 - node-c: leaks memory with every request, then crashes.
 
+Every phase runs with the fallback chain ``llama-demo -> [llama-mini, cache]`` (node-b also
+serves the lighter llama-mini) and a memory response cache; the table counts the answers that
+came from a fallback or the cache. A last, short phase kills every node: answers seen before
+come from the cache, the rest get a quick 503.
+
 Each node is an emulated model server with its sidecar. The example Starlette app mounts the
 middleware; a traffic generator sends the same seeded open-loop traffic twice, once with
 `round_robin` and once with `p2c`, showing a live table, then a summary. It stops everything
@@ -31,7 +36,16 @@ PHASE_S = 15.0
 RATE = 7.0  # requests per second, Poisson
 NODES = {
     "node-a": ("--slots", "2", "--tokens-per-s", "40", "--ttft-ms", "250"),
-    "node-b": ("--slots", "16", "--tokens-per-s", "150", "--ttft-ms", "40"),
+    "node-b": (
+        "--slots",
+        "16",
+        "--tokens-per-s",
+        "150",
+        "--ttft-ms",
+        "40",
+        "--model",
+        "llama-mini",
+    ),
     "node-c": (
         "--slots",
         "8",
@@ -53,6 +67,7 @@ class Phase:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: int = 0
     sent: int = 0
+    degraded: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     why: list[str] = field(default_factory=list)
 
     def all_latencies(self) -> list[float]:
@@ -66,19 +81,19 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
 
 
-def arrivals(seed: int) -> list[tuple[float, int]]:
+def arrivals(seed: int, duration: float = PHASE_S) -> list[tuple[float, int]]:
     """The same trace for every phase: (offset s, max_tokens), heavy-tailed lengths."""
     rng = random.Random(seed)
     out: list[tuple[float, int]] = []
     t = 0.0
     while True:
         t += rng.expovariate(RATE)
-        if t >= PHASE_S - 2:
+        if t >= duration - 2:
             return out
         out.append((t, min(120, max(8, int(rng.lognormvariate(3.2, 0.6))))))
 
 
-async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase) -> None:
+async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase, duration: float) -> None:
     start = time.monotonic()
 
     async def one(at: float, max_tokens: int) -> None:
@@ -87,13 +102,18 @@ async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase) -> No
             "model": "llama-demo",
             "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "Explain load balancing briefly."}],
+            "temperature": 0,  # repeatable answers: the cache may keep them
         }
         began = time.monotonic()
         phase.sent += 1
         try:
             async with http.post(app.url + "/v1/chat/completions", json=body) as response:
                 await response.read()
+                how = response.headers.get("x-promptlb-degraded")
+                if how is not None:
+                    phase.degraded[how] += 1
                 if response.status != 200:
+                    phase.degraded[str(response.status)] += 1
                     phase.errors += 1
                     phase.why.append(f"{response.status} {(await response.text())[:160]}")
                     return
@@ -104,15 +124,17 @@ async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase) -> No
             phase.errors += 1
             phase.why.append(f"{type(exc).__name__}: {exc}")
 
-    await asyncio.gather(*(one(at, n) for at, n in arrivals(seed=42)))
+    await asyncio.gather(*(one(at, n) for at, n in arrivals(seed=42, duration=duration)))
 
 
 async def table(http: aiohttp.ClientSession, app: Service, phase: Phase, start: float) -> None:
     async with http.get(app.url + "/_promptlb/status") as response:
         status: dict[str, Any] = await response.json()
+    degraded = phase.degraded
     print(
         f"\n[{phase.strategy}] t={time.monotonic() - start:4.1f}s  sent {phase.sent}, "
-        f"errors {phase.errors}"
+        f"errors {phase.errors}; fallback {degraded['fallback']}, cache {degraded['cache']}, "
+        f"503 {degraded['503']}"
     )
     print(
         f"  {'node':<7} {'state':<10} {'queue':>5} {'in-fl':>5} {'picks':>5} "
@@ -130,13 +152,22 @@ async def table(http: aiohttp.ClientSession, app: Service, phase: Phase, start: 
 
 
 async def run_phase(
-    strategy: str, models: dict[str, Service], sidecars: dict[str, Service], workdir: Path
+    strategy: str,
+    models: dict[str, Service],
+    sidecars: dict[str, Service],
+    workdir: Path,
+    *,
+    label: str = "",
+    duration: float = PHASE_S,
+    kill_all: bool = False,
 ) -> Phase:
     config = workdir / f"{strategy}.toml"
     config.write_text(
         f"strategy = '{strategy}'\nadmin_local_only = true\ngossip_interval = '500ms'\n"
         "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
         "[retry]\nper_try_timeout = '20s'\n"
+        "[cache]\nbackend = 'memory'\n"
+        "[[fallback]]\nmodel = 'llama-demo'\nthen = ['llama-mini', 'cache']\nttft = '4s'\n"
         + "".join(
             f"[[nodes]]\nname = '{n}'\nurl = '{models[n].url}'\nsidecar = '{sidecars[n].url}'\n"
             for n in NODES
@@ -145,11 +176,19 @@ async def run_phase(
     app = start_command(
         "example-app", [str(ROOT / "examples" / "app.py"), "--config", str(config), "--port", "0"]
     )
-    phase = Phase(strategy)
+    phase = Phase(label or strategy)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            if kill_all:
+                # Seed the cache with the answers of a short, healthy warm-up, then take every
+                # node down and wait for the health checks to see it.
+                await traffic(http, app, Phase("warm-up"), 6.0)
+                for model in models.values():
+                    model.proc.kill()
+                    model.proc.wait(timeout=5)
+                await asyncio.sleep(2.5)
             start = time.monotonic()
-            load = asyncio.create_task(traffic(http, app, phase))
+            load = asyncio.create_task(traffic(http, app, phase, duration))
             while not load.done():
                 await asyncio.wait({load}, timeout=3.0)
                 await table(http, app, phase, start)
@@ -203,17 +242,27 @@ async def main_async(workdir: Path) -> None:
             if models["node-c"].proc.poll() is not None:
                 models["node-c"] = start_model("node-c", models["node-c"].port)  # a fresh node-c
             phases.append(await run_phase(strategy, models, sidecars, workdir))
-        print("\n=== summary: the same trace, two strategies ===")
+        print("\n=== every node down: cached answers where there is one, else a quick 503 ===")
+        if models["node-c"].proc.poll() is not None:
+            models["node-c"] = start_model("node-c", models["node-c"].port)
+        phases.append(
+            await run_phase(
+                "p2c", models, sidecars, workdir, label="all-down", duration=8.0, kill_all=True
+            )
+        )
+        print("\n=== summary: the same trace under two strategies, then every node down ===")
         print(
-            f"  {'strategy':<12} {'requests':>8} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7}"
-            "   share a/b/c"
+            f"  {'phase':<12} {'requests':>8} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7}"
+            "   share a/b/c  fallback cache"
         )
         for phase in phases:
             lat = phase.all_latencies()
             share = "/".join(str(len(phase.latencies.get(n, []))) for n in NODES)
+            median = statistics.median(lat) if lat else float("nan")
             print(
                 f"  {phase.strategy:<12} {phase.sent:>8} {phase.errors:>6} "
-                f"{statistics.median(lat) * 1e3:>7.0f} {pct(lat, 0.99) * 1e3:>7.0f}   {share}"
+                f"{median * 1e3:>7.0f} {pct(lat, 0.99) * 1e3:>7.0f}   {share:<11}"
+                f"  {phase.degraded['fallback']:>8} {phase.degraded['cache']:>5}"
             )
         for phase in phases:
             for why in phase.why[:3]:

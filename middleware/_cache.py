@@ -1,5 +1,5 @@
 """The response cache: keys from normalized requests, complete answers stored in memory or in
-Redis, streams assembled into whole answers and whole answers replayed as streams."""
+Redis (the SSE side, assembling and replaying streams, is in ``_sse``)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ __all__ = [
     "MemoryCache",
     "RedisCache",
     "ResponseCache",
-    "StreamAssembler",
     "cache_key",
     "open_cache",
-    "replay_sse",
 ]
 
 # Fields that change how an answer is delivered or billed, not what it says.
@@ -235,141 +233,3 @@ def open_cache(
     if backend.startswith(("redis://", "rediss://", "unix://")):
         return RedisCache(backend, prefix=prefix, ttl=ttl, timeout=timeout, on_error=on_error)
     raise ValueError(f"unknown cache backend {backend!r}: 'memory' or a redis:// URL")
-
-
-class StreamAssembler:
-    """Fed the SSE bytes of a stream as they pass; gives the whole answer (non-stream JSON)
-    once the stream ended well, or ``None``."""
-
-    __slots__ = (
-        "_buffer",
-        "_chat",
-        "_choices",
-        "_done",
-        "_failed",
-        "_head",
-        "_size",
-        "_usage",
-        "max_bytes",
-    )
-
-    def __init__(self, chat: bool, *, max_bytes: int = 1024 * 1024) -> None:
-        self._chat = chat
-        self.max_bytes = max_bytes
-        self._buffer = b""
-        self._size = 0
-        self._head: dict[str, Any] = {}
-        self._choices: dict[int, dict[str, Any]] = {}
-        self._usage: Any = None
-        self._done = False
-        self._failed = False
-
-    def feed(self, chunk: bytes) -> None:
-        if self._failed or self._done:
-            return
-        self._size += len(chunk)
-        if self._size > self.max_bytes:
-            self._failed = True
-            self._buffer = b""
-            return
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip())
-
-    def _event(self, data: bytes) -> None:
-        if data == b"[DONE]":
-            self._done = True
-            return
-        try:
-            event = json.loads(data)
-        except ValueError:
-            self._failed = True
-            return
-        if not isinstance(event, dict) or "error" in event:
-            self._failed = True
-            return
-        for key in ("id", "created", "model", "system_fingerprint"):
-            if key in event and key not in self._head:
-                self._head[key] = event[key]
-        if event.get("usage"):
-            self._usage = event["usage"]
-        for choice in event.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            index = choice.get("index", 0)
-            into = self._choices.setdefault(index, {"text": [], "role": "assistant"})
-            if self._chat:
-                delta = choice.get("delta") or {}
-                if delta.get("role"):
-                    into["role"] = delta["role"]
-                if delta.get("content"):
-                    into["text"].append(delta["content"])
-            elif choice.get("text"):
-                into["text"].append(choice["text"])
-            if choice.get("finish_reason"):
-                into["finish_reason"] = choice["finish_reason"]
-
-    def result(self) -> bytes | None:
-        if self._failed or not self._done or not self._choices:
-            return None
-        choices = []
-        for index in sorted(self._choices):
-            c = self._choices[index]
-            if "finish_reason" not in c:
-                return None
-            text = "".join(c["text"])
-            if self._chat:
-                message = {"role": c["role"], "content": text}
-                choices.append(
-                    {"index": index, "message": message, "finish_reason": c["finish_reason"]}
-                )
-            else:
-                choices.append({"index": index, "text": text, "finish_reason": c["finish_reason"]})
-        obj = "chat.completion" if self._chat else "text_completion"
-        whole: dict[str, Any] = {**self._head, "object": obj, "choices": choices}
-        if self._usage is not None:
-            whole["usage"] = self._usage
-        return json.dumps(whole).encode()
-
-
-def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
-    """A whole cached answer as the SSE events of a stream the openai client parses."""
-    try:
-        whole = json.loads(entry.body)
-    except ValueError:
-        raise ValueError("cached body is not JSON") from None
-    if not isinstance(whole, dict) or not isinstance(whole.get("choices"), list):
-        raise ValueError("cached body has no choices to stream")
-    chat = whole.get("object") == "chat.completion" or path.endswith("/chat/completions")
-    head = {
-        "id": whole.get("id", "cached"),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": whole.get("created", int(entry.created)),
-        "model": whole.get("model", entry.model),
-    }
-    events: list[bytes] = []
-
-    def emit(obj: dict[str, Any]) -> None:
-        events.append(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-    for choice in whole["choices"]:
-        index = choice.get("index", 0)
-        if chat:
-            message = choice.get("message") or {}
-            delta = {
-                "role": message.get("role", "assistant"),
-                "content": message.get("content") or "",
-            }
-            emit({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
-            end = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
-        else:
-            text = choice.get("text", "")
-            emit({**head, "choices": [{"index": index, "text": text, "finish_reason": None}]})
-            end = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
-        emit({**head, "choices": [end]})
-    if whole.get("usage"):
-        emit({**head, "choices": [], "usage": whole["usage"]})
-    events.append(b"data: [DONE]\n\n")
-    return events

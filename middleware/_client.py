@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from ._balancer import UnknownModel, UpstreamError
-from ._cache import replay_sse
 from ._degrade import Answer, Dispatcher, Exhausted
 from ._proxy import route_request
 from ._shedding import Shed
+from ._sse import replay_sse
 from ._strategies import NoNodeAvailable
 
 __all__ = ["PromptLBClient", "PromptLBError"]

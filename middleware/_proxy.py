@@ -11,15 +11,15 @@ import aiohttp
 
 from ._asgi import Receive, Scope, Send, json_error, send_json
 from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
-from ._cache import CacheEntry, StreamAssembler, replay_sse
+from ._cache import CacheEntry
 from ._degrade import Answer, Dispatcher, Exhausted
+from ._replies import SSE, Body, send_cached
 from ._shedding import Shed
+from ._sse import StreamAssembler
 from ._strategies import NoNodeAvailable
 from ._view import Priority, RouteRequest
 
-__all__ = ["Proxy", "models_response", "route_request", "send_cached"]
-
-_SSE = b"text/event-stream"
+__all__ = ["Proxy", "models_response", "route_request"]
 
 
 class _TooLarge(Exception):
@@ -237,13 +237,13 @@ class Proxy:
         if answer.degraded is not None:
             headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        sse = response.headers.get("content-type", "").encode().startswith(_SSE)
-        recorder: StreamAssembler | _Body | None = None
+        sse = response.headers.get("content-type", "").encode().startswith(SSE)
+        recorder: StreamAssembler | Body | None = None
         if answer.store_key is not None:
             limit = self._entry_limit
             recorder = StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
             if not sse:
-                recorder = _Body(limit)
+                recorder = Body(limit)
         if answer.first:
             if recorder is not None:
                 recorder.feed(answer.first)
@@ -280,55 +280,6 @@ class Proxy:
                     answer.store_key,
                     CacheEntry(body=complete, model=answer.model, created=time.time()),
                 )
-
-
-class _Body:
-    """A non-stream answer, kept for the cache while it passes through (up to ``limit``)."""
-
-    __slots__ = ("chunks", "limit", "size")
-
-    def __init__(self, limit: int) -> None:
-        self.chunks: list[bytes] | None = []
-        self.limit = limit
-        self.size = 0
-
-    def feed(self, chunk: bytes) -> None:
-        if self.chunks is None:
-            return
-        self.size += len(chunk)
-        if self.size > self.limit:
-            self.chunks = None
-        else:
-            self.chunks.append(chunk)
-
-    def result(self) -> bytes | None:
-        return None if self.chunks is None else b"".join(self.chunks)
-
-
-async def send_cached(send: Send, path: str, stream: bool, answer: Answer) -> None:
-    """A cached answer: as it was stored, or replayed as SSE for a client that asked to stream."""
-    entry = answer.entry
-    assert entry is not None
-    headers = [
-        (b"x-promptlb-node", b"cache"),
-        (b"x-promptlb-model", entry.model.encode()),
-        (b"x-promptlb-attempts", str(answer.attempts).encode()),
-        (b"x-promptlb-degraded", answer.degraded.encode())
-        if answer.degraded is not None
-        else (b"x-promptlb-cache", b"hit"),
-    ]
-    body = entry.body
-    content_type = entry.content_type.encode()
-    if stream:
-        try:
-            body = b"".join(replay_sse(path, entry))
-            content_type = _SSE
-            headers.append((b"cache-control", b"no-cache"))
-        except ValueError:
-            pass  # not a stream-shaped answer (embeddings): as stored
-    headers += [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def models_response(lb: Balancer, send: Send) -> None:

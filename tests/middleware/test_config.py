@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
@@ -113,3 +114,45 @@ def test_api_keys_come_from_the_environment_and_stay_out_of_repr(
     monkeypatch.delenv("NODE_A_KEY")
     with pytest.raises(ConfigError, match="api_key_env"):
         NodeConfig(name="a", url="http://127.0.0.1:1", api_key_env="NODE_A_KEY")
+
+
+def test_fallback_cache_and_shedding_tables_load_typed() -> None:
+    config = load_config(
+        {
+            "nodes": [{"name": "a", "url": "http://a:1"}],
+            "cache": {"backend": "redis://:pw@cache:6379/0", "ttl": "1m", "families": {"x": "f"}},
+            "fallback": [
+                {"model": "big", "then": ["small", "cache"], "ttft": "3s", "total": "30s"}
+            ],
+            "shedding": {"enabled": True, "queue_timeout": "250ms"},
+        }
+    )
+    assert config.cache is not None and config.cache.ttl == 60.0
+    assert config.cache.families == {"x": "f"}
+    assert "pw" not in repr(config.cache)
+    chain = config.fallback[0]
+    assert (chain.then, chain.ttft, chain.total, chain.models) == (
+        ("small", "cache"),
+        3.0,
+        30.0,
+        ("small",),
+    )
+    assert config.shedding.queue_timeout == 0.25
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"fallback": [{"model": "big", "then": ["cache"]}]}, "fallback[0].then"),
+        ({"fallback": [{"model": "big", "then": ["big"]}]}, "fallback[0].then[0]"),
+        ({"fallback": [{"model": "b", "then": ["s"]}, {"model": "b", "then": []}]}, "fallback[1]"),
+        ({"fallback": [{"model": "b", "ttft": "5s", "total": "1s"}]}, "fallback[0].total"),
+        ({"fallback": [{"model": "b", "ttft": "1s", "hedge_after": "2s"}]}, "fallback[0].hedge"),
+        ({"cache": {"backend": "memcached://x"}}, "cache.backend"),
+        ({"cache": {"ttl": "1h", "stale_ttl": "1m"}}, "cache.stale_ttl"),
+        ({"cache": {"families": {"a": 3}}}, "cache.families.a"),
+    ],
+)
+def test_bad_degradation_config_names_the_key(extra: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], **extra})

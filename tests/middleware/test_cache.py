@@ -1,0 +1,232 @@
+"""The response cache: keys, the memory LRU, stream assembly, SSE replay (parsed by the openai
+client) and the Redis backend against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio
+from aiohttp import web
+from openai.types.chat import ChatCompletionChunk
+from promptlb.middleware._cache import (
+    CacheEntry,
+    MemoryCache,
+    RedisCache,
+    cache_key,
+)
+from promptlb.middleware._sse import StreamAssembler, replay_sse
+
+from tests.conftest import RedisServer
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def key(body: dict[str, Any], model: str = "big", **kw: Any) -> str | None:
+    return cache_key(CHAT, body, model, cache_sampled=kw.pop("cache_sampled", False), **kw)
+
+
+def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
+    base = key(BODY)
+    assert base is not None and base == key(dict(BODY))
+    assert key({**BODY, "stream": True, "user": "u1", "stream_options": {}}) == base
+    assert key({**BODY, "messages": [{"role": "user", "content": "ho"}]}) != base
+    assert key({**BODY, "max_tokens": 9}) != base
+    assert key(BODY, model="small") != base
+    assert cache_key("/v1/completions", BODY, "big", cache_sampled=False) != base
+    # Sampled answers are not repeatable: cached only when the config says so.
+    assert key({**BODY, "temperature": 0.7}) is None
+    assert key({**BODY, "temperature": 0.7}, cache_sampled=True) is not None
+    no_temp = {k: v for k, v in BODY.items() if k != "temperature"}
+    assert key(no_temp) is None
+    assert key(no_temp, default_temperature=0.0) is not None
+    assert key({"model": "big"}) is None
+    embed = {"model": "e", "input": ["x"], "temperature": 1}
+    assert cache_key("/v1/embeddings", embed, "e", cache_sampled=False) is not None
+
+
+def entry(text: str = "x" * 100, created: float = 0.0) -> CacheEntry:
+    return CacheEntry(body=text.encode(), model="big", created=created)
+
+
+def test_entries_round_trip_and_garbage_is_refused() -> None:
+    e = entry("hello", 12.5)
+    assert CacheEntry.unpack(e.pack()) == e
+    for bad in (b"\x00garbage", b"\x93\x01\x02\x03", json.dumps({"b": 1}).encode()):
+        with pytest.raises(ValueError, match="not a cache entry"):
+            CacheEntry.unpack(bad)
+
+
+async def test_memory_cache_evicts_least_recent_by_bytes_and_expires() -> None:
+    now = [1000.0]
+    one = len("k0") + len(entry().pack())
+    cache = MemoryCache(max_bytes=3 * one, ttl=60, clock=lambda: now[0])
+    for i in range(3):
+        await cache.put(f"k{i}", entry())
+    assert await cache.get("k0") is not None  # k0 is now the most recent
+    await cache.put("k3", entry())
+    assert len(cache) == 3 and cache.size_bytes <= 3 * one
+    assert await cache.get("k1") is None and await cache.get("k0") is not None
+    await cache.put("huge", entry("y" * 4 * one))
+    assert await cache.get("huge") is None
+    now[0] += 61
+    assert await cache.get("k0") is None and len(cache) == 2
+
+
+def sse(events: list[dict[str, Any]], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chat_chunk(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "big",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+CHAT_STREAM = [
+    chat_chunk({"role": "assistant", "content": ""}),
+    chat_chunk({"content": "the quick "}),
+    chat_chunk({"content": "brown fox"}),
+    chat_chunk({}, "stop"),
+    {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "big",
+        "choices": [],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5},
+    },
+]
+
+
+def feed(assembler: StreamAssembler, data: bytes, step: int = 7) -> None:
+    for i in range(0, len(data), step):  # split anywhere, mid-line included
+        assembler.feed(data[i : i + step])
+
+
+def test_a_chat_stream_is_assembled_into_the_whole_answer() -> None:
+    assembler = StreamAssembler(chat=True)
+    feed(assembler, sse(CHAT_STREAM).replace(b"\n", b"\r\n"))
+    whole = json.loads(assembler.result() or b"null")
+    assert whole["object"] == "chat.completion" and whole["id"] == "c1"
+    assert whole["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "the quick brown fox"},
+            "finish_reason": "stop",
+        }
+    ]
+    assert whole["usage"]["total_tokens"] == 5
+
+
+def test_a_completions_stream_is_assembled_too() -> None:
+    events = [
+        {
+            "id": "t",
+            "object": "text_completion",
+            "created": 1,
+            "model": "big",
+            "choices": [{"index": 0, "text": part, "finish_reason": finish}],
+        }
+        for part, finish in (("one ", None), ("two", None), ("", "length"))
+    ]
+    assembler = StreamAssembler(chat=False)
+    feed(assembler, sse(events), step=5)
+    whole = json.loads(assembler.result() or b"null")
+    assert whole["choices"][0]["text"] == "one two"
+    assert whole["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_unfinished_broken_or_oversized_stream_is_not_kept() -> None:
+    unfinished = StreamAssembler(chat=True)
+    feed(unfinished, sse(CHAT_STREAM, done=False))
+    assert unfinished.result() is None
+    broken = StreamAssembler(chat=True)
+    feed(broken, sse([*CHAT_STREAM[:2], {"error": {"message": "boom"}}]))
+    assert broken.result() is None
+    big = StreamAssembler(chat=True, max_bytes=64)
+    feed(big, sse(CHAT_STREAM))
+    assert big.result() is None
+
+
+async def test_a_replay_is_parsed_by_the_openai_client() -> None:
+    assembler = StreamAssembler(chat=True)
+    feed(assembler, sse(CHAT_STREAM))
+    body = assembler.result()
+    assert body is not None
+    events = replay_sse(CHAT, CacheEntry(body=body, model="big", created=time.time()))
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+    # A real loopback server: the openai client parses the replay as it would from a node.
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        stream = await api.chat.completions.create(
+            model="big", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        chunks = [c async for c in stream]
+    finally:
+        await api.close()
+        await runner.cleanup()
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "the quick brown fox"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+    with pytest.raises(ValueError, match="no choices"):
+        replay_sse("/v1/embeddings", CacheEntry(b'{"object": "list", "data": []}', "e", 0.0))
+
+
+async def test_redis_keeps_entries_with_a_ttl_under_the_prefix(redis_server: RedisServer) -> None:
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, on_error=errors.append)
+    try:
+        await cache.put("k", entry("hello", 5.0))
+        assert await cache.get("k") == entry("hello", 5.0)
+        assert await cache.get("other") is None
+        raw = redis.asyncio.Redis.from_url(redis_server.url)
+        assert 0 < await raw.pttl("t:k") <= 30_000
+        await raw.set("t:bad", b"not msgpack\xff")
+        await raw.aclose()
+        assert await cache.get("bad") is None and errors == ["get"]
+    finally:
+        await cache.close()
+
+
+async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServer) -> None:
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, timeout=0.05, on_error=errors.append)
+    try:
+        await cache.put("k", entry())
+        redis_server.kill()
+        started = time.monotonic()
+        assert await cache.get("k") is None
+        assert time.monotonic() - started < 0.2
+        assert errors == ["get"]
+        started = time.monotonic()
+        assert await cache.get("k") is None
+        await cache.put("k", entry())
+        assert time.monotonic() - started < 0.01
+        assert errors == ["get", "skipped", "skipped"]
+    finally:
+        await cache.close()
+    nowhere = RedisCache("redis://127.0.0.1:1/0", prefix="t:", ttl=30, timeout=0.05)
+    assert await nowhere.get("k") is None
+    await nowhere.close()
