@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -81,9 +82,16 @@ def cache_key(
         temperature = body.get("temperature", default_temperature)
         if temperature is None:
             temperature = default_temperature
-        if not isinstance(temperature, int | float) or temperature > 0:
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, int | float)
+            or not math.isfinite(temperature)
+            or temperature > 0
+        ):
             return None
     shape = {k: v for k, v in body.items() if k not in _IGNORED}
+    if isinstance(shape.get("temperature"), int | float):
+        shape["temperature"] = float(shape["temperature"])  # 0 and 0.0 ask the same
     try:
         text = json.dumps(
             [path, model_key, shape], sort_keys=True, separators=(",", ":"), ensure_ascii=False
@@ -201,9 +209,15 @@ class RedisCache:
         try:
             async with asyncio.timeout(self.timeout):
                 data = await self._client.get(self.prefix + key)
-            return None if not isinstance(data, bytes) else CacheEntry.unpack(data)
         except self._errors:
             self._failed("get")
+            return None
+        if not isinstance(data, bytes):
+            return None
+        try:
+            return CacheEntry.unpack(data)
+        except ValueError:
+            self._on_error("corrupt")  # one bad value is not a sick Redis: no backoff
             return None
 
     async def put(self, key: str, entry: CacheEntry) -> None:

@@ -19,6 +19,7 @@ from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
 from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._shedding import QueueTimeout, Shed
+from ._sse import replayable
 from ._strategies import NoNodeAvailable
 from ._view import RouteRequest
 
@@ -137,6 +138,12 @@ class Dispatcher:
         cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
         keys: dict[str, str | None] = {}
 
+        def usable(entry: CacheEntry | None) -> CacheEntry | None:
+            # A client that streams needs an answer we can replay as a stream.
+            if entry is not None and request.stream and not replayable(path, entry):
+                return None
+            return entry
+
         def key_of(model: str) -> str | None:
             if model not in keys:
                 keys[model] = self.key(path, body, model)
@@ -145,7 +152,7 @@ class Dispatcher:
         if cache is not None and cfg is not None and cfg.serve_fresh:
             key = key_of(request.model)
             if key is not None:
-                entry = await cache.get(key)
+                entry = usable(await cache.get(key))
                 if entry is not None and entry.age(time.time()) <= cfg.ttl:
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)
@@ -163,7 +170,7 @@ class Dispatcher:
         for i in range(first, len(hops)):
             hop = hops[i]
             if hop == CACHE_HOP:
-                entry = await self._cached(hops[:i], key_of)
+                entry = usable(await self._cached(hops[:i], key_of))
                 if entry is not None:
                     return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
                 failures.append("cache: no answer")
@@ -192,7 +199,7 @@ class Dispatcher:
                 answer.store_key = key_of(answer.model)
             return answer
         if outage_cache and CACHE_HOP not in hops:
-            entry = await self._cached(hops, key_of)
+            entry = usable(await self._cached(hops, key_of))
             if entry is not None:
                 return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
         if chain is None and last is not None:

@@ -8,7 +8,9 @@ from typing import Any
 
 from ._cache import CacheEntry
 
-__all__ = ["StreamAssembler", "replay_sse"]
+__all__ = ["StreamAssembler", "replay_sse", "replayable"]
+
+_PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
 
 
 class StreamAssembler:
@@ -50,7 +52,13 @@ class StreamAssembler:
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             if line.startswith(b"data:"):
-                self._event(line[5:].strip())
+                try:
+                    self._event(line[5:].strip())
+                except (TypeError, AttributeError, ValueError):
+                    # An event of a shape we do not know: never break the client's stream
+                    # for the cache's sake; just do not keep this one.
+                    self._failed = True
+                    return
 
     def _event(self, data: bytes) -> None:
         if data == b"[DONE]":
@@ -74,8 +82,14 @@ class StreamAssembler:
                 continue
             index = choice.get("index", 0)
             into = self._choices.setdefault(index, {"text": [], "role": "assistant"})
+            if choice.get("logprobs") is not None:
+                self._failed = True  # not kept: the whole answer would lose them
+                return
             if self._chat:
                 delta = choice.get("delta") or {}
+                if any(v is not None and k not in _PLAIN for k, v in delta.items()):
+                    self._failed = True  # tool calls, reasoning, refusals: not kept
+                    return
                 if delta.get("role"):
                     into["role"] = delta["role"]
                 if delta.get("content"):
@@ -88,6 +102,12 @@ class StreamAssembler:
     def result(self) -> bytes | None:
         if self._failed or not self._done or not self._choices:
             return None
+        try:
+            return self._whole()
+        except (TypeError, ValueError):
+            return None
+
+    def _whole(self) -> bytes | None:
         choices = []
         for index in sorted(self._choices):
             c = self._choices[index]
@@ -106,6 +126,14 @@ class StreamAssembler:
         if self._usage is not None:
             whole["usage"] = self._usage
         return json.dumps(whole).encode()
+
+
+def replayable(path: str, entry: CacheEntry) -> bool:
+    try:
+        replay_sse(path, entry)
+    except ValueError:
+        return False
+    return True
 
 
 def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
@@ -129,9 +157,15 @@ def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
         events.append(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
     for choice in whole["choices"]:
+        if not isinstance(choice, dict):
+            raise ValueError("cached choice is not an object")
         index = choice.get("index", 0)
         if chat:
             message = choice.get("message") or {}
+            if not isinstance(message, dict) or any(
+                v is not None and k not in _PLAIN for k, v in message.items()
+            ):
+                raise ValueError("cached message carries more than text (tool calls ...)")
             delta = {
                 "role": message.get("role", "assistant"),
                 "content": message.get("content") or "",

@@ -156,3 +156,19 @@ async def test_body_that_is_not_json_is_400(plain: Service) -> None:
         session.post(f"{emu.url}/_emulator/faults", data=b"{nope") as resp,
     ):
         assert resp.status == 400
+
+
+async def test_stats_count_generations_abandoned_by_their_client(
+    start_emulator: StartEmulator,
+) -> None:
+    emu = start_emulator("--ttft-ms", "2000")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await session.post(f"{emu.url}/v1/chat/completions", json=CHAT)
+        await asyncio.sleep(0.2)  # the server sees the closed connection
+        async with session.get(f"{emu.url}/_emulator/stats") as resp:
+            stats = await resp.json()
+    assert stats["requests"] == 1
+    assert stats["cancelled"] == 1
+    assert stats["success"] == 0

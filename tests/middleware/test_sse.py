@@ -1,0 +1,158 @@
+"""Streams and the cache: family keys, the backend switch, and streams exactly as the repo's
+emulator writes them (compact JSON, role chunk, usage chunk) assembled and replayed both ways."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from promptlb.emulator._app import _Reply, _words
+from promptlb.middleware._cache import CacheEntry, MemoryCache, RedisCache, cache_key, open_cache
+from promptlb.middleware._sse import StreamAssembler, replay_sse
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def test_models_of_one_family_share_a_key() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    a = cache_key(CHAT, {**body, "model": "llama-8b-a"}, "llama-8b", cache_sampled=False)
+    b = cache_key(CHAT, {**body, "model": "llama-8b-b"}, "llama-8b", cache_sampled=False)
+    assert a is not None and a == b
+
+
+async def test_the_backend_is_chosen_by_name_or_url() -> None:
+    opts: dict[str, Any] = {
+        "max_bytes": 1000,
+        "ttl": 1.0,
+        "prefix": "p:",
+        "timeout": 0.05,
+        "on_error": lambda op: None,
+    }
+    assert isinstance(open_cache("memory", **opts), MemoryCache)
+    for url in ("redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///tmp/none.sock"):
+        cache = open_cache(url, **opts)
+        assert isinstance(cache, RedisCache) and cache.name == "redis"
+        await cache.close()  # no I/O happened: closing an unused client is fine
+    with pytest.raises(ValueError, match="unknown cache backend"):
+        open_cache("memcached://x", **opts)
+
+
+async def test_storing_a_key_again_replaces_it_without_counting_it_twice() -> None:
+    cache = MemoryCache(max_bytes=10_000, ttl=60)
+    first = CacheEntry(body=b"a" * 50, model="m", created=1.0)
+    await cache.put("k", first)
+    size = cache.size_bytes
+    await cache.put("k", CacheEntry(body=b"b" * 50, model="m", created=2.0))
+    assert len(cache) == 1 and cache.size_bytes == size
+    got = await cache.get("k")
+    assert got is not None and got.body == b"b" * 50
+
+
+def emulator_stream(reply: _Reply, per_event: int = 3) -> bytes:
+    """The bytes of the emulator's ``_stream`` for this reply, without the pacing."""
+    out = [reply.event({"role": "assistant", "content": ""}, None)] if reply.chat else []
+    for sent in range(0, reply.n_out, per_event):
+        out.append(reply.event(_words(sent, min(per_event, reply.n_out - sent)), None))
+    out += [reply.event("", "length"), reply.usage_event(), b"data: [DONE]\n\n"]
+    return b"".join(out)
+
+
+def assemble(chat: bool, data: bytes, step: int) -> dict[str, Any] | None:
+    assembler = StreamAssembler(chat)
+    for i in range(0, len(data), step):
+        assembler.feed(data[i : i + step])
+    body = assembler.result()
+    return None if body is None else json.loads(body)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("step", [1, 11, 4096])
+def test_an_emulator_stream_assembles_into_its_whole_answer(chat: bool, step: int) -> None:
+    reply = _Reply(chat=chat, model="big", n_in=4, n_out=10, body={})
+    assert assemble(chat, emulator_stream(reply), step) == reply.whole()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
+    whole = _Reply(chat=chat, model="big", n_in=4, n_out=10, body={}).whole()
+    entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
+    events = replay_sse(CHAT if chat else COMPLETIONS, entry)
+    assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
+    assert events[-1] == b"data: [DONE]\n\n"
+    assert assemble(chat, b"".join(events), 13) == whole
+
+
+async def test_a_completions_replay_is_parsed_by_the_openai_client() -> None:
+    whole = _Reply(chat=False, model="big", n_in=4, n_out=10, body={}).whole()
+    entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
+    events = replay_sse(COMPLETIONS, entry)
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+    # A loopback server, not a mock transport: the openai client's own HTTP stack reads it.
+    app = web.Application()
+    app.router.add_post(COMPLETIONS, serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        stream = await api.completions.create(model="big", prompt="hi", stream=True)
+        chunks = [c async for c in stream]
+    finally:
+        await api.close()
+        await runner.cleanup()
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _words(0, 10)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 14
+
+
+def _chunk(choice: dict[str, Any]) -> bytes:
+    event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return b"data: " + json.dumps({**event, "choices": [choice]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": 0, "delta": "x", "finish_reason": "stop"},
+        {"index": 0, "delta": {"content": ["a"]}, "finish_reason": "stop"},
+        {"index": "0", "delta": {"content": "a"}, "finish_reason": "stop"},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "t"}]}, "finish_reason": None},
+        {"index": 0, "delta": {"content": "a"}, "logprobs": {"content": []}},
+    ],
+)
+def test_odd_or_richer_streams_are_not_kept_and_never_raise(choice: dict[str, Any]) -> None:
+    assembler = StreamAssembler(chat=True)
+    assembler.feed(_chunk({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}))
+    assembler.feed(_chunk(choice))
+    assembler.feed(_chunk({"index": 1, "delta": {"content": "b"}, "finish_reason": "stop"}))
+    assembler.feed(b"data: [DONE]\n\n")
+    assert assembler.result() is None
+
+
+def test_answers_that_carry_more_than_text_are_not_replayed() -> None:
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "t", "type": "function"}]}
+    body = {"object": "chat.completion", "choices": [{"index": 0, "message": calls}]}
+    with pytest.raises(ValueError, match="more than text"):
+        replay_sse("/v1/chat/completions", CacheEntry(json.dumps(body).encode(), "m", 0.0))
+    with pytest.raises(ValueError, match="not an object"):
+        replay_sse("/v1/chat/completions", CacheEntry(b'{"choices": ["x"]}', "m", 0.0))
+
+
+def test_zero_temperatures_share_a_key_and_nan_is_not_cached() -> None:
+    body = {"messages": [{"role": "user", "content": "q"}]}
+    zero = cache_key("/v1/chat/completions", {**body, "temperature": 0}, "m", cache_sampled=False)
+    assert zero is not None
+    assert zero == cache_key(
+        "/v1/chat/completions", {**body, "temperature": 0.0}, "m", cache_sampled=False
+    )
+    nan = {**body, "temperature": float("nan")}
+    assert cache_key("/v1/chat/completions", nan, "m", cache_sampled=False) is None
