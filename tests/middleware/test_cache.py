@@ -7,10 +7,8 @@ import json
 import time
 from typing import Any
 
-import openai
 import pytest
 import redis.asyncio
-from aiohttp import web
 from openai.types.chat import ChatCompletionChunk
 from promptlb.middleware._cache import (
     CacheEntry,
@@ -21,6 +19,7 @@ from promptlb.middleware._cache import (
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
 from tests.conftest import RedisServer
+from tests.middleware.test_sse import openai_over
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -165,26 +164,11 @@ async def test_a_replay_is_parsed_by_the_openai_client() -> None:
     assert body is not None
     events = replay_sse(CHAT, CacheEntry(body=body, model="big", created=time.time()))
 
-    async def serve(request: web.Request) -> web.Response:
-        return web.Response(body=b"".join(events), content_type="text/event-stream")
-
-    # A real loopback server: the openai client parses the replay as it would from a node.
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", serve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    try:
+    async with openai_over(CHAT, events) as api:
         stream = await api.chat.completions.create(
             model="big", messages=[{"role": "user", "content": "hi"}], stream=True
         )
         chunks = [c async for c in stream]
-    finally:
-        await api.close()
-        await runner.cleanup()
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "the quick brown fox"

@@ -4,6 +4,8 @@ emulator writes them (compact JSON, role chunk, usage chunk) assembled and repla
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
@@ -15,6 +17,29 @@ from promptlb.middleware._sse import StreamAssembler, replay_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+
+@asynccontextmanager
+async def openai_over(path: str, events: list[bytes]) -> AsyncIterator[openai.AsyncOpenAI]:
+    """An openai client whose ``path`` answers ``events`` from a real loopback server: the
+    client's own HTTP stack and SSE parser read them, as from a node."""
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post(path, serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        yield api
+    finally:
+        await api.close()
+        await runner.cleanup()
 
 
 def test_models_of_one_family_share_a_key() -> None:
@@ -91,24 +116,9 @@ async def test_a_completions_replay_is_parsed_by_the_openai_client() -> None:
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
     events = replay_sse(COMPLETIONS, entry)
 
-    async def serve(request: web.Request) -> web.Response:
-        return web.Response(body=b"".join(events), content_type="text/event-stream")
-
-    # A loopback server, not a mock transport: the openai client's own HTTP stack reads it.
-    app = web.Application()
-    app.router.add_post(COMPLETIONS, serve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    try:
+    async with openai_over(COMPLETIONS, events) as api:
         stream = await api.completions.create(model="big", prompt="hi", stream=True)
         chunks = [c async for c in stream]
-    finally:
-        await api.close()
-        await runner.cleanup()
     assert "".join(c.choices[0].text for c in chunks if c.choices) == _words(0, 10)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 14
