@@ -191,17 +191,27 @@ class RedisCache:
         self.timeout = timeout
         self.backoff = backoff
         self._on_error = on_error
-        self._down_until = 0.0
+        self._down_until = 0.0  # 0: healthy
+        self._probing = False
 
     def _skip(self) -> bool:
-        if time.monotonic() < self._down_until:
+        # After a failure, Redis is skipped for ``backoff``; then one call probes it while the
+        # others still skip, so a hung Redis costs one timeout a second even under load.
+        if self._probing or time.monotonic() < self._down_until:
             self._on_error("skipped")
             return True
+        if self._down_until:
+            self._probing = True
         return False
 
     def _failed(self, op: str) -> None:
         self._down_until = time.monotonic() + self.backoff
+        self._probing = False
         self._on_error(op)
+
+    def _ok(self) -> None:
+        self._down_until = 0.0
+        self._probing = False
 
     async def get(self, key: str) -> CacheEntry | None:
         if self._skip():
@@ -212,6 +222,7 @@ class RedisCache:
         except self._errors:
             self._failed("get")
             return None
+        self._ok()
         if not isinstance(data, bytes):
             return None
         try:
@@ -228,6 +239,8 @@ class RedisCache:
                 await self._client.set(self.prefix + key, entry.pack(), px=self.ttl_ms)
         except self._errors:
             self._failed("put")
+            return
+        self._ok()
 
     async def close(self) -> None:
         await self._client.aclose()

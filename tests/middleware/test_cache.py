@@ -3,6 +3,7 @@ client) and the Redis backend against a real redis-server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -210,6 +211,11 @@ async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServ
         await cache.put("k", entry())
         assert time.monotonic() - started < 0.01
         assert errors == ["get", "skipped", "skipped"]
+        # After the backoff one call probes (and fails again) while the others skip.
+        cache._down_until = time.monotonic()
+        probes = await asyncio.gather(*(cache.get("k") for _ in range(10)))
+        assert probes == [None] * 10
+        assert errors.count("get") == 2 and errors.count("skipped") == 11
     finally:
         await cache.close()
     nowhere = RedisCache("redis://127.0.0.1:1/0", prefix="t:", ttl=30, timeout=0.05)
