@@ -68,7 +68,8 @@ class PromptLBClient:
         """The dispatcher's answer (fallbacks and cache included), with its refusals as
         `PromptLBError`: one type to catch."""
         raw = json.dumps(body).encode()
-        request = route_request(body, len(raw))
+        classify = self._dispatch.classify
+        request = route_request(body, len(raw), prompt_class=classify(body) if classify else "")
         try:
             async with self._dispatch.answer(request, path, body, raw, _JSON) as answer:
                 yield answer

@@ -33,7 +33,7 @@ __all__ = [
     "load_config",
 ]
 
-StrategyName = Literal["round_robin", "weighted", "least_conn", "resource", "p2c"]
+StrategyName = Literal["round_robin", "weighted", "least_conn", "resource", "p2c", "model_aware"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,6 +190,8 @@ class Config:
     fallback: tuple[FallbackConfig, ...] = ()
     cache: CacheConfig | None = None  # no response cache unless configured
     shedding: SheddingConfig = field(default_factory=SheddingConfig)
+    classifier: str | None = None  # "package.module:callable"; None: the rules-based default
+    class_header: str | None = None  # a trusted header (set by your edge) that names the class
 
     def __post_init__(self) -> None:
         if self.discovery.mode == "static" and not self.nodes:

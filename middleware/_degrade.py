@@ -17,6 +17,7 @@ from typing import Any
 
 from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
+from ._classify import Classifier, load_classifier
 from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._shedding import QueueTimeout, Shed
 from ._sse import replayable
@@ -72,6 +73,9 @@ class Dispatcher:
             )
         self._families: Mapping[str, str] = cache_cfg.families if cache_cfg else {}
         self._writes: set[asyncio.Task[None]] = set()
+        # Classes cost a scan of the prompt: only when something routes by them.
+        wanted = config.strategy == "model_aware" or config.classifier is not None
+        self.classify: Classifier | None = load_classifier(config.classifier) if wanted else None
 
     async def stop(self) -> None:
         if self._writes:

@@ -46,7 +46,9 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def route_request(body: dict[str, Any], size: int, priority: Priority = "standard") -> RouteRequest:
+def route_request(
+    body: dict[str, Any], size: int, priority: Priority = "standard", prompt_class: str = ""
+) -> RouteRequest:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     return RouteRequest(
         model=body["model"],
@@ -56,6 +58,7 @@ def route_request(body: dict[str, Any], size: int, priority: Priority = "standar
         stream=body.get("stream") is True,
         session_key=body.get("user") if isinstance(body.get("user"), str) else None,
         priority=priority,
+        prompt_class=prompt_class,
     )
 
 
@@ -68,10 +71,14 @@ class Proxy:
         self._shed_after = str(balancer.config.shedding.retry_after).encode()
         cache = balancer.config.cache
         self._entry_limit = cache.max_entry_bytes if cache is not None else 0
+        self._classify = dispatcher.classify
+        header = balancer.config.class_header
+        self._class_header = header.lower().encode() if header else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        priority = token = None
+        priority = token = asked_class = None
         no_fallback = False
+        class_header = self._class_header
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self._limit:
@@ -85,6 +92,8 @@ class Proxy:
                     token = value
                 elif name == b"x-promptlb-no-fallback":
                     no_fallback = value.strip() in (b"1", b"true", b"yes")
+            if name == class_header:
+                asked_class = value.decode("latin-1").strip()
         try:
             raw = await _read_body(receive, self._limit)
         except _TooLarge:
@@ -111,7 +120,12 @@ class Proxy:
         rank: Priority = "standard"
         if priority is not None:
             rank = self._lb.admission.priority(priority, token, scope.get("client"))
-        request = route_request(body, len(raw), rank)
+        prompt_class = ""
+        if asked_class:
+            prompt_class = asked_class
+        elif self._classify is not None:
+            prompt_class = self._classify(body)
+        request = route_request(body, len(raw), rank, prompt_class)
         await self.forward(scope, receive, send, request, body, raw, no_fallback)
         return None
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from promptlb.shared import ConfigError, Snapshot
 
+from ._model_aware import ModelAware
 from ._view import NodeView, RouteRequest
 
 __all__ = [
@@ -504,6 +505,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     LeastConn.name: LeastConn,
     Resource.name: Resource,
     PowerOfTwoChoices.name: PowerOfTwoChoices,
+    ModelAware.name: ModelAware,
 }
 
 

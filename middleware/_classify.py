@@ -1,0 +1,128 @@
+"""Prompt classes for model-aware routing: a fast rules-based default, or a callable of yours
+(``classifier = "package.module:callable"``), taking the request body and returning a class."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from promptlb.shared import ConfigError
+
+__all__ = ["CLASSES", "Classifier", "classify", "load_classifier"]
+
+CLASSES = ("simple_qa", "creative", "code", "long_context")
+Classifier = Callable[[Mapping[str, Any]], str]
+
+LONG_CONTEXT_CHARS = 16_000  # about 4k tokens of prompt
+# Word sets and substring tests, not regexes: str.translate, split and set lookups run in C, so
+# a 4k-character prompt classifies in a few tens of microseconds.
+_CODE_MARKS = ("```", "def ", "#include", "import ", "=>", "();", "{\n", "SELECT ", "</")
+_CODE_WORDS = frozenset(
+    [
+        "code",
+        "function",
+        "bug",
+        "compile",
+        "compiler",
+        "python",
+        "javascript",
+        "typescript",
+        "rust",
+        "golang",
+        "java",
+        "sql",
+        "regex",
+        "bash",
+        "script",
+        "debug",
+        "refactor",
+        "stacktrace",
+        "traceback",
+        "api",
+        "json",
+        "yaml",
+    ]
+)
+_CREATIVE_VERBS = frozenset(["write", "compose", "draft", "imagine", "invent", "create", "tell"])
+_CREATIVE_NOUNS = frozenset(
+    [
+        "story",
+        "poem",
+        "song",
+        "lyrics",
+        "essay",
+        "novel",
+        "tale",
+        "haiku",
+        "limerick",
+        "fable",
+        "sonnet",
+        "screenplay",
+    ]
+)
+_PUNCTUATION = str.maketrans({c: " " for c in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~\n\t"})
+
+
+def _texts(body: Mapping[str, Any]) -> tuple[str, int]:
+    """The last user turn's text and the prompt's total length in characters."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        last = ""
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = " ".join(
+                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("text")
+                )
+            if isinstance(content, str):
+                total += len(content)
+                if message.get("role") == "user":
+                    last = content
+        return last, total
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = " ".join(p for p in prompt if isinstance(p, str))
+    if isinstance(prompt, str):
+        return prompt, len(prompt)
+    return "", 0
+
+
+def classify(body: Mapping[str, Any]) -> str:
+    """``long_context`` | ``code`` | ``creative`` | ``simple_qa``, by rules."""
+    text, total = _texts(body)
+    if total > LONG_CONTEXT_CHARS:
+        return "long_context"
+    # The start and end of a long turn carry the instruction; the middle is pasted material.
+    probe = text if len(text) <= 4096 else text[:2048] + "\n" + text[-2048:]
+    if any(mark in probe for mark in _CODE_MARKS):
+        return "code"
+    # Words from the ends only: where the instruction is, and half the work on a long turn.
+    ends = probe if len(probe) <= 2048 else probe[:1024] + " " + probe[-1024:]
+    words = set(ends.lower().translate(_PUNCTUATION).split())
+    if not words.isdisjoint(_CODE_WORDS):
+        return "code"
+    if ("once" in words and "upon" in words) or (
+        not words.isdisjoint(_CREATIVE_VERBS) and not words.isdisjoint(_CREATIVE_NOUNS)
+    ):
+        return "creative"
+    return "simple_qa"
+
+
+def load_classifier(spec: str | None) -> Classifier:
+    """The default classifier, or the callable named ``package.module:callable``."""
+    if spec is None:
+        return classify
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ConfigError("classifier", spec, "'package.module:callable'")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("classifier", spec, f"an importable callable ({exc})") from None
+    if not callable(found):
+        raise ConfigError("classifier", spec, "a callable")
+    return found  # type: ignore[no-any-return]

@@ -1,0 +1,62 @@
+"""``model_aware``: route each prompt class to the nodes tagged for it, then let an inner
+strategy pick among them. Pure, like every strategy: the class is already on the request."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from promptlb.shared import ConfigError
+
+from ._view import NodeView, RouteRequest
+
+__all__ = ["ModelAware"]
+
+
+class ModelAware:
+    """``routes`` maps a class to node tags (or node names); ``default`` applies to classes
+    with no route or no matching node (empty: every candidate)."""
+
+    name = "model_aware"
+
+    def __init__(
+        self,
+        *,
+        routes: Mapping[str, Sequence[str]] | None = None,
+        default: Sequence[str] = (),
+        inner: str = "p2c",
+        inner_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        from ._strategies import make_strategy  # the table imports this module
+
+        if inner == self.name:
+            raise ConfigError("inner", inner, "another strategy than model_aware")
+        table: dict[str, frozenset[str]] = {}
+        for cls, tags in (routes or {}).items():
+            if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+                raise ConfigError(f"routes.{cls}", tags, "a list of node tags or names")
+            table[cls] = frozenset(tags)
+        if isinstance(default, str):
+            raise ConfigError("default", default, "a list of node tags or names")
+        self._routes = table
+        self._default = frozenset(default)
+        try:
+            self._inner = make_strategy(inner, **dict(inner_options or {}))
+        except ConfigError as exc:
+            raise ConfigError(f"inner_options.{exc.key}", exc.value, exc.expected) from None
+
+    def pick(
+        self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
+    ) -> NodeView:
+        chosen: Sequence[NodeView] = ()
+        wanted = self._routes.get(request.prompt_class)
+        if wanted:
+            chosen = _matching(candidates, wanted)
+        if not chosen and self._default:
+            chosen = _matching(candidates, self._default)
+        return self._inner.pick(request, chosen or candidates, rng)
+
+
+def _matching(candidates: Sequence[NodeView], wanted: frozenset[str]) -> list[NodeView]:
+    return [c for c in candidates if c.name in wanted or not c.tags.isdisjoint(wanted)]
