@@ -523,7 +523,14 @@ def test_p2c_looks_at_two_candidates_whatever_their_number() -> None:
 def test_the_default_strategy_is_p2c() -> None:
     assert DEFAULT_STRATEGY == "p2c"
     assert isinstance(make_strategy(DEFAULT_STRATEGY), PowerOfTwoChoices)
-    assert set(STRATEGIES) == {"round_robin", "weighted", "least_conn", "resource", "p2c"}
+    assert set(STRATEGIES) == {
+        "round_robin",
+        "weighted",
+        "least_conn",
+        "resource",
+        "p2c",
+        "model_aware",
+    }
 
 
 def test_make_strategy_passes_options() -> None:
