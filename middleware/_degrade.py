@@ -138,6 +138,13 @@ class Dispatcher:
         chain = self._chains.get(request.model)
         if chain is not None and no_fallback and chain.allow_opt_out:
             chain = None
+        if chain is None and self.cache is None:
+            # Nothing to degrade to: the plain path, without the chain's per-request state.
+            try:
+                await self._lb.admission.admit(request.model, request.priority)
+            except QueueTimeout:
+                raise Shed(request.model, self.config.shedding.retry_after) from None
+            return await self._attempt(request, path, raw, headers, None, None, set(), False)
         hops: tuple[str, ...] = (request.model, *chain.then) if chain else (request.model,)
         cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
         keys: dict[str, str | None] = {}
