@@ -170,6 +170,16 @@ class RandomChoice:
             raise NoNodeAvailable(request.model)
         return candidates[rng.randrange(len(candidates))]
 
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        return None
+
 
 class _View(NodeView):
     """A `NodeView` that knows its node's index, so a pick maps back to a node in O(1)."""
@@ -195,6 +205,7 @@ class _Req:
         "last",
         "node",
         "phase",
+        "queued",
         "replica",
         "retry_try",
         "route",
@@ -227,6 +238,7 @@ class _Req:
         self.factor = 1.0  # the node's slow factor when this try reached it
         self.head = 0.0  # of which before the first token
         self.finish = 0.0
+        self.queued = 0  # the view's effective queue when this try was picked
 
 
 class _Group:
@@ -421,7 +433,12 @@ class _Sim:
             for r in range(count):
                 views: list[_View] = []
                 for node in self.nodes:
-                    view = _View(name=node.name, url=f"sim://{node.name}", tier=node.spec.tier)
+                    view = _View(
+                        name=node.name,
+                        url=f"sim://{node.name}",
+                        tier=node.spec.tier,
+                        tags=frozenset(node.spec.tags),
+                    )
                     view.idx = node.idx
                     view.snapshot = node.snapshot()
                     views.append(view)
@@ -510,6 +527,7 @@ class _Sim:
             self._fail(req, req.last, now)
             return
         assert isinstance(view, _View)
+        req.queued = view.effective_queue
         view.in_flight += 1
         if tried:
             replica.retrying += 1
@@ -703,6 +721,7 @@ class _Sim:
             self._fail(req, "timeout", t)
             self._replan(node, t)
         else:
+            view = req.view  # _end_try lets go of it
             self._end_try(req)
             req.done = True
             self.latencies.append(t - req.born)
@@ -712,6 +731,10 @@ class _Sim:
             self.last_t = t
             if not self.perfect:
                 replica = self.replicas[req.replica]
+                route = req.route
+                if route is not None and view is not None:
+                    head = req.start - req.sent + req.head * req.factor
+                    replica.strategy.observe(route, view, t - req.sent, head, req.queued)
                 replica.active -= 1
                 if replica.consecutive[node.idx]:
                     replica.consecutive[node.idx] = 0
@@ -970,6 +993,7 @@ class _Sim:
                         input_tokens=arrival.prompt_tokens,
                         max_tokens=arrival.max_tokens,
                         prompt_class=arrival.prompt_class,
+                        stream=True,  # as the load generator sends every request
                     )
                     req = _Req(arrival, r, route)
                     replicas[r].active += 1

@@ -67,6 +67,7 @@ class Upstream:
     first_byte_at: float | None = None
     failed: bool = False  # the caller saw the stream break
     timed_out: bool = False  # the caller gave up on the node's first byte (a missed ttft)
+    queued: int = 0  # the node's effective queue when it was picked, for learning strategies
 
 
 class _RetryBudget:
@@ -223,6 +224,7 @@ class Balancer:
                     budget.retrying += 1
                 tried.append(node.name)
                 avoid.add(node.name)
+                queued = view.effective_queue
                 view.in_flight += 1
                 started = time.monotonic()
                 try:
@@ -255,7 +257,7 @@ class Balancer:
                         node, ok=False, started=started, ttft=None, outcome=str(response.status)
                     )
                     continue
-                upstream = Upstream(node, response, len(tried), started, deadline)
+                upstream = Upstream(node, response, len(tried), started, deadline, queued=queued)
                 break
             if upstream is None:
                 raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
@@ -290,13 +292,18 @@ class Balancer:
                         if upstream.first_byte_at is not None
                         else None
                     )
-                    self._finish(
+                    ok = code < 500 and code != 429 and not upstream.failed
+                    latency = self._finish(
                         upstream.node,
-                        ok=code < 500 and code != 429 and not upstream.failed,
+                        ok=ok,
                         started=upstream.started,
                         ttft=ttft,
                         outcome="broken" if upstream.failed else str(code),
                     )
+                    if ok:
+                        self.strategy.observe(
+                            request, upstream.node.view, latency, ttft, upstream.queued
+                        )
         finally:
             budget.active -= 1
 
@@ -306,7 +313,8 @@ class Balancer:
 
     def _finish(
         self, node: Node, *, ok: bool, started: float, ttft: float | None, outcome: str
-    ) -> None:
+    ) -> float:
+        """Record a finished try; returns its latency."""
         now = time.monotonic()
         latency = now - started
         self.table.record_result(node, ok, latency if ok else None, ttft, now)
@@ -315,3 +323,4 @@ class Balancer:
             self.metrics.latency.labels(node.name).observe(latency)
             if ttft is not None:
                 self.metrics.ttft.labels(node.name).observe(ttft)
+        return latency

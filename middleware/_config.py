@@ -33,7 +33,9 @@ __all__ = [
     "load_config",
 ]
 
-StrategyName = Literal["round_robin", "weighted", "least_conn", "resource", "p2c", "model_aware"]
+StrategyName = Literal[
+    "round_robin", "weighted", "least_conn", "resource", "p2c", "model_aware", "predictive"
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -57,6 +57,16 @@ class ModelAware:
             chosen = _matching(candidates, self._default)
         return self._inner.pick(request, chosen or candidates, rng)
 
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        self._inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
+
 
 def _matching(candidates: Sequence[NodeView], wanted: frozenset[str]) -> list[NodeView]:
     return [c for c in candidates if c.name in wanted or not c.tags.isdisjoint(wanted)]

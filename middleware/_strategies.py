@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from promptlb.shared import ConfigError, Snapshot
 
 from ._model_aware import ModelAware
+from ._predictive import Predictive
 from ._view import NodeView, RouteRequest
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "LeastConn",
     "NoNodeAvailable",
     "PowerOfTwoChoices",
+    "Predictive",
     "Resource",
     "ResourceWeights",
     "RoundRobin",
@@ -79,6 +81,32 @@ class Strategy(Protocol):
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
     ) -> NodeView: ...
 
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        """A try on ``node`` succeeded: ``latency_s`` to its end, ``ttft_s`` to its first body
+        byte, ``queue_at_pick`` its `NodeView.effective_queue` when it was picked. Strategies
+        that learn (``predictive``) learn here; the others ignore it."""
+
+
+class _Static:
+    """Strategies that decide from the views alone and learn nothing from outcomes."""
+
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        return None
+
 
 def _at_random(
     candidates: Sequence[NodeView], values: list[float], best: float, rng: random.Random
@@ -102,7 +130,7 @@ def _real(key: str, value: object, expected: str) -> float:
     return float(value)
 
 
-class RoundRobin:
+class RoundRobin(_Static):
     """Each candidate in turn, whatever its load or weight."""
 
     name = "round_robin"
@@ -136,7 +164,7 @@ class _Peer:
         self.snapshot: Snapshot | None = None
 
 
-class Weighted:
+class Weighted(_Static):
     """nginx's smooth weighted round robin over ``weight * ramp``.
 
     Each pick adds every candidate's weight to its current weight, chooses the highest, and takes
@@ -213,7 +241,7 @@ class Weighted:
         return min(1.0, max(self.min_factor, 1.0 - gpu))
 
 
-class LeastConn:
+class LeastConn(_Static):
     """The fewest requests per unit of weight: ours in flight plus the others' the engine reported
     (`NodeView.effective_queue`), over ``weight * ramp``."""
 
@@ -395,7 +423,7 @@ def _ramped(score: float, ramp: float) -> float:
     return 1.0 - (1.0 - score) * min(1.0, max(0.0, ramp))
 
 
-class _Scored:
+class _Scored(_Static):
     """The options that the resource score and p2c share, checked once."""
 
     def __init__(
@@ -506,6 +534,7 @@ STRATEGIES: dict[str, Callable[..., Strategy]] = {
     Resource.name: Resource,
     PowerOfTwoChoices.name: PowerOfTwoChoices,
     ModelAware.name: ModelAware,
+    Predictive.name: Predictive,
 }
 
 

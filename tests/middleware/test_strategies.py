@@ -530,6 +530,7 @@ def test_the_default_strategy_is_p2c() -> None:
         "resource",
         "p2c",
         "model_aware",
+        "predictive",
     }
 
 

@@ -1,0 +1,309 @@
+"""``predictive``: the node where this request should finish first, learnt online.
+
+Expected completion on a node = expected queue wait + expected service time:
+
+* **service** = a + b * output + c * input, fitted per node by recursive least squares (with
+  forgetting, so a node that slows down is followed within a few dozen requests) on what the
+  balancer observes: each successful try's latency less the wait predicted for it. ``output``
+  is the request's ``max_tokens``, or the history of its class when it gives none.
+* **wait** = the requests ahead of a free slot over the slots, times the node's mean service.
+  The queue is `NodeView.effective_queue` (the engine's running + waiting, plus ours since the
+  snapshot) plus the trend of the others' queue between the last snapshots; the slots are
+  learnt from snapshots (the running count whenever the engine reports a waiting queue).
+
+The two best candidates are sampled in inverse proportion to their expected times, so that
+replicas sharing one stale view do not all pour onto the same node. A node with fewer than
+``warmup`` observations is cold: it gets a request of no more than the usual length whenever
+it has none of ours in flight (a probe: its model is learnt within a few requests without
+flooding it). While no node is warm at all, the strategy behaves as ``p2c``. Above ``sample``
+candidates it looks at a random ``sample`` of them, so a pick stays bounded at 1,000 nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from promptlb.shared import ConfigError, Snapshot
+
+from ._view import NodeView, RouteRequest
+
+__all__ = ["Predictive", "ServiceModel"]
+
+_FORGET_SPAN = 4096  # as the other strategies: forget nodes not seen for one to two spans
+_OUT_SCALE = 100.0  # features in hundreds of output tokens and thousands of input tokens keep
+_IN_SCALE = 1000.0  # the least-squares problem well conditioned
+_P_CAP = 1e4  # bounds the covariance: forgetting with little excitation would inflate it
+
+
+class ServiceModel:
+    """One node's learnt service time, a + b * out + c * in, by recursive least squares.
+
+    ``forget`` (0 < forget <= 1) discounts old observations: 0.97 gives them a half-life of
+    about 23 requests. The coefficients are clamped at prediction, not in the fit, so that a
+    transient negative estimate cannot wedge the filter.
+    """
+
+    __slots__ = (
+        "count",
+        "forget",
+        "mean_service",
+        "others",
+        "p",
+        "slots",
+        "snapshot",
+        "theta",
+        "trend",
+    )
+
+    def __init__(self, forget: float = 0.97, prior: float = 100.0) -> None:
+        self.forget = forget
+        self.theta = [0.0, 0.0, 0.0]
+        # Row-major 3x3 covariance; a large diagonal says "know nothing yet".
+        self.p = [prior, 0.0, 0.0, 0.0, prior, 0.0, 0.0, 0.0, prior]
+        self.count = 0
+        self.mean_service = 0.0  # EWMA of the observed service time, seconds
+        self.slots = 0  # learnt from snapshots; 0: never seen a queue, so no wait predicted
+        self.trend = 0.0  # EWMA of the others' queue change between snapshots
+        self.others: int | None = None  # the others' queue at the last snapshot
+        self.snapshot: Snapshot | None = None
+
+    def service(self, out_tokens: float, in_tokens: float) -> float:
+        a, b, c = self.theta
+        return (
+            max(a, 0.0)
+            + max(b, 0.0) * out_tokens / _OUT_SCALE
+            + max(c, 0.0) * in_tokens / _IN_SCALE
+        )
+
+    def wait(self, queue: float) -> float:
+        """Seconds before a newcomer behind ``queue`` requests gets a slot (FIFO)."""
+        slots = self.slots
+        if slots <= 0 or queue < slots:
+            return 0.0
+        return (queue - slots + 1) * self.mean_service / slots
+
+    def update(
+        self, out_tokens: float, in_tokens: float, service_s: float, decode_s: float | None = None
+    ) -> None:
+        """One observed try: ``service_s`` in all, of which ``decode_s`` (when the first token's
+        time is known) after the first token. Decoding never waits in a queue, so split in two
+        it is a clean reading of b, and only the head carries the error of the guessed wait."""
+        if decode_s is not None and out_tokens > 0:
+            self._fit(0.0, out_tokens / _OUT_SCALE, 0.0, decode_s)
+            self._fit(1.0, 0.0, in_tokens / _IN_SCALE, service_s - decode_s)
+        else:
+            self._fit(1.0, out_tokens / _OUT_SCALE, in_tokens / _IN_SCALE, service_s)
+        self.count += 1
+        ms = self.mean_service
+        self.mean_service = service_s if self.count == 1 else ms + 0.1 * (service_s - ms)
+
+    def _fit(self, x0: float, x1: float, x2: float, y: float) -> None:
+        """One recursive least-squares step with forgetting, for y = theta . x."""
+        p = self.p
+        # P x
+        px0 = p[0] * x0 + p[1] * x1 + p[2] * x2
+        px1 = p[3] * x0 + p[4] * x1 + p[5] * x2
+        px2 = p[6] * x0 + p[7] * x1 + p[8] * x2
+        lam = self.forget
+        denom = lam + x0 * px0 + x1 * px1 + x2 * px2
+        k0, k1, k2 = px0 / denom, px1 / denom, px2 / denom
+        theta = self.theta
+        err = y - (theta[0] * x0 + theta[1] * x1 + theta[2] * x2)
+        theta[0] += k0 * err
+        theta[1] += k1 * err
+        theta[2] += k2 * err
+        # P = (P - k (P x)^T) / lambda; P stays symmetric, so x^T P = (P x)^T.
+        kk = (k0, k1, k2)
+        pxs = (px0, px1, px2)
+        trace = 0.0
+        for i in range(3):
+            ki = kk[i]
+            row = 3 * i
+            for j in range(3):
+                p[row + j] = (p[row + j] - ki * pxs[j]) / lam
+            trace += p[row + i]
+        if trace > _P_CAP:
+            scale = _P_CAP / trace
+            for i in range(9):
+                p[i] *= scale
+
+    def see(self, snapshot: Snapshot, in_flight_at_snapshot: int) -> None:
+        """A new snapshot: learn the slots, and the trend of the others' queue."""
+        self.snapshot = snapshot
+        engine = snapshot.engine
+        if engine is None:
+            self.others = None
+            return
+        if engine.waiting > 0 and engine.running > self.slots:
+            self.slots = engine.running
+        # Other gateways' requests only: ours since the snapshot are counted exactly already.
+        others = engine.running + engine.waiting - in_flight_at_snapshot
+        if self.others is not None:
+            self.trend += 0.3 * ((others - self.others) - self.trend)
+        self.others = others
+
+
+def _real(key: str, value: object, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(key, value, f"a number in ({low}, {high}]")
+    if not low < value <= high:
+        raise ConfigError(key, value, f"a number in ({low}, {high}]")
+    return float(value)
+
+
+def _count(key: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, f"an integer >= {low}")
+    return value
+
+
+class Predictive:
+    """The least expected completion time (see the module's docstring)."""
+
+    name = "predictive"
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 3,  # the fit has three coefficients
+        sample: int = 16,
+        forget: float = 0.97,
+        default_output_tokens: int = 256,
+        p2c_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        from ._strategies import PowerOfTwoChoices  # the table imports this module
+
+        self.warmup = _count("warmup", warmup, 1)
+        self.sample = _count("sample", sample, 2)
+        self.forget = _real("forget", forget, 0.5, 1.0)
+        self.default_output_tokens = _count("default_output_tokens", default_output_tokens, 1)
+        try:
+            self._p2c = PowerOfTwoChoices(**dict(p2c_options or {}))
+        except ConfigError as exc:
+            raise ConfigError(f"p2c_options.{exc.key}", exc.value, exc.expected) from None
+        except TypeError as exc:
+            raise ConfigError("p2c_options", p2c_options, f"options of p2c ({exc})") from None
+        self._models: dict[str, ServiceModel] = {}
+        self._old_models: dict[str, ServiceModel] = {}
+        self._picks_left = _FORGET_SPAN
+        self._history: dict[str, float] = {}  # prompt class -> EWMA of its output tokens
+        self._mean_out = 0.0  # EWMA of the expected output of every request routed
+
+    def _model(self, name: str) -> ServiceModel:
+        model = self._models.get(name)
+        if model is None:
+            model = self._old_models.pop(name, None) or ServiceModel(self.forget)
+            self._models[name] = model
+        return model
+
+    def expected_output(self, request: RouteRequest) -> float:
+        if request.max_tokens is not None and request.max_tokens > 0:
+            return float(request.max_tokens)
+        return self._history.get(request.prompt_class, float(self.default_output_tokens))
+
+    def expected_time(self, request: RouteRequest, node: NodeView, out: float) -> float | None:
+        """Seconds until ``request`` would finish on ``node``; ``None`` while the node is cold."""
+        model = self._model(node.name)
+        snap = node.snapshot
+        if snap is not None and snap is not model.snapshot:
+            model.see(snap, node.in_flight_at_snapshot)
+        if model.count < self.warmup:
+            return None
+        queue: float = node.effective_queue
+        if snap is None:
+            # Unknown load is never idle: assume every slot we know of is taken.
+            queue = max(queue, model.slots)
+        elif model.trend > 0:
+            queue += 0.5 * model.trend  # half a snapshot period of the others' growth
+        total = model.wait(queue) + model.service(out, request.input_tokens)
+        if node.error_rate > 0:
+            total /= max(0.05, 1.0 - node.error_rate)  # a failed try costs a retry
+        return total / max(node.ramp, 0.1)
+
+    def pick(
+        self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
+    ) -> NodeView:
+        n = len(candidates)
+        if n <= 1:
+            return self._p2c.pick(request, candidates, rng)  # raises NoNodeAvailable on none
+        self._picks_left -= 1
+        if self._picks_left <= 0:
+            self._old_models, self._models = self._models, {}
+            self._picks_left = _FORGET_SPAN
+        looked = candidates if n <= self.sample else rng.sample(candidates, self.sample)
+        out = self.expected_output(request)
+        mean_out = self._mean_out
+        # Probes are requests of no more than the usual length: a long one sent blind to a slow
+        # node would be the run's worst latency.
+        self._mean_out = out if mean_out == 0.0 else mean_out + 0.02 * (out - mean_out)
+        best = second = math.inf
+        first_node = second_node = looked[0]
+        probes: list[NodeView] = []
+        for node in looked:
+            t = self.expected_time(request, node, out)
+            if t is None:
+                # A cold node is learnt one request at a time: it may get this one if it has
+                # none of ours in flight, else it sits out until its first answers are in.
+                if node.in_flight == 0 and out <= self._mean_out:
+                    probes.append(node)
+                continue
+            if t < best:
+                second, second_node = best, first_node
+                best, first_node = t, node
+            elif t < second:
+                second, second_node = t, node
+        if best == math.inf:  # no node warm yet: a true cold start
+            return self._p2c.pick(request, candidates, rng)
+        if probes:
+            return probes[rng.randrange(len(probes))] if len(probes) > 1 else probes[0]
+        if second == math.inf:
+            return first_node
+        # The better of the two in proportion to the other's time: 1 s vs 3 s is 3:1.
+        if rng.random() * (best + second) < second:
+            return first_node
+        return second_node
+
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        """A successful try took ``latency_s``; ``queue_at_pick`` was the node's queue then."""
+        model = self._model(node.name)
+        waited = model.wait(queue_at_pick) if model.count else 0.0
+        # The wait is a guess: never let it take more than most of what was measured.
+        service = max(latency_s - waited, 0.2 * latency_s)
+        out = self.expected_output(request)
+        if request.max_tokens is None and model.count >= self.warmup:
+            _, b, c = model.theta
+            if b > 0:
+                implied = (
+                    (
+                        service
+                        - max(model.theta[0], 0.0)
+                        - max(c, 0.0) * (request.input_tokens / _IN_SCALE)
+                    )
+                    * _OUT_SCALE
+                    / b
+                )
+                self._learn_class(request.prompt_class, max(1.0, implied))
+        elif request.max_tokens is not None:
+            self._learn_class(request.prompt_class, float(request.max_tokens))
+        decode = None
+        if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
+            decode = latency_s - ttft_s
+        model.update(out, request.input_tokens, max(service, decode or 0.0), decode)
+
+    def _learn_class(self, prompt_class: str, tokens: float) -> None:
+        old = self._history.get(prompt_class)
+        self._history[prompt_class] = tokens if old is None else old + 0.05 * (tokens - old)
+
+    def model_of(self, name: str) -> ServiceModel | None:
+        """The learnt model of node ``name``, for the status page and tests."""
+        return self._models.get(name) or self._old_models.get(name)

@@ -1,0 +1,217 @@
+"""``predictive``: the online service model, the wait model, cold start and the pick."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from promptlb.middleware._predictive import Predictive, ServiceModel
+from promptlb.middleware._strategies import PowerOfTwoChoices, make_strategy
+from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.shared import ConfigError, EngineSample, Snapshot
+
+from tests.middleware.conftest import MakeCluster
+from tests.middleware.test_end_to_end import client
+
+# A synthetic node: 0.3 s to the first token, 50 tokens/s, 0.5 ms per prompt token.
+A, B, C = 0.3, 0.02, 0.0005
+CONVERGES_WITHIN = 30  # observations, with 5% noise, to predict typical requests within 10%
+
+
+def truth(out: int, inp: int) -> float:
+    return A + B * out + C * inp
+
+
+def node(name: str, *, running: int = 0, waiting: int = 0, **kwargs: Any) -> NodeView:
+    snapshot = Snapshot(
+        node=name,
+        boot="b00t",
+        seq=1,
+        ts=1_700_000_000.0,
+        ready=True,
+        warm=True,
+        engine=EngineSample(running=running, waiting=waiting),
+    )
+    return NodeView(name=name, url=f"http://{name}:8000", snapshot=snapshot, **kwargs)
+
+
+def request(out: int | None = 100, inp: int = 200, cls: str = "") -> RouteRequest:
+    return RouteRequest(model="m", input_tokens=inp, max_tokens=out, stream=True, prompt_class=cls)
+
+
+def teach(
+    strategy: Predictive, view: NodeView, n: int, rng: random.Random, scale: float = 1.0
+) -> None:
+    """``n`` streamed answers from a node ``scale`` times slower than `truth`."""
+    for _ in range(n):
+        out, inp = rng.randint(10, 400), rng.randint(20, 2000)
+        req = request(out, inp)
+        head = (A + C * inp) * scale
+        total = truth(out, inp) * scale
+        strategy.observe(req, view, total, head, 0)
+
+
+def test_the_service_model_converges_on_a_synthetic_node_within_stated_observations() -> None:
+    rng = random.Random(1)
+    model = ServiceModel()
+    for _ in range(CONVERGES_WITHIN):
+        out, inp = rng.randint(10, 400), rng.randint(20, 2000)
+        noisy = truth(out, inp) * rng.uniform(0.95, 1.05)
+        model.update(out, inp, noisy)  # no first-token time: the joint fit
+    for out, inp in [(100, 500), (400, 2000), (250, 100)]:
+        assert model.service(out, inp) == pytest.approx(truth(out, inp), rel=0.10)
+    # A short request: the noise of the long ones weighs on the intercept; still close.
+    assert model.service(20, 50) == pytest.approx(truth(20, 50), abs=0.15)
+
+
+def test_a_streamed_answer_splits_decode_from_the_head_so_a_wrong_wait_spares_the_rate() -> None:
+    rng = random.Random(2)
+    model = ServiceModel()
+    for _ in range(CONVERGES_WITHIN):
+        out, inp = rng.randint(10, 400), rng.randint(20, 2000)
+        decode = B * out
+        # The head carries a queue wait the model did not subtract: the rate stays exact.
+        model.update(out, inp, truth(out, inp) + rng.uniform(0, 2), decode)
+    assert model.theta[1] / 100 == pytest.approx(B, rel=0.02)
+
+
+def test_the_model_follows_a_node_that_slows_down() -> None:
+    rng = random.Random(3)
+    strategy = Predictive()
+    view = node("a")
+    teach(strategy, view, 30, rng)
+    teach(strategy, view, 60, rng, scale=2.0)
+    model = strategy.model_of("a")
+    assert model is not None
+    assert model.service(200, 500) == pytest.approx(2 * truth(200, 500), rel=0.05)
+
+
+def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait() -> None:
+    strategy = Predictive()
+    rng = random.Random(4)
+    view = node("a", running=4, waiting=3)
+    teach(strategy, view, 10, rng)
+    strategy.expected_time(request(), view, 100.0)  # sees the snapshot
+    model = strategy.model_of("a")
+    assert model is not None and model.slots == 4
+    assert model.wait(3) == 0.0
+    assert model.wait(7) == pytest.approx(4 * model.mean_service / 4)
+    busy = strategy.expected_time(request(), view, 100.0)
+    quiet = strategy.expected_time(request(), node("a", running=1), 100.0)
+    assert busy is not None and quiet is not None and busy > quiet + 1.0
+
+
+def test_a_cold_start_behaves_as_p2c() -> None:
+    views = [node(f"n{i}", running=i) for i in range(6)]
+    for v in views:
+        v.in_flight = 1  # every cold node already has a probe out
+    ours, p2c = Predictive(), PowerOfTwoChoices()
+    for seed in range(50):
+        assert (
+            ours.pick(request(), views, random.Random(seed)).name
+            == p2c.pick(request(), views, random.Random(seed)).name
+        )
+
+
+def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
+    rng = random.Random(5)
+    strategy = Predictive()
+    warm, cold = node("warm"), node("cold")
+    teach(strategy, warm, 10, rng)
+    strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
+    assert strategy.pick(request(100), [warm, cold], rng) is cold
+    assert strategy.pick(request(5000), [warm, cold], rng) is warm  # too long to probe with
+    cold.in_flight = 1
+    assert strategy.pick(request(100), [warm, cold], rng) is warm
+
+
+def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> None:
+    rng = random.Random(6)
+    strategy = Predictive()
+    fast, mid, slow = node("fast"), node("mid"), node("slow")
+    teach(strategy, fast, 20, rng)
+    teach(strategy, mid, 20, rng, scale=2.0)
+    teach(strategy, slow, 20, rng, scale=6.0)
+    got = Counter(strategy.pick(request(), [slow, mid, fast], rng).name for _ in range(3000))
+    assert got["slow"] == 0
+    # 1 : 2 in expected time: the better gets about two thirds, the other a third.
+    assert got["fast"] / 3000 == pytest.approx(2 / 3, abs=0.04)
+
+
+def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
+    rng = random.Random(7)
+    strategy = Predictive()
+    fast, slow = node("fast", running=2, waiting=1), node("slow")
+    teach(strategy, fast, 20, rng)
+    teach(strategy, slow, 20, rng, scale=2.0)
+    strategy.expected_time(request(), fast, 100.0)
+    fast.snapshot = node("fast", running=2, waiting=30).snapshot  # 2 slots, 30 waiting
+    got = Counter(strategy.pick(request(), [fast, slow], rng).name for _ in range(1000))
+    assert got["slow"] > 800
+
+
+def test_requests_without_max_tokens_use_their_class_history() -> None:
+    strategy = Predictive(default_output_tokens=256)
+    assert strategy.expected_output(request(None, cls="code")) == 256
+    view = node("a")
+    for _ in range(50):
+        strategy.observe(request(40, cls="code"), view, truth(40, 200), A + C * 200, 0)
+    assert strategy.expected_output(request(None, cls="code")) == pytest.approx(40, rel=0.05)
+    assert strategy.expected_output(request(None, cls="creative")) == 256
+    assert strategy.expected_output(request(77, cls="code")) == 77
+
+
+def test_predictive_is_in_the_strategy_table_with_its_options() -> None:
+    strategy = make_strategy("predictive", warmup=4, sample=8, forget=0.9)
+    assert isinstance(strategy, Predictive)
+    assert (strategy.warmup, strategy.sample, strategy.forget) == (4, 8, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"warmup": 0}, "warmup"),
+        ({"sample": 1}, "sample"),
+        ({"forget": 1.5}, "forget"),
+        ({"forget": True}, "forget"),
+        ({"default_output_tokens": 0}, "default_output_tokens"),
+        ({"p2c_options": {"queue_scale": -1}}, "p2c_options.queue_scale"),
+        ({"p2c_options": {"nope": 1}}, "p2c_options"),
+    ],
+)
+def test_bad_predictive_options_are_config_errors(options: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_strategy("predictive", **options)
+    assert info.value.key == key
+
+
+def test_a_scan_of_a_thousand_nodes_looks_at_a_bounded_sample() -> None:
+    rng = random.Random(8)
+    strategy = Predictive(sample=16)
+    views = [node(f"n{i}") for i in range(1000)]
+    for v in views:
+        teach(strategy, v, 3, rng)
+    seen = {strategy.pick(request(), views, rng).name for _ in range(200)}
+    assert len(seen) > 50  # not herding onto one node
+
+
+async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
+    cluster: MakeCluster,
+) -> None:
+    fast = ("--tokens-per-s", "2000", "--ttft-ms", "5")
+    slow = ("--tokens-per-s", "100", "--ttft-ms", "200")
+    c = cluster({"fast": fast, "slow": slow}, "strategy = 'predictive'\n")
+    api = client(c)
+    got: list[str] = []
+    for _ in range(30):
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True
+        )
+        async for _chunk in raw.parse():
+            pass
+        got.append(raw.headers["x-promptlb-node"])
+    # Both are probed while cold; then 15 ms against 400 ms sends nearly all to the fast one.
+    assert "slow" in got[:10]
+    assert got[10:].count("fast") >= 17, got
