@@ -10,7 +10,7 @@ from promptlb.shared import ConfigError
 
 __all__ = ["main"]
 
-DEFAULT_STRATEGIES = "round_robin,least_conn,p2c"
+DEFAULT_STRATEGIES = "round_robin,least_conn,p2c,predictive,model_aware"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import signal
 import sys
 import tempfile
@@ -25,11 +26,11 @@ from typing import Any
 
 import aiohttp
 from promptlb.emulator._launch import Service, start_command, start_service
-from promptlb.middleware._strategies import DEFAULT_STRATEGY
+from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 from promptlb.shared import ConfigError, parse_duration
 
 from . import _peers
-from ._loadgen import Progress, Result, replay
+from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
 from ._report import RESULTS, environment, plot_cluster, summarize, table, write_json
 from ._scenario import Arrival, Burst, Fault, NodeSpec, Scenario, load_scenario
@@ -240,10 +241,24 @@ def gateway_config(strategy: str, cluster: Cluster) -> str:
         f"sidecar = '{node.sidecar.url}'\nmodels = ['{cluster.scenario.model}']\n"
         for name, node in cluster.nodes.items()
     )
-    return (
-        f"strategy = '{strategy}'\nadmin_local_only = true\n\n"
-        f"[health]\ninterval = '{HEALTH_INTERVAL}'\n" + tables
-    )
+    # The load generator names each request's class in a header: the gateway trusts it, as it
+    # would an edge that classified the prompt (the bench's prompts are filler text).
+    head = f"strategy = '{strategy}'\nadmin_local_only = true\nclass_header = '{CLASS_HEADER}'\n"
+    options = cluster.scenario.strategy_options.get(strategy)
+    if options:
+        head += f"strategy_options = {_toml_inline(options)}\n"
+    return head + f"\n[health]\ninterval = '{HEALTH_INTERVAL}'\n" + tables
+
+
+def _toml_inline(value: Any) -> str:
+    """A TOML inline value: JSON's strings, numbers and lists are TOML's, tables differ."""
+    if isinstance(value, dict):
+        return (
+            "{" + ", ".join(f"{json.dumps(k)} = {_toml_inline(v)}" for k, v in value.items()) + "}"
+        )
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_inline(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 def start_gateway(strategy: str, cluster: Cluster, workdir: Path) -> Target:
@@ -398,7 +413,7 @@ class Plan:
 
 def plan(strategies: str, peers: str) -> Plan:
     ours = [s.strip() for s in strategies.split(",") if s.strip()]
-    known = ("round_robin", "weighted", "least_conn", "resource", "p2c")
+    known = tuple(STRATEGIES)
     for s in ours:
         if s not in known:
             raise ConfigError("strategies", s, "one of " + ", ".join(known))

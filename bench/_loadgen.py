@@ -21,6 +21,7 @@ import aiohttp
 from ._scenario import Arrival
 
 __all__ = [
+    "CLASS_HEADER",
     "NODE_HEADER",
     "UPSTREAM_HEADER",
     "Progress",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 NODE_HEADER = "x-promptlb-node"
+# Each request names its prompt class here; a gateway configured with this class_header trusts
+# it (model_aware routes by it), and every other target ignores an unknown header.
+CLASS_HEADER = "x-promptlb-class"
 # What the peers (nginx's $upstream_addr, our LiteLLM server) answer: the upstream's host:port.
 UPSTREAM_HEADER = "x-bench-upstream"
 
@@ -211,6 +215,7 @@ async def replay(
     url = base_url.rstrip("/") + "/v1/chat/completions"
     upstreams = upstreams or {}
     send_headers = {"content-type": "application/json", **(headers or {})}
+    by_class = {cls: {**send_headers, CLASS_HEADER: cls} for cls in {a.prompt_class for a in trace}}
     bodies = [chat_body(model, a) for a in trace]
     results = [Result(i, a.prompt_class, a.max_tokens, a.at) for i, a in enumerate(trace)]
     progress = progress or Progress()
@@ -229,7 +234,8 @@ async def replay(
 
         async def one(result: Result, body: bytes) -> None:
             try:
-                await request_once(http, url, body, result, clock, upstreams, send_headers)
+                sent = by_class[result.prompt_class]
+                await request_once(http, url, body, result, clock, upstreams, sent)
             except asyncio.CancelledError:
                 result.error = result.error or "unfinished"
                 result.end = clock()

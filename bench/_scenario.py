@@ -137,6 +137,9 @@ class Scenario:
     nodes: tuple[NodeSpec, ...]
     workload: Workload
     description: str = ""
+    # Per strategy name, the options both the simulator and the live gateways build it with
+    # (``[strategy_options.model_aware]``: its routes for this scenario's node tags).
+    strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     _rate: float = field(default=0.0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -249,7 +252,16 @@ def _dist(raw: Any, where: str) -> Dist:
 
 
 def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
-    known = {"name", "description", "duration", "seed", "model", "nodes", "workload"}
+    known = {
+        "name",
+        "description",
+        "duration",
+        "seed",
+        "model",
+        "nodes",
+        "workload",
+        "strategy_options",
+    }
     for key in data:
         if key not in known:
             raise ConfigError(key, data[key], "one of " + ", ".join(sorted(known)))
@@ -327,7 +339,14 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         )
         for i, b in enumerate(_get(raw_work, "bursts", "workload.", list, []))
     )
+    options = _get(data, "strategy_options", "", dict, {})
+    for key, value in options.items():
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"strategy_options.{key}", value, "a table of that strategy's options"
+            )
     return Scenario(
+        strategy_options=options,
         name=_get(data, "name", "", str, default_name),
         description=_get(data, "description", "", str, ""),
         duration=duration,

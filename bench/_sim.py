@@ -289,7 +289,14 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     trace_s = time.perf_counter() - started
     rows: list[dict[str, Any]] = []
     for name in names:
-        result = simulate(scenario.nodes, arrivals, name, duration=scenario.duration, params=params)
+        result = simulate(
+            scenario.nodes,
+            arrivals,
+            name,
+            duration=scenario.duration,
+            params=params,
+            options=scenario.strategy_options.get(name),
+        )
         rows.append(summarise(result, classes))
     by_name = {row["strategy"]: row for row in rows}
     for row in rows:

@@ -86,3 +86,14 @@ def test_targets_compare_the_default_strategy() -> None:
     assert out["vs_best_litellm"]["best"] == "litellm least-busy"
     assert out["vs_best_litellm"]["ratio"] == pytest.approx(0.667, abs=1e-3)
     assert out["vs_best_litellm"]["met"] is True
+
+
+def test_gateway_config_carries_the_scenarios_options_and_trusts_the_class_header() -> None:
+    import tomllib
+
+    cluster = Cluster(load_scenario("mixed-class"))
+    parsed = tomllib.loads(gateway_config("model_aware", cluster))
+    assert parsed["class_header"] == "x-promptlb-class"
+    assert parsed["strategy_options"]["routes"]["simple_qa"] == ["light"]
+    assert parsed["strategy_options"]["inner"] == "predictive"
+    assert "strategy_options" not in tomllib.loads(gateway_config("p2c", cluster))

@@ -213,3 +213,15 @@ def test_load_follows_capacity() -> None:
     big = scenario.nodes[0]
     mean_out = sum(c.share * c.max_tokens.expected() for c in scenario.workload.mix)
     assert big.capacity(mean_out) == pytest.approx(16 / (0.05 + mean_out / 100))
+
+
+def test_strategy_options_are_per_strategy_tables() -> None:
+    mixed = load_scenario("mixed-class")
+    routes = mixed.strategy_options["model_aware"]["routes"]
+    assert routes["code"] == ["code"]
+    tags = {t for n in mixed.nodes for t in n.tags}
+    # Every route names tags the scenario's nodes carry, and every class of the mix has one.
+    assert {t for ts in routes.values() for t in ts} <= tags
+    assert {c.name for c in mixed.workload.mix} <= set(routes)
+    with pytest.raises(ConfigError, match=r"strategy_options\.p2c"):
+        parse_scenario({**_valid(), "strategy_options": {"p2c": 3}}, default_name="bad")
