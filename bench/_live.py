@@ -33,7 +33,7 @@ from . import _peers
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
 from ._report import RESULTS, environment, plot_cluster, summarize, table, write_json
-from ._scenario import Arrival, Burst, Fault, NodeSpec, Scenario, load_scenario
+from ._scenario import Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
 
 __all__ = ["Cluster", "run_cluster", "scaled"]
 
@@ -45,27 +45,6 @@ READY_TIMEOUT_S = 30.0
 # Issue 5's targets for the default strategy, reported next to the numbers (never tuned to).
 TARGET_VS_ROUND_ROBIN = 0.5
 TARGET_VS_LITELLM = 0.8
-
-
-def scaled(scenario: Scenario, duration: float) -> tuple[Scenario, float]:
-    """The scenario over ``duration``: fault and burst times scaled with it, so that a shorter
-    run still plays the whole story (a crash at 30 s of 60 s happens at 15 s of 30 s). Returns
-    the scenario and the scale."""
-    scale = duration / scenario.duration
-    if scale == 1.0:
-        return scenario, 1.0
-    nodes = tuple(
-        dataclasses.replace(
-            n, faults=tuple(dataclasses.replace(f, at=f.at * scale) for f in n.faults)
-        )
-        for n in scenario.nodes
-    )
-    bursts = tuple(
-        Burst(at=b.at * scale, duration=b.duration * scale, factor=b.factor)
-        for b in scenario.workload.bursts
-    )
-    workload = dataclasses.replace(scenario.workload, bursts=bursts)
-    return dataclasses.replace(scenario, duration=duration, nodes=nodes, workload=workload), scale
 
 
 @dataclass

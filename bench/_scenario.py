@@ -4,6 +4,7 @@ read the same objects, so both replay the same trace for the same seed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import tomllib
@@ -23,6 +24,7 @@ __all__ = [
     "Scenario",
     "Workload",
     "load_scenario",
+    "scaled",
     "scenario_path",
 ]
 
@@ -186,6 +188,27 @@ class Scenario:
                 continue
             cls = rng.choices(self.workload.mix, weights=shares)[0]
             out.append(Arrival(t, cls.name, cls.prompt_tokens.draw(rng), cls.max_tokens.draw(rng)))
+
+
+def scaled(scenario: Scenario, duration: float) -> tuple[Scenario, float]:
+    """The scenario over ``duration``: fault and burst times scaled with it, so that a shorter
+    run still plays the whole story (a crash at 30 s of 60 s happens at 15 s of 30 s). Returns
+    the scenario and the scale."""
+    scale = duration / scenario.duration
+    if scale == 1.0:
+        return scenario, 1.0
+    nodes = tuple(
+        dataclasses.replace(
+            n, faults=tuple(dataclasses.replace(f, at=f.at * scale) for f in n.faults)
+        )
+        for n in scenario.nodes
+    )
+    bursts = tuple(
+        Burst(at=b.at * scale, duration=b.duration * scale, factor=b.factor)
+        for b in scenario.workload.bursts
+    )
+    workload = dataclasses.replace(scenario.workload, bursts=bursts)
+    return dataclasses.replace(scenario, duration=duration, nodes=nodes, workload=workload), scale
 
 
 def scenario_path(name_or_path: str) -> Path:

@@ -28,7 +28,7 @@ from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError, parse_duration
 
 from ._report import environment
-from ._scenario import Scenario, load_scenario
+from ._scenario import Scenario, load_scenario, scaled
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
 
 __all__ = [
@@ -267,11 +267,13 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     """Run the ``sim`` subcommand; returns the report it wrote."""
     scenario = load_scenario(args.scenario)
+    time_scale = 1.0
     if getattr(args, "duration", None) is not None:
         duration = parse_duration("duration", args.duration)
         if duration <= 0:
             raise ConfigError("duration", args.duration, "> 0")
-        scenario = dataclasses.replace(scenario, duration=duration)
+        # As the live runner: faults and bursts keep their place in the story.
+        scenario, time_scale = scaled(scenario, duration)
     node_count = getattr(args, "nodes", None)
     original_nodes = len(scenario.nodes)
     scenario, classes = scale_nodes(scenario, node_count)
@@ -305,8 +307,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     wall_total = time.perf_counter() - started
     env = environment()  # the one place that asks git what was measured
     commit, dirty = env["commit"], env["dirty"]
-    scaled = len(scenario.nodes) != original_nodes
-    label = f"{scenario.name}-n{len(scenario.nodes)}" if scaled else scenario.name
+    resized = len(scenario.nodes) != original_nodes
+    label = f"{scenario.name}-n{len(scenario.nodes)}" if resized else scenario.name
     report: dict[str, Any] = {
         "benchmark": "sim",
         "scenario": scenario.name,
@@ -321,6 +323,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             "replicas": params.replicas,
             "staleness_s": params.staleness,
             "duration_s": scenario.duration,
+            "fault_time_scale": round(time_scale, 4),
             "seed": scenario.seed,
             "rate_rps": traced.workload.rate,
             "load": scenario.workload.load,

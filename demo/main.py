@@ -10,9 +10,10 @@ came from a fallback or the cache. A last, short phase kills every node: answers
 come from the cache, the rest get a quick 503.
 
 Each node is an emulated model server with its sidecar. The example Starlette app mounts the
-middleware; a traffic generator sends the same seeded open-loop traffic twice, once with
-`round_robin` and once with `p2c`, showing a live table, then a summary. It stops everything
-it started, also on Ctrl-C.
+middleware; a traffic generator sends the same seeded open-loop traffic three times, with
+`round_robin`, `p2c` and `predictive`, showing a live table; then a model-aware phase sends
+questions, code and poems that the rules-based classifier routes to the nodes tagged for
+them; then a summary. It stops everything it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Phase:
     sent: int = 0
     degraded: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     why: list[str] = field(default_factory=list)
+    placed: dict[str, dict[str, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )  # prompt class -> node -> answers
 
     def all_latencies(self) -> list[float]:
         return [x for values in self.latencies.values() for x in values]
@@ -93,15 +97,38 @@ def arrivals(seed: int, duration: float = PHASE_S) -> list[tuple[float, int]]:
         out.append((t, min(120, max(8, int(rng.lognormvariate(3.2, 0.6))))))
 
 
-async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase, duration: float) -> None:
+# The model-aware phase: prompts the rules-based classifier puts in three classes, and where
+# each class should go (tags given to the nodes in every phase's config).
+PROMPTS = [
+    ("simple_qa", "What is the capital of Peru?"),
+    ("code", "Write a Python function that parses a JSON file and fix its bug."),
+    ("creative", "Write a short poem about the sea at night."),
+    ("simple_qa", "How many legs does a spider have?"),
+]
+TAGS = {"node-a": ["creative"], "node-b": ["light"], "node-c": ["code"]}
+ROUTES = (
+    "[strategy_options]\ninner = 'predictive'\n"
+    "[strategy_options.routes]\nsimple_qa = ['light']\ncode = ['code']\ncreative = ['creative']\n"
+)
+DEFAULT_PROMPT = [("", "Explain load balancing briefly.")]
+
+
+async def traffic(
+    http: aiohttp.ClientSession,
+    app: Service,
+    phase: Phase,
+    duration: float,
+    prompts: list[tuple[str, str]] = DEFAULT_PROMPT,
+) -> None:
     start = time.monotonic()
 
-    async def one(at: float, max_tokens: int) -> None:
+    async def one(i: int, at: float, max_tokens: int) -> None:
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        label, text = prompts[i % len(prompts)]
         body = {
             "model": "llama-demo",
             "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "Explain load balancing briefly."}],
+            "messages": [{"role": "user", "content": text}],
             "temperature": 0,  # repeatable answers: the cache may keep them
         }
         began = time.monotonic()
@@ -117,14 +144,16 @@ async def traffic(http: aiohttp.ClientSession, app: Service, phase: Phase, durat
                     phase.errors += 1
                     phase.why.append(f"{response.status} {(await response.text())[:160]}")
                     return
-                phase.latencies[response.headers["x-promptlb-node"]].append(
-                    time.monotonic() - began
-                )
+                node = response.headers["x-promptlb-node"]
+                phase.latencies[node].append(time.monotonic() - began)
+                if label:
+                    phase.placed[label][node] += 1
         except aiohttp.ClientError as exc:
             phase.errors += 1
             phase.why.append(f"{type(exc).__name__}: {exc}")
 
-    await asyncio.gather(*(one(at, n) for at, n in arrivals(seed=42, duration=duration)))
+    trace = arrivals(seed=42, duration=duration)
+    await asyncio.gather(*(one(i, at, n) for i, (at, n) in enumerate(trace)))
 
 
 async def table(http: aiohttp.ClientSession, app: Service, phase: Phase, start: float) -> None:
@@ -160,16 +189,19 @@ async def run_phase(
     label: str = "",
     duration: float = PHASE_S,
     kill_all: bool = False,
+    prompts: list[tuple[str, str]] = DEFAULT_PROMPT,
 ) -> Phase:
     config = workdir / f"{strategy}.toml"
     config.write_text(
         f"strategy = '{strategy}'\nadmin_local_only = true\ngossip_interval = '500ms'\n"
-        "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
+        + (ROUTES if strategy == "model_aware" else "")
+        + "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
         "[retry]\nper_try_timeout = '20s'\n"
         "[cache]\nbackend = 'memory'\n"
         "[[fallback]]\nmodel = 'llama-demo'\nthen = ['llama-mini', 'cache']\nttft = '4s'\n"
         + "".join(
             f"[[nodes]]\nname = '{n}'\nurl = '{models[n].url}'\nsidecar = '{sidecars[n].url}'\n"
+            f"tags = {TAGS[n]!r}\n"
             for n in NODES
         )
     )
@@ -188,7 +220,7 @@ async def run_phase(
                     model.proc.wait(timeout=5)
                 await asyncio.sleep(2.5)
             start = time.monotonic()
-            load = asyncio.create_task(traffic(http, app, phase, duration))
+            load = asyncio.create_task(traffic(http, app, phase, duration, prompts))
             while not load.done():
                 await asyncio.wait({load}, timeout=3.0)
                 await table(http, app, phase, start)
@@ -234,7 +266,7 @@ async def main_async(workdir: Path) -> None:
                 "ERROR",
             )
         phases = []
-        for strategy in ("round_robin", "p2c"):
+        for strategy in ("round_robin", "p2c", "predictive"):
             print(
                 f"\n=== {strategy}: {PHASE_S:.0f} s of the same traffic "
                 f"(~{RATE:.0f} req/s; node-c crashes after 25 requests) ==="
@@ -242,6 +274,16 @@ async def main_async(workdir: Path) -> None:
             if models["node-c"].proc.poll() is not None:
                 models["node-c"] = start_model("node-c", models["node-c"].port)  # a fresh node-c
             phases.append(await run_phase(strategy, models, sidecars, workdir))
+        print(
+            "\n=== model_aware: questions to the light node-b, code to node-c, poems to node-a "
+            "(classified by rules from the prompt text) ==="
+        )
+        if models["node-c"].proc.poll() is not None:
+            models["node-c"] = start_model("node-c", models["node-c"].port)
+        aware = await run_phase(
+            "model_aware", models, sidecars, workdir, duration=10.0, prompts=PROMPTS
+        )
+        phases.append(aware)
         print("\n=== every node down: cached answers where there is one, else a quick 503 ===")
         if models["node-c"].proc.poll() is not None:
             models["node-c"] = start_model("node-c", models["node-c"].port)
@@ -250,7 +292,9 @@ async def main_async(workdir: Path) -> None:
                 "p2c", models, sidecars, workdir, label="all-down", duration=8.0, kill_all=True
             )
         )
-        print("\n=== summary: the same trace under two strategies, then every node down ===")
+        print(
+            "\n=== summary: the same trace under three strategies, model-aware, every node down ==="
+        )
         print(
             f"  {'phase':<12} {'requests':>8} {'errors':>6} {'p50 ms':>7} {'p99 ms':>7}"
             "   share a/b/c  fallback cache"
@@ -264,6 +308,10 @@ async def main_async(workdir: Path) -> None:
                 f"{median * 1e3:>7.0f} {pct(lat, 0.99) * 1e3:>7.0f}   {share:<11}"
                 f"  {phase.degraded['fallback']:>8} {phase.degraded['cache']:>5}"
             )
+        print("\n  model_aware: where each class of prompt was answered")
+        for label, nodes in sorted(aware.placed.items()):
+            where = ", ".join(f"{n} {c}" for n, c in sorted(nodes.items()))
+            print(f"  {label:<12} {where}")
         for phase in phases:
             for why in phase.why[:3]:
                 print(f"  {phase.strategy} error: {why}")

@@ -460,7 +460,16 @@ def test_cli_sim_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture
     assert params["replicas"] == 2 and params["duration_s"] == 5.0 and params["nodes"] == 4
     assert params["staleness_s"] == 1.0 and params["requests"] > 0
     rows = {row["strategy"]: row for row in report["results"]}
-    assert set(rows) == {"round_robin", "least_conn", "p2c", "resource", "weighted", PERFECT}
+    assert set(rows) == {
+        "round_robin",
+        "least_conn",
+        "p2c",
+        "resource",
+        "weighted",
+        "predictive",
+        "model_aware",
+        PERFECT,
+    }
     for row in rows.values():
         assert row["ok"] + sum(row["errors"].values()) == params["requests"]
         assert 0 < row["p50_s"] <= row["p90_s"] <= row["p99_s"]
