@@ -11,7 +11,14 @@ import aiohttp
 import openai
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
-from promptlb.middleware._batch import Batcher, Fetch, Reply, batch_key, string_inputs
+from promptlb.middleware._batch import (
+    Batcher,
+    Fetch,
+    Reply,
+    batch_key,
+    string_inputs,
+    unless_gone,
+)
 from promptlb.shared import ConfigError
 
 from tests.middleware.conftest import MakeCluster
@@ -259,6 +266,27 @@ async def test_when_every_caller_leaves_the_upstream_call_is_cancelled() -> None
     for task in tasks:
         task.cancel()
     await asyncio.wait_for(cancelled.wait(), 1)
+
+
+async def test_a_client_disconnect_takes_its_caller_out_of_the_batch() -> None:
+    node, batcher = Upstream(), Batcher(0.05, 64)
+
+    async def disconnect() -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def never() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    gone, stay = await asyncio.gather(
+        unless_gone(disconnect, submit(batcher, node, "gone")),
+        unless_gone(never, submit(batcher, node, "stay")),
+    )
+    assert gone is None
+    assert stay is not None
+    own(stay, "stay")
+    assert node.calls == [["stay"]]
 
 
 def test_batching_config() -> None:
