@@ -21,6 +21,7 @@ from ._config_base import DURATION, check_url, positive
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 
 __all__ = [
+    "BatchingConfig",
     "CacheConfig",
     "Config",
     "DiscoveryConfig",
@@ -165,6 +166,27 @@ class RetryConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BatchingConfig:
+    """Embedding micro-batching: ``/embeddings`` requests that could share one upstream call
+    (same model, same other fields) and arrive within ``batch_window`` of the first are sent as
+    one request of at most ``max_batch`` inputs, and the answer is split back per caller."""
+
+    enabled: bool = False
+    batch_window: float = field(default=0.002, metadata=DURATION)
+    max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        positive("batch_window", self.batch_window)
+        # Every batched caller waits up to the window: longer than a second is a misconfiguration.
+        if self.batch_window > 1.0:
+            raise ConfigError("batch_window", self.batch_window, "at most 1s")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int):
+            raise ConfigError("max_batch", self.max_batch, "an integer >= 2")
+        if self.max_batch < 2:
+            raise ConfigError("max_batch", self.max_batch, "an integer >= 2 (1 batches nothing)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
 
@@ -192,6 +214,7 @@ class Config:
     fallback: tuple[FallbackConfig, ...] = ()
     cache: CacheConfig | None = None  # no response cache unless configured
     shedding: SheddingConfig = field(default_factory=SheddingConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # off unless enabled
     classifier: str | None = None  # "package.module:callable"; None: the rules-based default
     class_header: str | None = None  # a trusted header (set by your edge) that names the class
 

@@ -11,6 +11,7 @@ import aiohttp
 
 from ._asgi import Receive, Scope, Send, json_error, send_json
 from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
+from ._batch import Batcher, batch_key, respond, string_inputs, unless_gone, upstream
 from ._cache import CacheEntry
 from ._degrade import Answer, Dispatcher, Exhausted
 from ._replies import SSE, Body, send_cached
@@ -74,6 +75,13 @@ class Proxy:
         self._classify = dispatcher.classify
         header = balancer.config.class_header
         self._class_header = header.lower().encode() if header else None
+        batching = balancer.config.batching
+        self._batcher: Batcher | None = None
+        if batching.enabled:
+            self._batcher = Batcher(batching.batch_window, batching.max_batch)
+        # The client's own key goes upstream only when forwarded: then callers with different
+        # keys must never share a request.
+        self._keyed_auth = balancer.config.forward_authorization
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         priority = token = asked_class = None
@@ -126,7 +134,45 @@ class Proxy:
         elif self._classify is not None:
             prompt_class = self._classify(body)
         request = route_request(body, len(raw), rank, prompt_class)
+        if self._batcher is not None and scope["path"].endswith("/embeddings"):
+            return await self._batched(scope, receive, send, request, body, raw, no_fallback)
         await self.forward(scope, receive, send, request, body, raw, no_fallback)
+        return None
+
+    async def _batched(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request: RouteRequest,
+        body: dict[str, Any],
+        raw: bytes,
+        no_fallback: bool,
+    ) -> None:
+        batcher = self._batcher
+        assert batcher is not None
+        inputs = string_inputs(body)
+        if inputs is None or len(inputs) > batcher.max_batch or scope.get("query_string"):
+            return await self.forward(scope, receive, send, request, body, raw, no_fallback)
+        headers = scope["headers"]
+        auth = None
+        if self._keyed_auth:
+            auth = next((v for k, v in headers if k == b"authorization"), None)
+        key = batch_key(
+            scope["path"], body, request.priority, request.prompt_class, no_fallback, auth
+        )
+        fetch = upstream(
+            self._dispatch,
+            request,
+            scope["path"],
+            headers,
+            no_fallback=no_fallback,
+            retry_after=self._retry_after,
+            shed_after=self._shed_after,
+        )
+        reply = await unless_gone(receive, batcher.submit(key, body, inputs, fetch))
+        if reply is not None:
+            await respond(send, reply)
         return None
 
     async def forward(
