@@ -10,29 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
-
-from ._asgi import Message, Receive, Send, json_error, send_json
-from ._balancer import UnknownModel, UpstreamError
-from ._degrade import Answer, Dispatcher, Exhausted
-from ._shedding import Shed
-from ._strategies import NoNodeAvailable
-from ._view import RouteRequest
-
-__all__ = [
-    "Batcher",
-    "Fetch",
-    "Reply",
-    "batch_key",
-    "respond",
-    "string_inputs",
-    "unless_gone",
-    "upstream",
-]
+__all__ = ["Batcher", "Fetch", "Reply", "batch_key", "fail", "string_inputs"]
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -186,7 +168,7 @@ def _split(reply: Reply, members: list[_Member]) -> list[Reply]:
     data = _ordered(body.get("data"), total)
     if data is None:
         message = f"upstream answer has no valid `data` for {total} inputs"
-        return [_fail(502, message, "upstream_error", *headers)] * n
+        return [fail(502, message, "upstream_error", *headers)] * n
     usage = body.get("usage")
     shares: dict[str, list[int]] = {}
     if isinstance(usage, dict):
@@ -231,130 +213,7 @@ def _apportion(total: int, weights: list[int]) -> list[int]:
     return shares
 
 
-def upstream(
-    dispatch: Dispatcher,
-    request: RouteRequest,
-    path: str,
-    headers: Iterable[tuple[bytes, bytes]],
-    *,
-    no_fallback: bool,
-    retry_after: bytes,
-    shed_after: bytes,
-) -> Fetch:
-    """A caller's way upstream through the dispatcher, its refusals as `Reply`s (the same
-    statuses and headers as the proxy's own answers)."""
-    sent = list(headers)
-
-    async def fetch(body: dict[str, Any]) -> Reply:
-        raw = json.dumps(body).encode()
-        req = replace(request, input_tokens=len(raw) // 4)
-        try:
-            async with dispatch.answer(req, path, body, raw, sent, no_fallback=no_fallback) as it:
-                return await _read(it)
-        except UnknownModel as exc:
-            message = f"The model `{exc.model}` does not exist."
-            return _fail(404, message, "model_not_found", param="model")
-        except NoNodeAvailable as exc:
-            return _fail(503, str(exc), "service_unavailable", (b"retry-after", retry_after))
-        except Shed as exc:
-            dispatch.balancer.metrics.shed.labels(request.priority).inc()
-            return _fail(429, str(exc), "rate_limit_error", (b"retry-after", shed_after))
-        except (UpstreamError, Exhausted) as exc:
-            status, kind = (
-                (exc.status, "upstream_error")
-                if isinstance(exc, UpstreamError)
-                else (503, "service_unavailable")
-            )
-            tries = (b"x-promptlb-attempts", str(exc.attempts).encode())
-            return _fail(status, str(exc), kind, tries, (b"retry-after", retry_after))
-
-    return fetch
-
-
-def _fail(
+def fail(
     status: int, message: str, kind: str, *headers: tuple[bytes, bytes], param: str | None = None
 ) -> Reply:
     return Reply(status, None, message, kind, param, headers)
-
-
-async def _read(answer: Answer) -> Reply:
-    """The whole answer, parsed; a node's error as the node worded it."""
-    up = answer.upstream
-    headers = [
-        (b"x-promptlb-node", b"cache" if up is None else up.node.name.encode()),
-        (b"x-promptlb-model", answer.model.encode()),
-        (b"x-promptlb-attempts", str(answer.attempts).encode()),
-    ]
-    if answer.degraded is not None:
-        headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
-    status = 200
-    if up is None:
-        assert answer.entry is not None
-        data = answer.entry.body
-    else:
-        status = up.response.status
-        try:
-            async with asyncio.timeout_at(up.deadline):
-                data = answer.first + await up.response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            up.failed = True
-            code = 504 if isinstance(exc, TimeoutError) else 502
-            return _fail(code, f"upstream answer broke: {exc!r}", "upstream_error", *headers)
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        parsed = None
-    if status != 200:
-        error = parsed.get("error") if isinstance(parsed, dict) else None
-        if not isinstance(error, dict):
-            error = {}
-        message = str(error.get("message") or f"upstream answered {status}")
-        return _fail(status, message, str(error.get("type") or "upstream_error"), *headers)
-    if not isinstance(parsed, dict):
-        return _fail(502, "upstream answer is not a JSON object", "upstream_error", *headers)
-    return Reply(200, parsed, headers=tuple(headers))
-
-
-async def unless_gone(receive: Receive, work: Awaitable[Reply]) -> Reply | None:
-    """``work``'s reply, or None when the client disconnects first (``work`` is cancelled,
-    which takes the caller out of its batch)."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-    waiting = True  # cancel only while waiting, never once the reply is in
-
-    def on_message(future: asyncio.Future[Message]) -> None:
-        nonlocal gone
-        if (
-            waiting
-            and not future.cancelled()
-            and future.exception() is None
-            and future.result()["type"] == "http.disconnect"
-        ):
-            gone = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(on_message)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()
-        return None
-    finally:
-        waiting = False
-        if not watcher.done():
-            watcher.remove_done_callback(on_message)
-            watcher.cancel()
-
-
-async def respond(send: Send, reply: Reply) -> None:
-    headers = list(reply.headers)
-    if reply.body is not None:
-        await send_json(send, reply.status, reply.body, headers)
-    else:
-        await json_error(
-            send, reply.status, reply.message, reply.kind, param=reply.param, headers=headers
-        )

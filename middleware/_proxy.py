@@ -11,7 +11,8 @@ import aiohttp
 
 from ._asgi import Receive, Scope, Send, json_error, send_json
 from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
-from ._batch import Batcher, batch_key, respond, string_inputs, unless_gone, upstream
+from ._batch import Batcher, batch_key, string_inputs
+from ._batch_io import respond, unless_gone, upstream
 from ._cache import CacheEntry
 from ._degrade import Answer, Dispatcher, Exhausted
 from ._replies import SSE, Body, send_cached

@@ -17,8 +17,8 @@ from promptlb.middleware._batch import (
     Reply,
     batch_key,
     string_inputs,
-    unless_gone,
 )
+from promptlb.middleware._batch_io import unless_gone
 from promptlb.shared import ConfigError
 
 from tests.middleware.conftest import MakeCluster
