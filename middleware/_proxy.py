@@ -47,7 +47,11 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 
 
 def route_request(
-    body: dict[str, Any], size: int, priority: Priority = "standard", prompt_class: str = ""
+    body: dict[str, Any],
+    size: int,
+    priority: Priority = "standard",
+    prompt_class: str = "",
+    session_key: str | None = None,
 ) -> RouteRequest:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     return RouteRequest(
@@ -56,7 +60,7 @@ def route_request(
         input_tokens=size // 4,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         stream=body.get("stream") is True,
-        session_key=body.get("user") if isinstance(body.get("user"), str) else None,
+        session_key=session_key,
         priority=priority,
         prompt_class=prompt_class,
     )
@@ -74,6 +78,7 @@ class Proxy:
         self._classify = dispatcher.classify
         header = balancer.config.class_header
         self._class_header = header.lower().encode() if header else None
+        self._affinity_key = dispatcher.affinity_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         priority = token = asked_class = None
@@ -125,7 +130,11 @@ class Proxy:
             prompt_class = asked_class
         elif self._classify is not None:
             prompt_class = self._classify(body)
-        request = route_request(body, len(raw), rank, prompt_class)
+        session_key = None
+        keys = self._affinity_key
+        if keys is not None:  # off by default: then not even the headers are read again
+            session_key = keys(body, keys.header_value(scope["headers"]))
+        request = route_request(body, len(raw), rank, prompt_class, session_key)
         await self.forward(scope, receive, send, request, body, raw, no_fallback)
         return None
 
