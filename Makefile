@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/pick_bench.py
 	$(BIN)/python bench/proxy_bench.py --quick
+	$(BIN)/python bench/affinity_bench.py --quick
 	$(BIN)/python bench/degrade_bench.py --warm 5 --outage 10 --hits 200 --out bench/results/quick/degrade.json
 	$(BIN)/promptlb-bench sim seed-3am
 	$(BIN)/promptlb-bench sim hetero-8
@@ -52,6 +53,7 @@ bench-full: $(STAMP)
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/pick_bench.py
 	$(BIN)/python bench/proxy_bench.py
+	$(BIN)/python bench/affinity_bench.py
 	$(BIN)/python bench/degrade_bench.py
 	$(BIN)/promptlb-bench sim seed-3am
 	$(BIN)/promptlb-bench sim hetero-8

@@ -12,6 +12,7 @@ import random
 import struct
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,10 @@ class _Stats:
     success: int = 0
     errors: int = 0
     cancelled: int = 0  # generations abandoned because the client went away
+    prefix_queries: int = 0  # generations that looked their prompt's prefix up ...
+    prefix_hits: int = 0  # ... and found it cached
+    prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
+    prefix_hit_tokens: int = 0
     leaked: list[bytearray] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int]:
@@ -54,6 +59,8 @@ class _Stats:
             "cancelled": self.cancelled,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
         }
 
 
@@ -94,6 +101,8 @@ class _State:
     ready_at: float
     faults: _Faults
     stats: _Stats = field(default_factory=_Stats)
+    # Prefix hashes of recent prompts, least recently used first: the node's KV prefix cache.
+    prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
 
 STATE = web.AppKey("promptlb_emulator_state", _State)
@@ -144,6 +153,16 @@ class _VllmMetrics(Collector):
         yield counter(
             "vllm:request_success", "Count of successfully processed requests.", state.stats.success
         )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            state.stats.prefix_query_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            state.stats.prefix_hit_tokens,
+        )
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -162,6 +181,33 @@ def _estimate_tokens(value: object) -> int:
     if isinstance(value, dict):
         return _estimate_tokens(value.get("content", "")) + 4
     return 1
+
+
+def _prefix(prompt: object, limit: int) -> str:
+    """The first ``limit`` characters of a prompt as an engine's chat template would lay it out
+    (role, then content, message by message); all of a shorter one."""
+    if isinstance(prompt, str):
+        return prompt[:limit]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        parts: list[str] = []
+        size = 0
+        for message in prompt:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+            piece = f"{message.get('role', '')}\n{content if isinstance(content, str) else ''}\n"
+            parts.append(piece)
+            size += len(piece)
+            if size >= limit:
+                break
+        return "".join(parts)[:limit]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0][:limit]
+    return json.dumps(prompt)[:limit]  # token ids and the odd shape: their JSON text
 
 
 def _words(start: int, count: int) -> str:
@@ -244,12 +290,19 @@ class _Handlers:
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
         reply = _Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
+        head = _prefix(prompt, cfg.prefix_chars)
+        prefix = hashlib.blake2b(head.encode(), digest_size=16).digest()
         try:
             async with state.capacity.slot():
                 reserved = n_in + n_out
                 state.capacity.kv_used += reserved
                 try:
+                    # Looked up when prefill starts (the slot is ours), stored once it is done:
+                    # a twin request prefilling at the same time does not find it yet.
+                    if self._prefix_hit(prefix, n_in, len(head)):
+                        ttft *= 1.0 - cfg.prefix_discount
                     await asyncio.sleep(ttft)
+                    self._prefix_store(prefix)
                     state.stats.prompt_tokens += n_in
                     if stream:
                         response = await self._stream(request, reply, rate)
@@ -267,6 +320,28 @@ class _Handlers:
             return _error(429, "queue is full", "rate_limit_error")
         state.stats.success += 1
         return response
+
+    def _prefix_hit(self, prefix: bytes, n_in: int, chars: int) -> bool:
+        stats = self.state.stats
+        stats.prefix_queries += 1
+        stats.prefix_query_tokens += n_in
+        cache = self.state.prefixes
+        if prefix not in cache:
+            return False
+        cache.move_to_end(prefix)
+        stats.prefix_hits += 1
+        stats.prefix_hit_tokens += min(n_in, math.ceil(chars / 4))
+        return True
+
+    def _prefix_store(self, prefix: bytes) -> None:
+        limit = self.cfg.prefix_cache_entries
+        if limit == 0:
+            return
+        cache = self.state.prefixes
+        cache[prefix] = None
+        cache.move_to_end(prefix)
+        while len(cache) > limit:
+            cache.popitem(last=False)
 
     async def _stream(self, request: web.Request, reply: _Reply, rate: float) -> web.StreamResponse:
         response = web.StreamResponse(

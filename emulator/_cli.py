@@ -37,6 +37,24 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt tokens add to TTFT at this rate; 0 disables",
     )
     cap.add_argument(
+        "--prefix-discount",
+        type=float,
+        default=d.prefix_discount,
+        help="share of TTFT (prefill included) saved when the prompt's prefix is cached",
+    )
+    cap.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=d.prefix_chars,
+        help="the prefix a cache entry stands for: the prompt's first characters",
+    )
+    cap.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=d.prefix_cache_entries,
+        help="prefixes the cache holds (LRU); 0 caches nothing",
+    )
+    cap.add_argument(
         "--output-tokens",
         type=int,
         default=d.output_tokens,
@@ -116,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokens_per_s=args.tokens_per_s,
             ttft_ms=args.ttft_ms,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
+            prefix_discount=args.prefix_discount,
+            prefix_chars=args.prefix_chars,
+            prefix_cache_entries=args.prefix_cache_entries,
             output_tokens=args.output_tokens,
             output_spread=args.output_spread,
             max_queue=args.max_queue,

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import aiohttp
 from promptlb.shared import ConfigError
 
+from ._affinity import Affinity
 from ._background import Evidence
 from ._config import Config
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
 from ._shedding import Admission
-from ._strategies import NoNodeAvailable, make_strategy
+from ._strategies import NoNodeAvailable, Strategy, make_strategy
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Balancer", "UnknownModel", "Upstream", "UpstreamError"]
@@ -90,9 +91,16 @@ class Balancer:
         self.config = config
         self.table = NodeTable(config)
         try:
-            self.strategy = make_strategy(config.strategy, **config.strategy_options)
+            strategy = make_strategy(config.strategy, **config.strategy_options)
         except ConfigError as exc:
             raise ConfigError(f"strategy_options.{exc.key}", exc.value, exc.expected) from None
+        affinity = config.affinity
+        if affinity is not None:
+            try:
+                strategy = Affinity(strategy, epsilon=affinity.epsilon, vnodes=affinity.vnodes)
+            except ConfigError as exc:
+                raise ConfigError(f"affinity.{exc.key}", exc.value, exc.expected) from None
+        self.strategy: Strategy = strategy
         self.metrics = Metrics(lambda: self.table)
         self.rng = rng or random.Random()
         self._budget = _RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)

@@ -69,7 +69,13 @@ class PromptLBClient:
         `PromptLBError`: one type to catch."""
         raw = json.dumps(body).encode()
         classify = self._dispatch.classify
-        request = route_request(body, len(raw), prompt_class=classify(body) if classify else "")
+        keys = self._dispatch.affinity_key
+        request = route_request(
+            body,
+            len(raw),
+            prompt_class=classify(body) if classify else "",
+            session_key=keys(body) if keys is not None else None,
+        )
         try:
             async with self._dispatch.answer(request, path, body, raw, _JSON) as answer:
                 yield answer

@@ -21,6 +21,7 @@ from ._config_base import DURATION, check_url, positive
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 
 __all__ = [
+    "AffinityConfig",
     "BatchingConfig",
     "CacheConfig",
     "Config",
@@ -64,6 +65,38 @@ class NodeConfig:
             if not key:
                 raise ConfigError("api_key_env", self.api_key_env, "a set environment variable")
             object.__setattr__(self, "api_key", key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AffinityConfig:
+    """Session and prefix affinity, on top of the configured strategy (see ``_affinity``).
+
+    ``key``: what keys a request. ``session``: the ``header`` (if set) or the body's ``user``;
+    ``prefix``: a hash of the prompt's first ``prefix_chars`` characters, for prompts at least
+    that long; ``both``: the session when there is one, else the prefix. A keyed request goes
+    to its node on a hash ring of ``vnodes`` points per node, unless that node's load is over
+    ``1 + epsilon`` times the average: then to the next node on the ring."""
+
+    key: Literal["session", "prefix", "both"] = "both"
+    header: str | None = None  # e.g. "x-session-id"; wins over the body's user
+    prefix_chars: int = 512
+    epsilon: float = 0.25
+    vnodes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.key not in ("session", "prefix", "both"):
+            raise ConfigError("key", self.key, "one of 'session', 'prefix', 'both'")
+        if self.header is not None and (
+            not isinstance(self.header, str)
+            or not self.header.strip()
+            or not all(33 <= ord(c) < 127 and c not in ':"(),/;<=>?@[\\]{}' for c in self.header)
+        ):
+            raise ConfigError("header", self.header, "an HTTP header name such as x-session-id")
+        for key, low, high in (("prefix_chars", 1, 1 << 20), ("vnodes", 1, 4096)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(key, value, f"an integer in {low}..{high}")
+        positive("epsilon", self.epsilon)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,6 +250,7 @@ class Config:
     batching: BatchingConfig = field(default_factory=BatchingConfig)  # off unless enabled
     classifier: str | None = None  # "package.module:callable"; None: the rules-based default
     class_header: str | None = None  # a trusted header (set by your edge) that names the class
+    affinity: AffinityConfig | None = None  # no session/prefix affinity unless configured
 
     def __post_init__(self) -> None:
         if self.discovery.mode == "static" and not self.nodes:

@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ._affinity import KeyMaker
 from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
 from ._classify import Classifier, load_classifier
@@ -76,6 +77,10 @@ class Dispatcher:
         # Classes cost a scan of the prompt: only when something routes by them.
         wanted = config.strategy == "model_aware" or config.classifier is not None
         self.classify: Classifier | None = load_classifier(config.classifier) if wanted else None
+        # Affinity keys cost a look at the body (and a hash of a long prompt's head): only
+        # when [affinity] is configured.
+        affinity = config.affinity
+        self.affinity_key: KeyMaker | None = KeyMaker(affinity) if affinity is not None else None
 
     async def stop(self) -> None:
         if self._writes:

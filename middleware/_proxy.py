@@ -49,7 +49,11 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 
 
 def route_request(
-    body: dict[str, Any], size: int, priority: Priority = "standard", prompt_class: str = ""
+    body: dict[str, Any],
+    size: int,
+    priority: Priority = "standard",
+    prompt_class: str = "",
+    session_key: str | None = None,
 ) -> RouteRequest:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     return RouteRequest(
@@ -58,7 +62,7 @@ def route_request(
         input_tokens=size // 4,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         stream=body.get("stream") is True,
-        session_key=body.get("user") if isinstance(body.get("user"), str) else None,
+        session_key=session_key,
         priority=priority,
         prompt_class=prompt_class,
     )
@@ -83,6 +87,7 @@ class Proxy:
         # The client's own key goes upstream only when forwarded: then callers with different
         # keys must never share a request.
         self._keyed_auth = balancer.config.forward_authorization
+        self._affinity_key = dispatcher.affinity_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         priority = token = asked_class = None
@@ -134,7 +139,11 @@ class Proxy:
             prompt_class = asked_class
         elif self._classify is not None:
             prompt_class = self._classify(body)
-        request = route_request(body, len(raw), rank, prompt_class)
+        session_key = None
+        keys = self._affinity_key
+        if keys is not None:  # off by default: then not even the headers are read again
+            session_key = keys(body, keys.header_value(scope["headers"]))
+        request = route_request(body, len(raw), rank, prompt_class, session_key)
         if self._batcher is not None and scope["path"].endswith("/embeddings"):
             return await self._batched(scope, receive, send, request, body, raw, no_fallback)
         await self.forward(scope, receive, send, request, body, raw, no_fallback)

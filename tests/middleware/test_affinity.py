@@ -1,0 +1,357 @@
+"""Session and prefix affinity: consistent hashing with bounded loads over any strategy, its
+config, and the keys the proxy derives from a request."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware._affinity import Affinity, KeyMaker, prompt_head
+from promptlb.middleware._balancer import Balancer
+from promptlb.middleware._config import AffinityConfig, load_config
+from promptlb.middleware._strategies import NoNodeAvailable, make_strategy
+from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.shared import ConfigError
+
+
+def nodes(count: int) -> list[NodeView]:
+    return [NodeView(name=f"node-{i}", url=f"http://n{i}:1") for i in range(count)]
+
+
+def keyed(key: str | None) -> RouteRequest:
+    return RouteRequest(model="m", session_key=key)
+
+
+class Recording:
+    """An inner strategy that notes what it was asked and picks the first candidate."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.picks: list[RouteRequest] = []
+        self.observed: list[tuple[str, float, float | None, int]] = []
+
+    def pick(
+        self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
+    ) -> NodeView:
+        self.picks.append(request)
+        return candidates[0]
+
+    def observe(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        latency_s: float,
+        ttft_s: float | None,
+        queue_at_pick: int,
+    ) -> None:
+        self.observed.append((node.name, latency_s, ttft_s, queue_at_pick))
+
+
+def test_a_key_stays_on_its_node_when_loads_are_balanced() -> None:
+    rng = random.Random(1)
+    pool = nodes(8)
+    for node in pool:
+        node.in_flight = 4  # busy, and evenly so
+    affinity = Affinity(make_strategy("p2c"))
+    home: dict[str, str] = {}
+    same = total = 0
+    for _ in range(5):
+        for s in range(200):
+            key = f"s:session-{s}"
+            name = affinity.pick(keyed(key), pool, rng).name
+            if key in home:
+                total += 1
+                same += name == home[key]
+            else:
+                home[key] = name
+    assert same / total >= 0.95
+    # and the ring spreads the sessions: no node has more than twice its share of them
+    per_node = Counter(home.values())
+    assert len(per_node) == 8
+    assert max(per_node.values()) <= 2 * 200 / 8
+
+
+@pytest.mark.parametrize(("epsilon", "at_least"), [(0.25, 0.75), (1.0, 0.97)])
+def test_sessions_mostly_keep_their_node_while_requests_come_and_go(
+    epsilon: float, at_least: float
+) -> None:
+    """200 sessions, requests arriving at random and each holding its node for the next 48
+    arrivals (6 in flight per node on average). Loads fluctuate, so the bound sends some
+    requests past their key's node: the tighter the bound, the more (the price of epsilon)."""
+    rng = random.Random(2)
+    pool, idle = nodes(8), nodes(8)
+    affinity = Affinity(make_strategy("p2c"), epsilon=epsilon)
+    in_flight: deque[NodeView] = deque()
+    home = 0
+    for _ in range(4000):
+        key = keyed(f"s:session-{rng.randrange(200)}")
+        node = affinity.pick(key, pool, rng)
+        home += node.name == affinity.pick(key, idle, rng).name  # the key's own node
+        node.in_flight += 1
+        in_flight.append(node)
+        if len(in_flight) > 48:
+            in_flight.popleft().in_flight -= 1
+    print(f"epsilon {epsilon}: {home / 4000:.3f} of requests on their key's node")
+    assert home / 4000 >= at_least
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 0.25, 1.0])
+def test_a_hot_key_never_pushes_a_node_over_the_bound(epsilon: float) -> None:
+    rng = random.Random(3)
+    pool = nodes(8)
+    affinity = Affinity(make_strategy("p2c"), epsilon=epsilon)
+    for m in range(1, 400):
+        key = "s:hot" if m % 10 else f"s:cold-{m}"
+        node = affinity.pick(keyed(key), pool, rng)
+        node.in_flight += 1
+        bound = math.ceil((1 + epsilon) * m / len(pool) - 1e-9)
+        assert max(n.in_flight for n in pool) <= bound, m
+    # the hot key spilled over several nodes rather than piling onto one
+    assert sum(1 for n in pool if n.in_flight > 0) == len(pool)
+
+
+def test_weights_scale_a_nodes_bound() -> None:
+    rng = random.Random(4)
+    pool = nodes(4)
+    pool[0].weight = 3.0
+    affinity = Affinity(make_strategy("p2c"), epsilon=0.25)
+    for _ in range(600):
+        affinity.pick(keyed("s:hot"), pool, rng).in_flight += 1
+    # weight 3 of 6: about half, and never over (1 + eps) times its share
+    assert pool[0].in_flight <= math.ceil(1.25 * 600 * 3 / 6)
+    assert pool[0].in_flight > 600 * 3 / 6 * 0.8
+
+
+def test_a_node_leaving_moves_only_its_own_keys() -> None:
+    rng = random.Random(5)
+    pool = nodes(8)
+    affinity = Affinity(make_strategy("p2c"))
+    keys = [f"s:user-{i}" for i in range(2000)]
+    before = {k: affinity.pick(keyed(k), pool, rng).name for k in keys}
+    gone = "node-3"
+    rest = [n for n in pool if n.name != gone]
+    after = {k: affinity.pick(keyed(k), rest, rng).name for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == gone for k in moved)
+    assert len(moved) == sum(1 for k in keys if before[k] == gone)
+    assert len(moved) / len(keys) < 2 / len(pool)  # about 1/n, with the ring's unevenness
+    # and when it comes back, its keys come back to it
+    again = {k: affinity.pick(keyed(k), pool, rng).name for k in keys}
+    assert again == before
+
+
+def test_replicas_agree_on_a_keys_node() -> None:
+    pool_a, pool_b = nodes(6), list(reversed(nodes(6)))  # same names, another order
+    a, b = Affinity(make_strategy("p2c")), Affinity(make_strategy("round_robin"))
+    for i in range(300):
+        key = f"p:{i:016x}"
+        assert (
+            a.pick(keyed(key), pool_a, random.Random(i)).name
+            == b.pick(keyed(key), pool_b, random.Random(-i)).name
+        )
+
+
+def test_requests_without_a_key_go_to_the_inner_strategy() -> None:
+    inner = Recording()
+    affinity = Affinity(inner)
+    pool = nodes(3)
+    rng = random.Random(6)
+    assert affinity.pick(keyed(None), pool, rng) is pool[0]
+    affinity.pick(keyed("s:x"), pool, rng)
+    assert [r.session_key for r in inner.picks] == [None]
+    assert affinity.name == "recording+affinity"
+    with pytest.raises(NoNodeAvailable):
+        affinity.pick(keyed("s:x"), [], rng)
+    assert affinity.pick(keyed("s:x"), pool[:1], rng) is pool[0]
+
+
+def test_observe_reaches_the_inner_strategy_when_it_has_the_hook() -> None:
+    inner = Recording()
+    pool = nodes(2)
+    Affinity(inner).observe(keyed("s:x"), pool[1], 0.5, 0.1, 3)
+    assert inner.observed == [("node-1", 0.5, 0.1, 3)]
+    Affinity(make_strategy("round_robin")).observe(keyed(None), pool[0], 0.5, None, 0)  # no hook
+
+
+def test_rings_are_built_once_per_candidate_list() -> None:
+    affinity = Affinity(make_strategy("p2c"), vnodes=16)
+    pool = nodes(4)
+    rng = random.Random(7)
+    affinity.pick(keyed("s:a"), pool, rng)
+    ring = affinity._rings[id(pool)]
+    affinity.pick(keyed("s:b"), pool, rng)
+    assert affinity._rings[id(pool)] is ring
+    assert len(ring.points) == 4 * 16
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"key": "sticky"}, "affinity.key"),
+        ({"epsilon": 0}, "affinity.epsilon"),
+        ({"epsilon": -0.5}, "affinity.epsilon"),
+        ({"epsilon": float("inf")}, "affinity.epsilon"),
+        ({"vnodes": 0}, "affinity.vnodes"),
+        ({"vnodes": 10_000}, "affinity.vnodes"),
+        ({"vnodes": 1.5}, "affinity.vnodes"),
+        ({"prefix_chars": 0}, "affinity.prefix_chars"),
+        ({"header": ""}, "affinity.header"),
+        ({"header": "x session"}, "affinity.header"),
+        ({"sticky": True}, "affinity.sticky"),
+    ],
+)
+def test_bad_affinity_config_names_the_key(raw: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "affinity": raw})
+    assert info.value.key == key
+
+
+def test_affinity_is_off_by_default_and_wraps_the_strategy_when_set() -> None:
+    nodes_cfg = [{"name": "a", "url": "http://a:1"}]
+    plain = load_config({"nodes": nodes_cfg, "strategy": "least_conn"})
+    assert plain.affinity is None
+    assert Balancer(plain).strategy.name == "least_conn"
+    config = load_config(
+        {"nodes": nodes_cfg, "strategy": "least_conn", "affinity": {"header": "X-Session-Id"}}
+    )
+    assert config.affinity == AffinityConfig(header="X-Session-Id")
+    strategy = Balancer(config).strategy
+    assert isinstance(strategy, Affinity)
+    assert strategy.name == "least_conn+affinity"
+    assert strategy.inner.name == "least_conn"
+    with pytest.raises(ConfigError):
+        AffinityConfig(epsilon=True)
+
+
+def chat(system: str, *turns: str, user: str | None = None) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": "user", "content": t} for t in turns]
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    if user is not None:
+        body["user"] = user
+    return body
+
+
+LONG = "You are a careful assistant for the billing team. " * 20  # ~1,000 characters
+
+
+def test_keys_come_from_the_header_then_user_then_the_prefix() -> None:
+    both = KeyMaker(AffinityConfig(header="X-Session-Id", prefix_chars=512))
+    headers = [(b"content-type", b"application/json"), (b"x-session-id", b" conv-7 ")]
+    assert both.header_value(headers) == "conv-7"
+    assert both.header_value([(b"x-session-id", b"  ")]) is None
+    assert both(chat(LONG, "hi", user="alice"), "conv-7") == "s:conv-7"
+    assert both(chat(LONG, "hi", user="alice")) == "s:alice"
+    by_prefix = both(chat(LONG, "hi"))
+    assert by_prefix is not None and by_prefix.startswith("p:")
+    # a conversation that grows keeps its prefix key; another system prompt gets another
+    assert both(chat(LONG, "hi", "and then?", "more")) == by_prefix
+    assert both(chat("Another system prompt. " * 40, "hi")) != by_prefix
+    assert both(chat("short", "hi")) is None  # under prefix_chars: no key
+    assert both({"model": "m", "prompt": LONG}) is not None
+    assert both({"model": "m", "prompt": [LONG, "x"]}) == both({"model": "m", "prompt": LONG})
+
+
+def test_the_key_setting_limits_the_sources() -> None:
+    session = KeyMaker(AffinityConfig(key="session", header="x-session-id"))
+    assert session(chat(LONG, "hi")) is None
+    assert session(chat(LONG, "hi", user="bob")) == "s:bob"
+    prefix = KeyMaker(AffinityConfig(key="prefix", header="x-session-id"))
+    assert prefix.header_value([(b"x-session-id", b"a")]) is None
+    assert prefix(chat(LONG, "hi", user="bob"), None) == prefix(chat(LONG, "hi"))
+    no_header = KeyMaker(AffinityConfig())
+    assert no_header.header_value([(b"x-session-id", b"a")]) is None
+
+
+def test_prompt_head_reads_parts_and_stops_early() -> None:
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a" * 300}, {"type": "image"}]},
+            {"role": "assistant", "content": None},
+            "junk",
+            {"role": "user", "content": "b" * 300},
+        ]
+    }
+    head = prompt_head(parts, 512)
+    assert head is not None and len(head) == 512
+    assert prompt_head(parts, 5000) is None
+    assert prompt_head({}, 1) is None
+
+
+def test_the_proxy_puts_the_key_on_the_route_request_only_with_affinity() -> None:
+    from promptlb.middleware._degrade import Dispatcher
+
+    nodes_cfg = [{"name": "a", "url": "http://a:1"}]
+    off = Dispatcher(Balancer(load_config({"nodes": nodes_cfg})))
+    assert off.affinity_key is None
+    on = Dispatcher(Balancer(load_config({"nodes": nodes_cfg, "affinity": {}})))
+    assert on.affinity_key is not None
+    assert on.affinity_key(chat(LONG, "x", user="u")) == "s:u"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[str]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)  # /health too
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def noop(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the app is not reached for balanced routes")
+
+
+@pytest.mark.parametrize(
+    ("affinity", "headers", "body", "expected"),
+    [
+        (None, {"x-session-id": "h"}, chat(LONG, "x", user="u"), None),
+        ({"header": "x-session-id"}, {"X-Session-Id": "h"}, chat(LONG, "x", user="u"), "s:h"),
+        ({"header": "x-session-id"}, {}, chat(LONG, "x", user="u"), "s:u"),
+        ({"key": "prefix"}, {}, chat(LONG, "x", user="u"), KeyMaker(AffinityConfig())(chat(LONG))),
+        ({}, {}, chat("short", "x"), None),
+    ],
+)
+async def test_the_proxy_routes_with_the_key_it_derives(
+    upstream: str,
+    affinity: dict[str, Any] | None,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    expected: str | None,
+) -> None:
+    config: dict[str, Any] = {"nodes": [{"name": "a", "url": upstream, "models": ["m"]}]}
+    if affinity is not None:
+        config["affinity"] = affinity
+    app = PromptLBMiddleware(noop, config=config)
+    seen: list[str | None] = []
+    strategy = app.balancer.strategy
+    original = strategy.pick
+
+    def pick(request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random) -> NodeView:
+        seen.append(request.session_key)
+        return original(request, candidates, rng)
+
+    strategy.pick = pick  # type: ignore[method-assign]
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test"
+        ) as http:
+            response = await http.post("/v1/chat/completions", headers=headers, json=body)
+    finally:
+        await app.balancer.stop()
+    assert response.status_code == 200
+    assert seen == [expected]
