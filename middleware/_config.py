@@ -224,7 +224,7 @@ class Config:
     """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
 
     nodes: tuple[NodeConfig, ...] = ()
-    strategy: StrategyName = "p2c"
+    strategy: StrategyName = "predictive"
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
     models_route: str | None = "/v1/models"  # aggregated from the ready nodes

@@ -13,7 +13,8 @@ Rules every strategy keeps:
   config order, and a fixed tie-break would hand every quiet moment's traffic to the first node;
 * a node whose load is unknown (no snapshot, or a stale one) is never taken for an idle one.
 
-`make_strategy` builds one by its config name; `DEFAULT_STRATEGY` is ``p2c``.
+`make_strategy` builds one by its config name; `DEFAULT_STRATEGY` is ``predictive`` (which
+behaves as ``p2c`` until it has learnt the nodes).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = [
     "score_parts",
 ]
 
-DEFAULT_STRATEGY = "p2c"
+DEFAULT_STRATEGY = "predictive"
 
 # Per-node state is forgotten once a node has not been a candidate for between one and two spans
 # of picks: nodes found by DNS come and go under new names, and their state must not pile up.

@@ -9,6 +9,7 @@ import pytest
 from promptlb.bench import _peers
 from promptlb.bench._live import Cluster, gateway_config, plan, scaled, targets
 from promptlb.bench._scenario import load_scenario
+from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError
 
 
@@ -77,7 +78,7 @@ def test_targets_compare_the_default_strategy() -> None:
 
     runs = {
         "promptlb round_robin": run("promptlb", 1000.0),
-        "promptlb p2c": run("promptlb", 400.0),
+        f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 400.0),
         "litellm simple-shuffle": run("litellm", 900.0),
         "litellm least-busy": run("litellm", 600.0),
     }

@@ -478,7 +478,7 @@ def test_cli_sim_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture
         assert sum(n["share"] for n in row["nodes"]) == pytest.approx(1.0)
     assert rows[PERFECT]["p99_vs_perfect"] == 1.0
     assert rows["round_robin"]["p99_vs_round_robin"] == 1.0
-    assert report["targets"]["strategy"] == "p2c"
+    assert report["targets"]["strategy"] == "predictive"
     out = capsys.readouterr().out
     assert "p99/perf" in out and "perfect" in out
 

@@ -520,9 +520,11 @@ def test_p2c_looks_at_two_candidates_whatever_their_number() -> None:
 # -- make_strategy --------------------------------------------------------------------------
 
 
-def test_the_default_strategy_is_p2c() -> None:
-    assert DEFAULT_STRATEGY == "p2c"
-    assert isinstance(make_strategy(DEFAULT_STRATEGY), PowerOfTwoChoices)
+def test_the_default_strategy_is_predictive() -> None:
+    from promptlb.middleware._predictive import Predictive
+
+    assert DEFAULT_STRATEGY == "predictive"
+    assert isinstance(make_strategy(DEFAULT_STRATEGY), Predictive)
     assert set(STRATEGIES) == {
         "round_robin",
         "weighted",
