@@ -101,7 +101,7 @@ def classify(body: Mapping[str, Any]) -> str:
     if any(mark in probe for mark in _CODE_MARKS):
         return "code"
     # Words from the ends only: where the instruction is, and half the work on a long turn.
-    ends = probe if len(probe) <= 2048 else probe[:1024] + " " + probe[-1024:]
+    ends = probe if len(probe) <= 1024 else probe[:512] + " " + probe[-512:]
     words = set(ends.lower().translate(_PUNCTUATION).split())
     if not words.isdisjoint(_CODE_WORDS):
         return "code"
