@@ -733,7 +733,8 @@ class _Sim:
                 replica = self.replicas[req.replica]
                 route = req.route
                 if route is not None and view is not None:
-                    head = req.start - req.sent + req.head * req.factor
+                    # A custom service time has no first-token split: then none is reported.
+                    head = None if self.service else req.start - req.sent + req.head * req.factor
                     replica.strategy.observe(route, view, t - req.sent, head, req.queued)
                 replica.active -= 1
                 if replica.consecutive[node.idx]:

@@ -4,6 +4,7 @@ try-and-retry logic that both the ASGI proxy and the in-app client use."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -23,6 +24,8 @@ from ._strategies import NoNodeAvailable, Strategy, make_strategy
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Balancer", "UnknownModel", "Upstream", "UpstreamError"]
+
+_log = logging.getLogger("promptlb.middleware")
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy sets itself.
 HOP_BY_HOP = frozenset(
@@ -253,6 +256,11 @@ class Balancer:
                     )
                     self._finish(node, ok=False, started=started, ttft=None, outcome="error")
                     continue
+                except BaseException:
+                    # Cancelled before the headers (a hedge's loser, a client gone): the try
+                    # holds no place on the node any more.
+                    view.in_flight -= 1
+                    raise
                 finally:
                     if len(tried) > 1:
                         budget.retrying -= 1
@@ -308,10 +316,15 @@ class Balancer:
                         ttft=ttft,
                         outcome="broken" if upstream.failed else str(code),
                     )
-                    if ok:
-                        self.strategy.observe(
-                            request, upstream.node.view, latency, ttft, upstream.queued
-                        )
+                    # Only real answers teach a learning strategy: a node that answers 4xx at
+                    # once must not look like the fastest node there is.
+                    if ok and 200 <= code < 300:
+                        try:
+                            self.strategy.observe(
+                                request, upstream.node.view, latency, ttft, upstream.queued
+                            )
+                        except Exception:  # learning must never break a request
+                            _log.exception("strategy %s failed to observe", self.config.strategy)
         finally:
             budget.active -= 1
 

@@ -35,15 +35,17 @@ __all__ = ["Predictive", "ServiceModel"]
 _FORGET_SPAN = 4096  # as the other strategies: forget nodes not seen for one to two spans
 _OUT_SCALE = 100.0  # features in hundreds of output tokens and thousands of input tokens keep
 _IN_SCALE = 1000.0  # the least-squares problem well conditioned
+_MAX_CLASSES = 1024
 _P_CAP = 1e4  # bounds the covariance: forgetting with little excitation would inflate it
 
 
 class ServiceModel:
     """One node's learnt service time, a + b * out + c * in, by recursive least squares.
 
-    ``forget`` (0 < forget <= 1) discounts old observations: 0.97 gives them a half-life of
-    about 23 requests. The coefficients are clamped at prediction, not in the fit, so that a
-    transient negative estimate cannot wedge the filter.
+    ``forget`` (0 < forget <= 1) discounts old readings: 0.97 gives them a half-life of about
+    23 readings (a streamed answer is two: its decode and its head, so about 11 answers).
+    The coefficients are clamped at prediction, not in the fit, so that a transient negative
+    estimate cannot wedge the filter.
     """
 
     __slots__ = (
@@ -52,6 +54,7 @@ class ServiceModel:
         "mean_service",
         "others",
         "p",
+        "peak",
         "slots",
         "snapshot",
         "theta",
@@ -65,7 +68,8 @@ class ServiceModel:
         self.p = [prior, 0.0, 0.0, 0.0, prior, 0.0, 0.0, 0.0, prior]
         self.count = 0
         self.mean_service = 0.0  # EWMA of the observed service time, seconds
-        self.slots = 0  # learnt from snapshots; 0: never seen a queue, so no wait predicted
+        self.slots = 0  # learnt from snapshots: the running count when the engine had a queue
+        self.peak = 0  # the most requests seen running: a lower bound while slots is unknown
         self.trend = 0.0  # EWMA of the others' queue change between snapshots
         self.others: int | None = None  # the others' queue at the last snapshot
         self.snapshot: Snapshot | None = None
@@ -80,8 +84,10 @@ class ServiceModel:
 
     def wait(self, queue: float) -> float:
         """Seconds before a newcomer behind ``queue`` requests gets a slot (FIFO)."""
-        slots = self.slots
-        if slots <= 0 or queue < slots:
+        # Until a queue has shown the slots, the most seen running is a lower bound: unknown
+        # capacity is never taken for room.
+        slots = self.slots or max(self.peak, 1)
+        if queue < slots:
             return 0.0
         return (queue - slots + 1) * self.mean_service / slots
 
@@ -139,6 +145,8 @@ class ServiceModel:
             return
         if engine.waiting > 0 and engine.running > self.slots:
             self.slots = engine.running
+        if engine.running > self.peak:
+            self.peak = engine.running
         # Other gateways' requests only: ours since the snapshot are counted exactly already.
         others = engine.running + engine.waiting - in_flight_at_snapshot
         if self.others is not None:
@@ -215,7 +223,7 @@ class Predictive:
         queue: float = node.effective_queue
         if snap is None:
             # Unknown load is never idle: assume every slot we know of is taken.
-            queue = max(queue, model.slots)
+            queue = max(queue, model.slots or model.peak or 1)
         elif model.trend > 0:
             queue += 0.5 * model.trend  # half a snapshot period of the others' growth
         total = model.wait(queue) + model.service(out, request.input_tokens)
@@ -293,7 +301,7 @@ class Predictive:
                     / b
                 )
                 self._learn_class(request.prompt_class, max(1.0, implied))
-        elif request.max_tokens is not None:
+        elif request.max_tokens is not None and request.max_tokens > 0:
             self._learn_class(request.prompt_class, float(request.max_tokens))
         decode = None
         if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
@@ -302,6 +310,8 @@ class Predictive:
 
     def _learn_class(self, prompt_class: str, tokens: float) -> None:
         old = self._history.get(prompt_class)
+        if old is None and len(self._history) >= _MAX_CLASSES:
+            return  # classes can come from a header: they must not pile up
         self._history[prompt_class] = tokens if old is None else old + 0.05 * (tokens - old)
 
     def model_of(self, name: str) -> ServiceModel | None:

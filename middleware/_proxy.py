@@ -48,6 +48,18 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+_MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
+
+
+def _plausible(max_tokens: object) -> bool:
+    """A ``max_tokens`` routing may believe (the node still gets the body as sent)."""
+    return (
+        isinstance(max_tokens, int)
+        and not isinstance(max_tokens, bool)
+        and 0 < max_tokens <= _MAX_TOKENS
+    )
+
+
 def route_request(
     body: dict[str, Any],
     size: int,
@@ -60,7 +72,7 @@ def route_request(
         model=body["model"],
         # About four bytes a token: a body-size estimate costs nothing and ranks prompts right.
         input_tokens=size // 4,
-        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        max_tokens=max_tokens if _plausible(max_tokens) else None,
         stream=body.get("stream") is True,
         session_key=session_key,
         priority=priority,

@@ -215,3 +215,33 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
     # Both are probed while cold; then 15 ms against 400 ms sends nearly all to the fast one.
     assert "slow" in got[:10]
     assert got[10:].count("fast") >= 17, got
+
+
+def test_unknown_slots_take_the_most_seen_running_as_a_floor_never_room() -> None:
+    strategy = Predictive()
+    rng = random.Random(9)
+    view = node("a", running=2)  # never seen a queue: slots unknown, 2 seen running
+    teach(strategy, view, 10, rng)
+    strategy.expected_time(request(), view, 100.0)
+    model = strategy.model_of("a")
+    assert model is not None and model.slots == 0 and model.peak == 2
+    assert model.wait(1) == 0.0
+    assert model.wait(50) > 10 * model.mean_service
+    view.in_flight = 50
+    busy = strategy.expected_time(request(), view, 100.0)
+    view.in_flight = 0
+    quiet = strategy.expected_time(request(), view, 100.0)
+    assert busy is not None and quiet is not None and busy > quiet + 5.0
+
+
+def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches() -> None:
+    from promptlb.middleware._proxy import route_request
+
+    for bad in (0, -5, True, 10**40, "12", 2.5):
+        assert route_request({"model": "m", "max_tokens": bad}, 100).max_tokens is None
+    assert route_request({"model": "m", "max_tokens": 64}, 100).max_tokens == 64
+    strategy = Predictive(default_output_tokens=256)
+    view = node("a")
+    for _ in range(20):
+        strategy.observe(request(0, cls="qa"), view, 1.0, 0.2, 0)
+    assert strategy.expected_output(request(None, cls="qa")) >= 1.0
