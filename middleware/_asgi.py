@@ -2,17 +2,59 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["ASGIApp", "Receive", "Scope", "Send", "json_error", "send_json"]
+__all__ = ["ASGIApp", "DisconnectWatch", "Receive", "Scope", "Send", "json_error", "send_json"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class DisconnectWatch:
+    """Cancels the current task when the client disconnects, while ``armed``.
+
+    One watcher future on ``receive()`` per request: the task awaiting a node is cancelled so
+    that the upstream try unwinds (the node sees the disconnect). ``gone`` tells that cancel
+    from any other; disarm before answering, so a late disconnect cancels nothing else, and
+    `close` when done.
+    """
+
+    __slots__ = ("_task", "_watcher", "armed", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.armed = True
+        self.gone = False
+        self._watcher = asyncio.ensure_future(receive())
+        self._watcher.add_done_callback(self._on_message)
+
+    def _on_message(self, future: asyncio.Future[Message]) -> None:
+        if (
+            self.armed
+            and not future.cancelled()
+            and future.exception() is None
+            and future.result()["type"] == "http.disconnect"
+        ):
+            self.gone = True
+            self._task.cancel()
+
+    def uncancel(self) -> None:
+        """Take back our own cancel, for the client that left: nothing is left to answer."""
+        self._task.uncancel()
+
+    def close(self) -> None:
+        self.armed = False
+        if not self._watcher.done():
+            self._watcher.remove_done_callback(self._on_message)
+            self._watcher.cancel()
 
 
 async def send_json(

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from ._asgi import Message, Receive, Send, json_error, send_json
+from ._asgi import DisconnectWatch, Receive, Send, json_error, send_json
 from ._balancer import UnknownModel, UpstreamError
 from ._batch import Fetch, Reply, fail
 from ._degrade import Answer, Dispatcher, Exhausted
@@ -103,36 +103,16 @@ async def _read(answer: Answer) -> Reply:
 async def unless_gone(receive: Receive, work: Awaitable[Reply]) -> Reply | None:
     """``work``'s reply, or None when the client disconnects first (``work`` is cancelled,
     which takes the caller out of its batch)."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-    waiting = True  # cancel only while waiting, never once the reply is in
-
-    def on_message(future: asyncio.Future[Message]) -> None:
-        nonlocal gone
-        if (
-            waiting
-            and not future.cancelled()
-            and future.exception() is None
-            and future.result()["type"] == "http.disconnect"
-        ):
-            gone = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(on_message)
+    watch = DisconnectWatch(receive)
     try:
         return await work
     except asyncio.CancelledError:
-        if not gone:
+        if not watch.gone:
             raise
-        task.uncancel()
+        watch.uncancel()
         return None
     finally:
-        waiting = False
-        if not watcher.done():
-            watcher.remove_done_callback(on_message)
-            watcher.cancel()
+        watch.close()  # never cancel once the reply is in
 
 
 async def respond(send: Send, reply: Reply) -> None:

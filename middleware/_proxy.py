@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from ._asgi import Receive, Scope, Send, json_error, send_json
+from ._asgi import DisconnectWatch, Receive, Scope, Send, json_error, send_json
 from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
 from ._batch import Batcher, batch_key, string_inputs
 from ._batch_io import respond, unless_gone, upstream
@@ -209,24 +209,7 @@ class Proxy:
     ) -> None:
         # A client that goes away cancels this task, so the upstream try is cancelled too and
         # the balancer's bookkeeping (in-flight, results) unwinds exactly.
-        task = asyncio.current_task()
-        assert task is not None
-        gone = False
-        upstream_phase = True  # cancel only while awaiting the node, never once we are done
-
-        def on_message(future: asyncio.Future[Any]) -> None:
-            nonlocal gone
-            if (
-                upstream_phase
-                and not future.cancelled()
-                and future.exception() is None
-                and future.result()["type"] == "http.disconnect"
-            ):
-                gone = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(on_message)
+        watch = DisconnectWatch(receive)
         path = scope["path"] + (
             ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
         )
@@ -240,14 +223,14 @@ class Proxy:
                     await send_cached(send, scope["path"], request.stream, answer)
                 else:
                     await self._pass_on(send, scope["path"], answer)
-            upstream_phase = False
+            watch.armed = False
         except asyncio.CancelledError:
-            upstream_phase = False
-            if not gone:
+            watch.armed = False
+            if not watch.gone:
                 raise
-            task.uncancel()  # our own cancel, for the client that left: nothing left to answer
+            watch.uncancel()
         except UnknownModel as exc:
-            upstream_phase = False
+            watch.armed = False
             await json_error(
                 send,
                 404,
@@ -256,7 +239,7 @@ class Proxy:
                 param="model",
             )
         except NoNodeAvailable as exc:
-            upstream_phase = False
+            watch.armed = False
             await json_error(
                 send,
                 503,
@@ -265,7 +248,7 @@ class Proxy:
                 headers=[(b"retry-after", self._retry_after)],
             )
         except Shed as exc:
-            upstream_phase = False
+            watch.armed = False
             self._lb.metrics.shed.labels(request.priority).inc()
             await json_error(
                 send,
@@ -275,7 +258,7 @@ class Proxy:
                 headers=[(b"retry-after", self._shed_after)],
             )
         except (UpstreamError, Exhausted) as exc:
-            upstream_phase = False
+            watch.armed = False
             if started:
                 raise
             status, kind = (
@@ -297,10 +280,7 @@ class Proxy:
                 ],
             )
         finally:
-            upstream_phase = False
-            if not watcher.done():
-                watcher.remove_done_callback(on_message)
-                watcher.cancel()
+            watch.close()
 
     async def _pass_on(self, send: Send, path: str, answer: Answer) -> None:
         up = answer.upstream
