@@ -50,7 +50,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from promptlb.middleware._strategies import STRATEGIES, NoNodeAvailable, Strategy, make_strategy
+from promptlb.middleware._strategies import (
+    STRATEGIES,
+    NoNodeAvailable,
+    Strategy,
+    _Static,
+    make_strategy,
+)
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError, EngineSample, Snapshot
 
@@ -157,7 +163,7 @@ class SimResult:
         return sum(self.errors.values())
 
 
-class RandomChoice:
+class RandomChoice(_Static):
     """A uniformly random candidate: the textbook baseline power-of-two choices is measured by.
     Not one of the middleware's strategies; only the simulator offers it."""
 
@@ -169,16 +175,6 @@ class RandomChoice:
         if not candidates:
             raise NoNodeAvailable(request.model)
         return candidates[rng.randrange(len(candidates))]
-
-    def observe(
-        self,
-        request: RouteRequest,
-        node: NodeView,
-        latency_s: float,
-        ttft_s: float | None,
-        queue_at_pick: int,
-    ) -> None:
-        return None
 
 
 class _View(NodeView):

@@ -38,8 +38,6 @@ _MAX_NAMES = 4096
 # dropped whole past this many so that they cannot pile up.
 _MAX_RINGS = 64
 
-Observe = Callable[[RouteRequest, NodeView, float, float | None, int], None]
-
 
 def key_hash(text: str) -> int:
     """A stable 64-bit hash (Python's ``hash`` is salted per process, and every replica of the
@@ -91,7 +89,6 @@ class Affinity:
         self._points: dict[str, list[int]] = {}
         self._rings: dict[int, _Ring] = {}
         # Looked up once: the Strategy protocol may or may not have the hook.
-        self._observe: Observe | None = getattr(inner, "observe", None)
 
     @property
     def inner(self) -> Strategy:
@@ -143,8 +140,7 @@ class Affinity:
         ttft_s: float | None,
         queue_at_pick: int,
     ) -> None:
-        if self._observe is not None:
-            self._observe(request, node, latency_s, ttft_s, queue_at_pick)
+        self._inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
     def _ring(self, candidates: Sequence[NodeView]) -> _Ring:
         rings = self._rings
