@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from promptlb.shared import ConfigError, Snapshot
 
 from ._model_aware import ModelAware
-from ._predictive import Predictive
+from ._predictive import Predictive, _count
 from ._view import NodeView, RouteRequest
 
 __all__ = [
@@ -58,6 +58,11 @@ DEFAULT_STRATEGY = "predictive"
 # A node forgotten too eagerly (one of a rarely requested model's) merely starts afresh.
 _FORGET_SPAN = 4096
 _EWMA_ALPHA = 0.3  # dynamic weights: the share of the newest GPU sample in the smoothed factor
+# The scanning strategies look at this many candidates at most, drawn at random above it (Envoy's
+# least_request does the same with 2). Up to 64 nodes a scan is exact; at 1,000 a full one would
+# cost ~140 us per request, a third of the gateway's whole CPU budget for one, while the best of
+# 64 random nodes is among the best 5% of all with a probability of 96%.
+DEFAULT_SAMPLE = 64
 
 
 class NoNodeAvailable(Exception):
@@ -122,6 +127,14 @@ def _at_random(
         for _ in range(rng.randrange(ties)):
             i = values.index(best, i + 1)
     return candidates[i]
+
+
+def _looked(
+    candidates: Sequence[NodeView], sample: int, rng: random.Random
+) -> Sequence[NodeView]:
+    # With replacement: choices is 2-3x cheaper than sample at 64 of 1,000, and a node drawn
+    # twice only weighs double in a tie.
+    return candidates if len(candidates) <= sample else rng.choices(candidates, k=sample)
 
 
 def _real(key: str, value: object, expected: str) -> float:
@@ -244,20 +257,24 @@ class Weighted(_Static):
 
 class LeastConn(_Static):
     """The fewest requests per unit of weight: ours in flight plus the others' the engine reported
-    (`NodeView.effective_queue`), over ``weight * ramp``."""
+    (`NodeView.effective_queue`), over ``weight * ramp``; among ``sample`` random candidates when
+    there are more."""
 
     name = "least_conn"
+
+    def __init__(self, *, sample: int = DEFAULT_SAMPLE) -> None:
+        self.sample = _count("sample", sample, 2)
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
     ) -> NodeView:
         if not candidates:
             raise NoNodeAvailable(request.model)
+        looked = _looked(candidates, self.sample, rng)
         loads: list[float] = []
-        for node in candidates:
+        for node in looked:
             # NodeView.effective_queue, inlined: its two nested properties and max() cost three
-            # times the rest of this loop, which must scan 1,000 nodes in under 200 us. A test
-            # holds the two to the same answer.
+            # times the rest of this loop. A test holds the two to the same answer.
             queue = node.in_flight
             snap = node.snapshot
             if snap is not None and (engine := snap.engine) is not None:
@@ -267,7 +284,7 @@ class LeastConn(_Static):
             capacity = node.weight * node.ramp
             # A zero weight is a node meant to get nothing while any other can take the request.
             loads.append(queue / capacity if capacity > 0 else math.inf)
-        return _at_random(candidates, loads, min(loads), rng)
+        return _at_random(looked, loads, min(loads), rng)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,10 +462,11 @@ class _Scored(_Static):
 
 
 class Resource(_Scored):
-    """The lowest resource score (see `resource_score`) over ramp, from the engine's own queue.
+    """The lowest resource score (see `resource_score`) over ramp, from the engine's own queue;
+    among ``sample`` random candidates when there are more.
 
     The score depends on the snapshot alone, so it is computed once per snapshot and node: a scan
-    of 1,000 nodes then costs a dict lookup and a division per node.
+    then costs a dict lookup and a division per node.
     """
 
     name = "resource"
@@ -459,8 +477,10 @@ class Resource(_Scored):
         weights: Mapping[str, Any] | None = None,
         queue_scale: float = 8.0,
         unknown_score: float = 0.5,
+        sample: int = DEFAULT_SAMPLE,
     ) -> None:
         super().__init__(weights=weights, queue_scale=queue_scale, unknown_score=unknown_score)
+        self.sample = _count("sample", sample, 2)
         self._scores: dict[str, tuple[Snapshot, float]] = {}
         self._picks_left = _FORGET_SPAN
 
@@ -475,11 +495,12 @@ class Resource(_Scored):
             # node's entry can outlive a span.
             self._scores = {}
             self._picks_left = _FORGET_SPAN
+        looked = _looked(candidates, self.sample, rng)
         scores = self._scores
         get = scores.get
         unknown = self.unknown_score
         costs: list[float] = []
-        for node in candidates:
+        for node in looked:
             snap = node.snapshot
             if snap is None:
                 score = unknown
@@ -494,7 +515,7 @@ class Resource(_Scored):
                     scores[node.name] = (snap, score)
             # _ramped, inlined: a call per node is a third of a 1,000-node scan.
             costs.append(1.0 - (1.0 - score) * node.ramp)
-        return _at_random(candidates, costs, min(costs), rng)
+        return _at_random(looked, costs, min(costs), rng)
 
 
 class PowerOfTwoChoices(_Scored):

@@ -451,6 +451,35 @@ def test_resource_rejects_bad_options(options: dict[str, Any]) -> None:
         make_strategy("resource", **options)
 
 
+# -- the scanning strategies' sample --------------------------------------------------------
+
+
+def one_idle_among(n: int) -> list[NodeView]:
+    return [busy(f"n{i}", 0.9) for i in range(n - 1)] + [idle("lone")]
+
+
+@pytest.mark.parametrize("name", ["least_conn", "resource"])
+def test_a_scan_up_to_sample_nodes_is_exact(name: str) -> None:
+    counts = picks(make_strategy(name), one_idle_among(64), 300)
+    assert counts == Counter({"lone": 300})
+
+
+@pytest.mark.parametrize("name", ["least_conn", "resource"])
+def test_above_sample_nodes_a_random_sample_is_scanned(name: str) -> None:
+    # The lone idle node is found exactly when it is among the 64 drawn (with replacement):
+    # 1 - (255/256)**64 = 22% of picks.
+    share = picks(make_strategy(name), one_idle_among(256), 4_000)["lone"] / 4_000
+    assert 0.19 < share < 0.25
+    assert picks(make_strategy(name, sample=256), one_idle_among(256), 200)["lone"] == 200
+
+
+@pytest.mark.parametrize("name", ["least_conn", "resource"])
+@pytest.mark.parametrize("sample", [1, 0, 2.5, True, "64", None])
+def test_the_sample_must_be_an_integer_of_at_least_two(name: str, sample: object) -> None:
+    with pytest.raises(ValueError, match="sample"):
+        make_strategy(name, sample=sample)
+
+
 # -- p2c -------------------------------------------------------------------------------------
 
 
