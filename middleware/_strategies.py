@@ -129,9 +129,7 @@ def _at_random(
     return candidates[i]
 
 
-def _looked(
-    candidates: Sequence[NodeView], sample: int, rng: random.Random
-) -> Sequence[NodeView]:
+def _looked(candidates: Sequence[NodeView], sample: int, rng: random.Random) -> Sequence[NodeView]:
     # With replacement: choices is 2-3x cheaper than sample at 64 of 1,000, and a node drawn
     # twice only weighs double in a tie.
     return candidates if len(candidates) <= sample else rng.choices(candidates, k=sample)

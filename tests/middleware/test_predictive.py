@@ -136,8 +136,23 @@ def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> Non
     teach(strategy, slow, 20, rng, scale=6.0)
     got = Counter(strategy.pick(request(), [slow, mid, fast], rng).name for _ in range(3000))
     assert got["slow"] == 0
-    # 1 : 2 in expected time: the better gets about two thirds, the other a third.
-    assert got["fast"] / 3000 == pytest.approx(2 / 3, abs=0.04)
+    # About 1 : 2 in expected time: the better gets the other's time to the fourth, about 16:1.
+    t_fast = strategy.expected_time(request(), fast, 100.0)
+    t_mid = strategy.expected_time(request(), mid, 100.0)
+    assert t_fast is not None and t_mid is not None
+    assert t_mid / t_fast == pytest.approx(2.0, rel=0.1)
+    share = t_mid**4 / (t_fast**4 + t_mid**4)
+    assert got["fast"] / 3000 == pytest.approx(share, abs=0.015)
+
+
+def test_a_near_tie_is_shared_so_that_replicas_do_not_herd() -> None:
+    rng = random.Random(8)
+    strategy = Predictive()
+    a, b = node("a"), node("b")
+    teach(strategy, a, 20, rng)
+    teach(strategy, b, 20, rng, scale=1.1)
+    got = Counter(strategy.pick(request(), [a, b], rng).name for _ in range(3000))
+    assert 0.25 < got["b"] / 3000 < 0.45
 
 
 def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
