@@ -19,8 +19,9 @@ The middleware is each replica's ``Balancer.open`` and ``NodeTable``, on virtual
 
 * ``replicas`` replicas, each with its own strategy object, random generator and `NodeView` per
   node; arrivals go to the replicas in turn, as a round-robin L4 balancer in front would send them.
-* A replica's ``in_flight`` is exact (its own tries); the engine's running/waiting reach it as a
-  `Snapshot` refreshed every ``staleness`` seconds, the replicas' phases staggered over the
+* A replica's ``in_flight`` is exact (its own tries); the engine's running/waiting and tokens/s
+  (of the requests past their first token, each at its rate) reach it as a `Snapshot`
+  refreshed every ``staleness`` seconds, the replicas' phases staggered over the
   period. ``in_flight_at_snapshot`` is set at each refresh, as ``NodeTable.record_snapshot`` does.
 * Tries: up to ``attempts``, never the same node twice, retried on a refused connection, a reset
   before the headers and the per-try timeout to the headers, within the retry budget (retries in
@@ -306,9 +307,9 @@ class _Node:
         self.served = 0
         self.dispatched = 0
         self.max_depth = 0
-        # Snapshots interned by (running, waiting): strategies read only the engine counts, and
-        # the same object for the same counts keeps `Resource`'s per-snapshot cache warm.
-        self.snaps: dict[int, Snapshot] = {}
+        # Snapshots interned by (running, waiting, tokens/s): strategies read only the engine's
+        # numbers, and the same object for the same numbers keeps `Resource`'s cache warm.
+        self.snaps: dict[tuple[int, int, float], Snapshot] = {}
         # The snapshot of the counts now, or None once they changed: replicas refresh every
         # node every period, and most nodes' counts have not moved since the last replica did.
         self.cur: Snapshot | None = None
@@ -316,9 +317,16 @@ class _Node:
         self.group: _Group | None = None
         self.version = 0
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, now: float) -> Snapshot:
         waiting = len(self.queue) - self.stale
-        key = (self.running << 32) | waiting
+        # Tokens/s as the engine's counter shows it: only requests past their first token
+        # decode, each at the rate its slow factor set.
+        tps = 0.0
+        for req in self.active:
+            if req.start + req.head * req.factor <= now:
+                tps += 1.0 / req.factor
+        tps = round(tps * self.spec.tokens_per_s, 1)
+        key = (self.running, waiting, tps)
         snap = self.snaps.get(key)
         if snap is None:
             snap = Snapshot(
@@ -328,7 +336,7 @@ class _Node:
                 ts=0.0,
                 ready=True,
                 warm=True,
-                engine=EngineSample(running=self.running, waiting=waiting),
+                engine=EngineSample(running=self.running, waiting=waiting, tps=tps),
             )
             self.snaps[key] = snap
         self.cur = snap
@@ -436,7 +444,7 @@ class _Sim:
                         tags=frozenset(node.spec.tags),
                     )
                     view.idx = node.idx
-                    view.snapshot = node.snapshot()
+                    view.snapshot = node.snapshot(0.0)
                     views.append(view)
                 # Seeded per replica and alike for every strategy: runs differ in the policy.
                 rng = random.Random(params.seed * 1_000_003 + r)
@@ -766,7 +774,7 @@ class _Sim:
         # A crashed node's ``cur`` stays the last snapshot it sent: a dead engine sends nothing.
         for node, view in zip(self.nodes, replica.views, strict=True):
             snap = node.cur
-            view.snapshot = node.snapshot() if snap is None else snap
+            view.snapshot = node.snapshot(now) if snap is None else snap
             view.in_flight_at_snapshot = view.in_flight
         if replica.ramping:
             self._ramp(replica, now)
@@ -909,7 +917,7 @@ class _Sim:
         """A crash: streams already answering break (not retried); tries still waiting for
         their headers see a reset and are retried elsewhere, as the proxy does."""
         node.integrate(now)
-        last = node.snapshot()  # what the replicas keep seeing until the node is back
+        last = node.snapshot(now)  # what the replicas keep seeing until the node is back
         broken: list[_Req] = []
         reset: list[_Req] = []
         for req in node.active:

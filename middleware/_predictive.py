@@ -15,7 +15,10 @@ The two best candidates are sampled in inverse proportion to the fourth powers o
 expected times, so that replicas sharing one stale view do not all pour onto the same node. A
 node with fewer than ``warmup`` observations is cold: it gets a request of no more than the
 usual length whenever it has none of ours in flight (a probe: its model is learnt within a few
-requests without flooding it). While no node is warm at all, the strategy behaves as ``p2c``.
+requests without flooding it). A cold node whose snapshot shows its engine's tokens/s and
+running count is not probed but estimated from them: every gateway replica knows its decode
+speed from the first snapshot, where answers of its own would take a replica 1/N of the traffic
+to gather. While no node is warm at all, the strategy behaves as ``p2c``.
 Above ``sample`` candidates it looks at a random ``sample`` of them, so a pick stays bounded at
 1,000 nodes.
 """
@@ -56,6 +59,7 @@ class ServiceModel:
         "others",
         "p",
         "peak",
+        "rate",
         "slots",
         "snapshot",
         "theta",
@@ -71,6 +75,9 @@ class ServiceModel:
         self.mean_service = 0.0  # EWMA of the observed service time, seconds
         self.slots = 0  # learnt from snapshots: the running count when the engine had a queue
         self.peak = 0  # the most requests seen running: a lower bound while slots is unknown
+        # Seconds per hundred output tokens per request, from the engine's tokens/s over its
+        # running count (0 until a snapshot shows both): a cold node's decode speed.
+        self.rate = 0.0
         self.trend = 0.0  # EWMA of the others' queue change between snapshots
         self.others: int | None = None  # the others' queue at the last snapshot
         self.snapshot: Snapshot | None = None
@@ -83,14 +90,16 @@ class ServiceModel:
             + max(c, 0.0) * in_tokens / _IN_SCALE
         )
 
-    def wait(self, queue: float) -> float:
+    def wait(self, queue: float, mean_service: float | None = None) -> float:
         """Seconds before a newcomer behind ``queue`` requests gets a slot (FIFO)."""
         # Until a queue has shown the slots, the most seen running is a lower bound: unknown
         # capacity is never taken for room.
         slots = self.slots or max(self.peak, 1)
         if queue < slots:
             return 0.0
-        return (queue - slots + 1) * self.mean_service / slots
+        if mean_service is None:
+            mean_service = self.mean_service
+        return (queue - slots + 1) * mean_service / slots
 
     def update(
         self, out_tokens: float, in_tokens: float, service_s: float, decode_s: float | None = None
@@ -148,6 +157,11 @@ class ServiceModel:
             self.slots = engine.running
         if engine.running > self.peak:
             self.peak = engine.running
+        tps = engine.tps
+        if tps and engine.running > 0:
+            reading = _OUT_SCALE * engine.running / tps
+            rate = self.rate
+            self.rate = reading if rate == 0.0 else rate + 0.3 * (reading - rate)
         # Other gateways' requests only: ours since the snapshot are counted exactly already.
         others = engine.running + engine.waiting - in_flight_at_snapshot
         if self.others is not None:
@@ -219,7 +233,8 @@ class Predictive:
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
             model.see(snap, node.in_flight_at_snapshot)
-        if model.count < self.warmup:
+        cold = model.count < self.warmup
+        if cold and model.rate == 0.0:
             return None
         queue: float = node.effective_queue
         if snap is None:
@@ -227,7 +242,14 @@ class Predictive:
             queue = max(queue, model.slots or model.peak or 1)
         elif model.trend > 0:
             queue += 0.5 * model.trend  # half a snapshot period of the others' growth
-        total = model.wait(queue) + model.service(out, request.input_tokens)
+        if cold:
+            # Learnt from no answer yet, but the snapshots tell its decode speed: every replica
+            # knows it from the first snapshot, not after probes of its own. The head (first
+            # token) is unknown until answers come, and left out.
+            rate = model.rate / _OUT_SCALE
+            total = model.wait(queue, rate * self._mean_out) + rate * out
+        else:
+            total = model.wait(queue) + model.service(out, request.input_tokens)
         if node.error_rate > 0:
             total /= max(0.05, 1.0 - node.error_rate)  # a failed try costs a retry
         return total / max(node.ramp, 0.1)

@@ -24,7 +24,9 @@ def truth(out: int, inp: int) -> float:
     return A + B * out + C * inp
 
 
-def node(name: str, *, running: int = 0, waiting: int = 0, **kwargs: Any) -> NodeView:
+def node(
+    name: str, *, running: int = 0, waiting: int = 0, tps: float | None = None, **kwargs: Any
+) -> NodeView:
     snapshot = Snapshot(
         node=name,
         boot="b00t",
@@ -32,7 +34,7 @@ def node(name: str, *, running: int = 0, waiting: int = 0, **kwargs: Any) -> Nod
         ts=1_700_000_000.0,
         ready=True,
         warm=True,
-        engine=EngineSample(running=running, waiting=waiting),
+        engine=EngineSample(running=running, waiting=waiting, tps=tps),
     )
     return NodeView(name=name, url=f"http://{name}:8000", snapshot=snapshot, **kwargs)
 
@@ -125,6 +127,38 @@ def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
     assert strategy.pick(request(5000), [warm, cold], rng) is warm  # too long to probe with
     cold.in_flight = 1
     assert strategy.pick(request(100), [warm, cold], rng) is warm
+
+
+def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second() -> None:
+    strategy = Predictive()
+    # 4 running at 200 tokens/s in all: 50 tokens/s each, 2 s for 100 tokens, no queue.
+    busy = node("busy", running=4, tps=200.0)
+    assert strategy.expected_time(request(100), busy, 100.0) == pytest.approx(2.0)
+    # The reading is smoothed from snapshot to snapshot, not replaced.
+    busy.snapshot = node("busy", running=4, tps=400.0).snapshot
+    assert strategy.expected_time(request(100), busy, 100.0) == pytest.approx(1.7)
+    # Idle, or an engine without a token counter: nothing to go on, the node is probed.
+    assert strategy.expected_time(request(100), node("idle", running=0, tps=0.0), 100.0) is None
+    assert strategy.expected_time(request(100), node("tgi", running=4), 100.0) is None
+
+
+def test_every_replica_routes_by_the_snapshots_before_any_answer_of_its_own() -> None:
+    fast = node("fast", running=8, tps=800.0)  # 100 tokens/s a request
+    slow = node("slow", running=4, tps=100.0)  # 25 tokens/s a request
+    got: Counter[str] = Counter()
+    for seed in range(200):  # 200 fresh replicas, one pick each
+        got[Predictive().pick(request(), [slow, fast], random.Random(seed)).name] += 1
+    # 4x slower is 256:1 at the fourth power.
+    assert got["fast"] >= 195
+
+
+def test_a_cold_node_estimated_from_tokens_per_second_waits_behind_its_queue() -> None:
+    strategy = Predictive()
+    # A pick sets the usual output length (100 here), which prices the requests ahead.
+    strategy.pick(request(100), [node("x"), node("y")], random.Random(0))
+    full = node("full", running=4, waiting=8, tps=200.0)  # 4 slots, 8 queued, 2 s a request
+    # (12 - 4 + 1) requests ahead of its turn at 2 s over 4 slots, then its own 2 s.
+    assert strategy.expected_time(request(100), full, 100.0) == pytest.approx(9 * 2 / 4 + 2)
 
 
 def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> None:
