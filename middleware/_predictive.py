@@ -92,9 +92,11 @@ class ServiceModel:
 
     def wait(self, queue: float, mean_service: float | None = None) -> float:
         """Seconds before a newcomer behind ``queue`` requests gets a slot (FIFO)."""
-        # Until a queue has shown the slots, the most seen running is a lower bound: unknown
-        # capacity is never taken for room.
-        slots = self.slots or max(self.peak, 1)
+        # Until a queue has shown the slots, they are taken as one more than the most seen
+        # running: unknown capacity is never taken for much room, but a node is let grow into
+        # its own. At the most seen, a node that got less early on would look full at its own
+        # share and keep getting less (seen live: one of four equal nodes at 4% of the load).
+        slots = self.slots or self.peak + 1
         if queue < slots:
             return 0.0
         if mean_service is None:
@@ -158,6 +160,8 @@ class ServiceModel:
         if engine.running > self.peak:
             self.peak = engine.running
         tps = engine.tps
+        # No token counted in the window says nothing (every request still before its first
+        # token, a counter that moves at the end of a request): skipped, not taken as "slow".
         if tps and engine.running > 0:
             reading = _OUT_SCALE * engine.running / tps
             rate = self.rate
@@ -239,7 +243,7 @@ class Predictive:
         queue: float = node.effective_queue
         if snap is None:
             # Unknown load is never idle: assume every slot we know of is taken.
-            queue = max(queue, model.slots or model.peak or 1)
+            queue = max(queue, model.slots or model.peak + 1)
         elif model.trend > 0:
             queue += 0.5 * model.trend  # half a snapshot period of the others' growth
         if cold:
