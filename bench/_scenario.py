@@ -15,6 +15,7 @@ from typing import Any, Literal
 from promptlb.shared import ConfigError, parse_duration
 
 __all__ = [
+    "TARGET_KEYS",
     "Arrival",
     "Burst",
     "Dist",
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+# The default strategy's p99 over another's: round robin's and the best LiteLLM router's in the
+# live runs, the perfect-information bound's in the simulator.
+TARGET_KEYS = ("p99_vs_round_robin", "p99_vs_best_litellm", "p99_vs_perfect")
 FaultKind = Literal["crash", "recover", "slow", "hang", "leak"]
 
 
@@ -142,6 +146,9 @@ class Scenario:
     # Per strategy name, the options both the simulator and the live gateways build it with
     # (``[strategy_options.model_aware]``: its routes for this scenario's node tags).
     strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The project's targets for the default strategy on this scenario (``[targets]``), by
+    # name in TARGET_KEYS: reported next to the numbers, never tuned to.
+    targets: dict[str, float] = field(default_factory=dict)
     _rate: float = field(default=0.0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -284,6 +291,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
         "nodes",
         "workload",
         "strategy_options",
+        "targets",
     }
     for key in data:
         if key not in known:
@@ -368,8 +376,19 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             raise ConfigError(
                 f"strategy_options.{key}", value, "a table of that strategy's options"
             )
+    targets = _get(data, "targets", "", dict, {})
+    for key, value in targets.items():
+        if key not in TARGET_KEYS:
+            raise ConfigError(f"targets.{key}", value, "one of " + ", ".join(TARGET_KEYS))
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise ConfigError(f"targets.{key}", value, "a finite ratio > 0")
     return Scenario(
         strategy_options=options,
+        targets={k: float(v) for k, v in targets.items()},
         name=_get(data, "name", "", str, default_name),
         description=_get(data, "description", "", str, ""),
         duration=duration,

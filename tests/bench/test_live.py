@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from promptlb.bench import _peers
-from promptlb.bench._live import Cluster, gateway_config, plan, scaled, targets
+from promptlb.bench._live import Cluster, gateway_config, plan, scaled, target_lines, targets
 from promptlb.bench._scenario import load_scenario
 from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError
@@ -82,11 +82,22 @@ def test_targets_compare_the_default_strategy() -> None:
         "litellm simple-shuffle": run("litellm", 900.0),
         "litellm least-busy": run("litellm", 600.0),
     }
-    out = targets(runs)
+    goals = {"p99_vs_round_robin": 0.5, "p99_vs_best_litellm": 0.8}
+    out = targets(runs, goals)
     assert out["vs_round_robin"] == {"ratio": 0.4, "target": 0.5, "met": True}
     assert out["vs_best_litellm"]["best"] == "litellm least-busy"
     assert out["vs_best_litellm"]["ratio"] == pytest.approx(0.667, abs=1e-3)
     assert out["vs_best_litellm"]["met"] is True
+    lines = target_lines(out)
+    assert lines[0] == f"{DEFAULT_STRATEGY} p99 / round_robin = 0.40x (<= 0.5x): met"
+    # A scenario without targets still reports the ratios, and says there is no target.
+    bare = targets(runs, {})
+    assert bare["vs_round_robin"] == {"ratio": 0.4}
+    assert target_lines(bare)[0].endswith("= 0.40x (no target on this scenario)")
+    # A router that was not run is said to be missing, not taken as met.
+    alone = targets({f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 400.0)}, goals)
+    assert "vs_round_robin" not in alone
+    assert target_lines(alone)[1].endswith("vs best LiteLLM: not measured in this run")
 
 
 def test_gateway_config_carries_the_scenarios_options_and_trusts_the_class_header() -> None:

@@ -225,3 +225,33 @@ def test_strategy_options_are_per_strategy_tables() -> None:
     assert {c.name for c in mixed.workload.mix} <= set(routes)
     with pytest.raises(ConfigError, match=r"strategy_options\.p2c"):
         parse_scenario({**_valid(), "strategy_options": {"p2c": 3}}, default_name="bad")
+
+
+def test_targets_are_declared_by_the_scenarios_they_speak_of() -> None:
+    # Issue 5: vs round robin and LiteLLM on seed-3am and hetero-8; the bound everywhere.
+    for name in ("seed-3am", "hetero-8"):
+        assert load_scenario(name).targets == {
+            "p99_vs_round_robin": 0.5,
+            "p99_vs_best_litellm": 0.8,
+            "p99_vs_perfect": 1.3,
+        }
+    for name in ("uniform-4", "burst", "mixed-class"):
+        assert load_scenario(name).targets == {"p99_vs_perfect": 1.3}
+    assert parse_scenario(_valid()).targets == {}
+
+
+@pytest.mark.parametrize(
+    ("targets", "key"),
+    [
+        ({"p99_vs_nginx": 0.5}, "targets.p99_vs_nginx"),
+        ({"p99_vs_perfect": 0}, "targets.p99_vs_perfect"),
+        ({"p99_vs_perfect": float("inf")}, "targets.p99_vs_perfect"),
+        ({"p99_vs_perfect": True}, "targets.p99_vs_perfect"),
+        ({"p99_vs_perfect": "1.3"}, "targets.p99_vs_perfect"),
+        ([0.5], "targets"),
+    ],
+)
+def test_bad_targets_name_their_key(targets: object, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({**_valid(), "targets": targets})
+    assert err.value.key == key

@@ -479,8 +479,21 @@ def test_cli_sim_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture
     assert rows[PERFECT]["p99_vs_perfect"] == 1.0
     assert rows["round_robin"]["p99_vs_round_robin"] == 1.0
     assert report["targets"]["strategy"] == "predictive"
+    # uniform-4 sets a bound target for itself as written at 8 replicas: not for this run.
+    assert report["targets"]["applies"] is False
+    assert "p99_vs_perfect_target" not in report["targets"]
     out = capsys.readouterr().out
     assert "p99/perf" in out and "perfect" in out
+    assert "(targets are set for the scenario as written at 8 replicas" in out
+
+
+def test_cli_sim_reports_the_scenarios_targets_where_they_apply(tmp_path: Path) -> None:
+    main(["sim", "uniform-4", "--strategies", "predictive", "--out", str(tmp_path)])
+    targets = json.loads((tmp_path / "sim-uniform-4.json").read_text())["targets"]
+    assert targets["applies"] is True
+    assert targets["p99_vs_perfect_target"] == 1.3
+    assert targets["p99_vs_perfect_met"] == (targets["p99_vs_perfect"] <= 1.3)
+    assert "p99_vs_round_robin_target" not in targets  # uniform-4 sets none vs round robin
 
 
 def test_cli_sim_scaled_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
