@@ -30,8 +30,8 @@ __all__ = [
 ]
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
-# The default strategy's p99 over another's: round robin's and the best LiteLLM router's in the
-# live runs, the perfect-information bound's in the simulator.
+# The default strategy's p99 over another's: round robin's (live runs and the simulator), the
+# best LiteLLM router's (live runs) and the perfect-information bound's (the simulator).
 TARGET_KEYS = ("p99_vs_round_robin", "p99_vs_best_litellm", "p99_vs_perfect")
 FaultKind = Literal["crash", "recover", "slow", "hang", "leak"]
 

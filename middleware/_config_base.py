@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError
 
-__all__ = ["DURATION", "check_url", "positive"]
+__all__ = ["DURATION", "check_url", "positive", "whole_number"]
 
 DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
 
@@ -24,3 +24,10 @@ def positive(key: str, value: float, *, zero: bool = False) -> None:
         raise ConfigError(key, value, "a finite number")
     if value < 0 or (value == 0 and not zero):
         raise ConfigError(key, value, ">= 0" if zero else "> 0")
+
+
+def whole_number(key: str, value: object, low: int) -> int:
+    # bool is an int subclass, and `true` where a count belongs is a config mistake.
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, f"an integer >= {low}")
+    return value

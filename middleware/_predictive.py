@@ -18,7 +18,7 @@ usual length whenever it has none of ours in flight (a probe: its model is learn
 requests without flooding it). A cold node whose snapshot shows its engine's tokens/s and
 running count is not probed but estimated from them: every gateway replica knows its decode
 speed from the first snapshot, where answers of its own would take a replica 1/N of the traffic
-to gather. While no node is warm at all, the strategy behaves as ``p2c``.
+to gather. While no candidate is warm or estimated, the strategy behaves as ``p2c``.
 Above ``sample`` candidates it looks at a random ``sample`` of them, so a pick stays bounded at
 1,000 nodes.
 """
@@ -32,6 +32,7 @@ from typing import Any
 
 from promptlb.shared import ConfigError, Snapshot
 
+from ._config_base import whole_number
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Predictive", "ServiceModel"]
@@ -181,12 +182,6 @@ def _real(key: str, value: object, low: float, high: float) -> float:
     return float(value)
 
 
-def _count(key: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(key, value, f"an integer >= {low}")
-    return value
-
-
 class Predictive:
     """The least expected completion time (see the module's docstring)."""
 
@@ -203,10 +198,10 @@ class Predictive:
     ) -> None:
         from ._strategies import PowerOfTwoChoices  # the table imports this module
 
-        self.warmup = _count("warmup", warmup, 1)
-        self.sample = _count("sample", sample, 2)
+        self.warmup = whole_number("warmup", warmup, 1)
+        self.sample = whole_number("sample", sample, 2)
         self.forget = _real("forget", forget, 0.5, 1.0)
-        self.default_output_tokens = _count("default_output_tokens", default_output_tokens, 1)
+        self.default_output_tokens = whole_number("default_output_tokens", default_output_tokens, 1)
         try:
             self._p2c = PowerOfTwoChoices(**dict(p2c_options or {}))
         except ConfigError as exc:
@@ -300,10 +295,10 @@ class Predictive:
         # is shared (1 s vs 1.2 s is 2:1), so that replicas on one stale view do not herd, but a
         # node twice as slow gets one request in 17, not one in 3. The linear share sent seed-3am's
         # slow heavy node 78 requests to the bound's 17 in the simulator, at twice its p99.
-        b2 = best * best
-        s2 = second * second
-        s4 = s2 * s2
-        if rng.random() * (b2 * b2 + s4) < s4:
+        # As a ratio, 0..1: fourth powers of the times themselves could overflow or underflow.
+        ratio = best / second if second > 0.0 else 1.0
+        r2 = ratio * ratio
+        if rng.random() * (1.0 + r2 * r2) < 1.0:
             return first_node
         return second_node
 

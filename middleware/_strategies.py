@@ -22,14 +22,17 @@ from __future__ import annotations
 import inspect
 import math
 import random
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import accumulate
 from typing import Any, Protocol
 
 from promptlb.shared import ConfigError, Snapshot
 
+from ._config_base import whole_number
 from ._model_aware import ModelAware
-from ._predictive import Predictive, _count
+from ._predictive import Predictive
 from ._view import NodeView, RouteRequest
 
 __all__ = [
@@ -63,6 +66,10 @@ _EWMA_ALPHA = 0.3  # dynamic weights: the share of the newest GPU sample in the 
 # cost ~140 us per request, a third of the gateway's whole CPU budget for one, while the best of
 # 64 random nodes is among the best 5% of all with a probability of 96%.
 DEFAULT_SAMPLE = 64
+# weighted: smooth round robin (a scan per pick) up to this many candidates, a draw above; and
+# the most candidate lists it keeps cumulative weights for (one per model, plus retries').
+_EXACT_WEIGHTED = 64
+_TABLES = 64
 
 
 class NoNodeAvailable(Exception):
@@ -119,7 +126,7 @@ def _at_random(
 ) -> NodeView:
     """The candidate whose value is ``best``, chosen uniformly among those that tie.
 
-    ``index`` and ``count`` run in C: a full scan of 1,000 nodes pays for its Python loop once.
+    ``index`` and ``count`` run in C, so a scan pays for its Python loop once.
     """
     i = values.index(best)
     ties = values.count(best)
@@ -130,9 +137,16 @@ def _at_random(
 
 
 def _looked(candidates: Sequence[NodeView], sample: int, rng: random.Random) -> Sequence[NodeView]:
+    n = len(candidates)
+    if n <= sample:
+        return candidates
+    if n <= 4 * sample:
+        # Without replacement near the threshold: 64 draws from 65 with replacement would look
+        # at only ~41 distinct nodes, a worse view than the exact scan one node earlier.
+        return rng.sample(candidates, sample)
     # With replacement: choices is 2-3x cheaper than sample at 64 of 1,000, and a node drawn
-    # twice only weighs double in a tie.
-    return candidates if len(candidates) <= sample else rng.choices(candidates, k=sample)
+    # twice (one draw in ~16 at that size) only weighs double in a tie.
+    return rng.choices(candidates, k=sample)
 
 
 def _real(key: str, value: object, expected: str) -> float:
@@ -183,6 +197,11 @@ class Weighted(_Static):
     the total off the chosen one: shares follow the weights exactly, and picks of one node are
     spread out (5, 1, 1 gives a a b a c a a) rather than bunched.
 
+    That is a scan of every candidate per pick, ~130 us at 1,000 nodes. Above 64 candidates a
+    node is drawn at random in proportion to its weight instead, from a table of cumulative
+    weights kept per candidate list and rebuilt every 64 picks: the shares are the weights' in
+    expectation, and a pick costs a bisection.
+
     With ``dynamic_weights`` a node's weight is also scaled by ``1 - gpu_util``, bounded below by
     ``min_factor`` so that a busy node still gets a trickle (and so fresh evidence), and smoothed
     with an EWMA over successive snapshots. A node without fresh GPU data keeps its full weight.
@@ -201,6 +220,9 @@ class Weighted(_Static):
         self._peers: dict[str, _Peer] = {}
         self._old_peers: dict[str, _Peer] = {}
         self._picks_left = _FORGET_SPAN
+        # id(candidates) -> (the list itself, so its id stays its own; cumulative weights; the
+        # picks left before the weights are read again)
+        self._tables: dict[int, tuple[Sequence[NodeView], list[float], list[int]]] = {}
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
@@ -212,40 +234,68 @@ class Weighted(_Static):
             # Two generations: a peer still in use moves back into the new one on its next pick.
             self._old_peers, self._peers = self._peers, {}
             self._picks_left = _FORGET_SPAN
-        peers = self._peers
-        get = peers.get
-        dynamic = self.dynamic_weights
+            self._tables = {}
+        if len(candidates) > _EXACT_WEIGHTED:
+            return self._drawn(candidates, rng)
         total = 0.0
         currents: list[float] = []
         for node in candidates:
-            peer = get(node.name)
-            if peer is None:
-                peer = self._old_peers.pop(node.name, None)
-                if peer is None:
-                    peer = _Peer()
-                    if dynamic:  # a new node starts from its first sample, not from full weight
-                        peer.factor = self._factor(node.gpu_util)
-                        peer.snapshot = node.snapshot
-                peers[node.name] = peer
-            weight = node.weight * node.ramp
-            if dynamic:
-                if node.snapshot is not peer.snapshot:
-                    # One EWMA step per new snapshot, not per pick: the snapshot is the sample,
-                    # and stepping per pick would smooth less the busier the middleware is.
-                    peer.snapshot = node.snapshot
-                    gpu = node.gpu_util
-                    if gpu is None:
-                        peer.factor = 1.0
-                    else:
-                        peer.factor += _EWMA_ALPHA * (self._factor(gpu) - peer.factor)
-                weight *= peer.factor
+            peer, weight = self._weigh(node)
             current = peer.current + weight
             peer.current = current
             currents.append(current)
             total += weight
         chosen = _at_random(candidates, currents, max(currents), rng)
-        peers[chosen.name].current -= total
+        self._peers[chosen.name].current -= total
         return chosen
+
+    def _drawn(self, candidates: Sequence[NodeView], rng: random.Random) -> NodeView:
+        key = id(candidates)
+        table = self._tables.get(key)
+        if table is None or table[0] is not candidates or table[2][0] <= 0:
+            # The balancer's candidate lists live until the node set changes; a retry's list
+            # (the tried nodes left out) is new each time and pays for one scan.
+            if len(self._tables) >= _TABLES:
+                self._tables = {}
+            weigh = self._weigh
+            table = (
+                candidates,
+                list(accumulate(weigh(node)[1] for node in candidates)),
+                [_EXACT_WEIGHTED],
+            )
+            self._tables[key] = table
+        table[2][0] -= 1
+        cumulative = table[1]
+        total = cumulative[-1]
+        if total <= 0.0:  # every weight is zero: any of them, rather than none
+            return candidates[rng.randrange(len(candidates))]
+        # A zero-weight node adds nothing to the running sum, so no draw lands on it.
+        return candidates[bisect_right(cumulative, rng.random() * total)]
+
+    def _weigh(self, node: NodeView) -> tuple[_Peer, float]:
+        """The node's state and its weight now: ``weight * ramp``, times its GPU factor."""
+        peer = self._peers.get(node.name)
+        if peer is None:
+            peer = self._old_peers.pop(node.name, None)
+            if peer is None:
+                peer = _Peer()
+                if self.dynamic_weights:  # a new node starts from its first sample, not 1
+                    peer.factor = self._factor(node.gpu_util)
+                    peer.snapshot = node.snapshot
+            self._peers[node.name] = peer
+        weight = node.weight * node.ramp
+        if self.dynamic_weights:
+            if node.snapshot is not peer.snapshot:
+                # One EWMA step per new snapshot, not per pick: the snapshot is the sample,
+                # and stepping per pick would smooth less the busier the middleware is.
+                peer.snapshot = node.snapshot
+                gpu = node.gpu_util
+                if gpu is None:
+                    peer.factor = 1.0
+                else:
+                    peer.factor += _EWMA_ALPHA * (self._factor(gpu) - peer.factor)
+            weight *= peer.factor
+        return peer, weight
 
     def _factor(self, gpu: float | None) -> float:
         if gpu is None:
@@ -261,7 +311,7 @@ class LeastConn(_Static):
     name = "least_conn"
 
     def __init__(self, *, sample: int = DEFAULT_SAMPLE) -> None:
-        self.sample = _count("sample", sample, 2)
+        self.sample = whole_number("sample", sample, 2)
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
@@ -282,7 +332,14 @@ class LeastConn(_Static):
             capacity = node.weight * node.ramp
             # A zero weight is a node meant to get nothing while any other can take the request.
             loads.append(queue / capacity if capacity > 0 else math.inf)
-        return _at_random(looked, loads, min(loads), rng)
+        best = min(loads)
+        if best == math.inf and looked is not candidates:
+            # The sample drew only zero-weight nodes: one meant to get nothing while any other
+            # can take the request must not get it because the draw missed the others.
+            usable = [node for node in candidates if node.weight * node.ramp > 0]
+            if usable:
+                return self.pick(request, usable, rng)
+        return _at_random(looked, loads, best, rng)
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,7 +535,7 @@ class Resource(_Scored):
         sample: int = DEFAULT_SAMPLE,
     ) -> None:
         super().__init__(weights=weights, queue_scale=queue_scale, unknown_score=unknown_score)
-        self.sample = _count("sample", sample, 2)
+        self.sample = whole_number("sample", sample, 2)
         self._scores: dict[str, tuple[Snapshot, float]] = {}
         self._picks_left = _FORGET_SPAN
 

@@ -98,6 +98,12 @@ def test_targets_compare_the_default_strategy() -> None:
     alone = targets({f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 400.0)}, goals)
     assert "vs_round_robin" not in alone
     assert target_lines(alone)[1].endswith("vs best LiteLLM: not measured in this run")
+    # A run squeezed into a shorter --duration reports the ratios but holds none to the targets.
+    short = targets(runs, goals, applies=False)
+    assert short["vs_round_robin"] == {"ratio": 0.4}
+    assert target_lines(short)[0].endswith(
+        "= 0.40x (targets are set for the scenario's own duration, not this run)"
+    )
 
 
 def test_gateway_config_carries_the_scenarios_options_and_trusts_the_class_header() -> None:

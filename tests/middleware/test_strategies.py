@@ -247,6 +247,39 @@ def test_dynamic_weights_min_factor_is_configurable() -> None:
     assert seen == {"hot": 100, "cool": 200}
 
 
+def test_weighted_above_64_candidates_draws_in_proportion_to_the_weights() -> None:
+    # 100 nodes: "heavy" weighs 25, "zero" 0, the other 98 weigh 1 each (a total of 123).
+    nodes = [idle(f"n{i}") for i in range(98)]
+    nodes += [idle("heavy", weight=25.0), idle("zero", weight=0.0)]
+    seen = picks(Weighted(), nodes, 12_300)
+    assert "zero" not in seen
+    assert seen["heavy"] == pytest.approx(2_500, rel=0.08)
+    assert seen["n0"] == pytest.approx(100, abs=40)
+    # Nothing but zero weights: one of them still gets the request.
+    zeros = [idle(f"z{i}", weight=0.0) for i in range(100)]
+    assert sum(picks(Weighted(), zeros, 50).values()) == 50
+
+
+def test_weighted_above_64_candidates_reads_the_weights_again_every_64_picks() -> None:
+    nodes = [idle(f"n{i}") for i in range(100)]
+    strategy = Weighted()
+    rng = random.Random(0)
+    for _ in range(64):
+        strategy.pick(REQUEST, nodes, rng)
+    # The same list, its nodes now warming but one: after the table's next rebuild (at most 64
+    # picks away) that one takes nearly everything.
+    for node in nodes[1:]:
+        node.ramp = 0.001
+    for _ in range(64):
+        strategy.pick(REQUEST, nodes, rng)
+    seen = Counter(strategy.pick(REQUEST, nodes, rng).name for _ in range(1_000))
+    assert seen["n0"] > 850
+    # A retry's list, new each time, is drawn from its own nodes only.
+    retry = nodes[1:]
+    assert all(strategy.pick(REQUEST, retry, rng) is not nodes[0] for _ in range(100))
+    assert len(strategy._tables) <= 64
+
+
 @pytest.mark.parametrize(
     "options",
     [{"dynamic_weights": "yes"}, {"min_factor": 0}, {"min_factor": 1.5}, {"min_factor": "x"}],
@@ -308,6 +341,16 @@ def test_least_conn_avoids_a_zero_weight_node_while_another_can_serve() -> None:
     zero = NodeView(name="z", url="http://z", weight=0.0)
     loaded = NodeView(name="l", url="http://l", snapshot=snap("l", queue=50))
     assert picks(LeastConn(), [zero, loaded], 10) == {"l": 10}
+
+
+def test_least_conn_sample_of_zero_weight_nodes_falls_back_to_the_others() -> None:
+    # 999 zero-weight nodes and one that can serve: a sample of 64 nearly always misses it, yet
+    # it must get every request.
+    nodes = [NodeView(name=f"z{i}", url=f"http://z{i}", weight=0.0) for i in range(999)]
+    nodes.append(NodeView(name="l", url="http://l", snapshot=snap("l", queue=50)))
+    assert picks(LeastConn(), nodes, 50) == {"l": 50}
+    # With none that can serve, one of them still gets the request.
+    assert sum(picks(LeastConn(), nodes[:-1], 20).values()) == 20
 
 
 # -- resource -------------------------------------------------------------------------------
@@ -466,10 +509,15 @@ def test_a_scan_up_to_sample_nodes_is_exact(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["least_conn", "resource"])
 def test_above_sample_nodes_a_random_sample_is_scanned(name: str) -> None:
-    # The lone idle node is found exactly when it is among the 64 drawn (with replacement):
-    # 1 - (255/256)**64 = 22% of picks.
+    # The lone idle node is found exactly when it is among the 64 drawn. Up to 4 x 64 nodes they
+    # are drawn without replacement: 64/65 and 64/256 of picks.
+    share = picks(make_strategy(name), one_idle_among(65), 2_000)["lone"] / 2_000
+    assert share > 0.97
     share = picks(make_strategy(name), one_idle_among(256), 4_000)["lone"] / 4_000
-    assert 0.19 < share < 0.25
+    assert 0.22 < share < 0.28
+    # Above, with replacement: 1 - (999/1000)**64 = 6.2%.
+    share = picks(make_strategy(name), one_idle_among(1000), 4_000)["lone"] / 4_000
+    assert 0.045 < share < 0.08
     assert picks(make_strategy(name, sample=256), one_idle_among(256), 200)["lone"] == 200
 
 
