@@ -156,8 +156,9 @@ def main() -> None:
         f"{ok(tp['gateway']['requests_per_s'] >= 1500)}), gateway CPU "
         f"{tp['gateway_cpu_ms_per_request']:.2f} ms/request"
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "proxy.json"
+    # A quick run is a smoke check: it must never replace the committed full-run numbers.
+    out = RESULTS / "quick" / "proxy.json" if args.quick else RESULTS / "proxy.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
