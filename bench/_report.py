@@ -205,8 +205,9 @@ def _git(*args: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     """Where the numbers come from. ``dirty``: tracked files differed from the commit, so the
-    commit alone does not reproduce them."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    commit alone does not reproduce them. Results already written under ``bench/results/`` do
+    not count: a suite run rewrites them as it goes, and they change no code that is measured."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
     return {
         "commit": git_commit(),
         "dirty": None if status is None else bool(status),
