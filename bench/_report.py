@@ -29,7 +29,8 @@ __all__ = [
     "write_json",
 ]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = _ROOT / "bench" / "results"
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -193,7 +194,7 @@ def _git(*args: str) -> str | None:
     try:
         return subprocess.run(
             ["git", *args],
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=_ROOT,
             capture_output=True,
             text=True,
             timeout=10,
@@ -207,7 +208,8 @@ def environment() -> dict[str, Any]:
     """Where the numbers come from. ``dirty``: tracked files differed from the commit, so the
     commit alone does not reproduce them. Results already written under ``bench/results/`` do
     not count: a suite run rewrites them as it goes, and they change no code that is measured."""
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    results = RESULTS.relative_to(_ROOT).as_posix()
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{results}")
     return {
         "commit": git_commit(),
         "dirty": None if status is None else bool(status),

@@ -17,14 +17,12 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-from promptlb.bench._report import environment
+from promptlb.bench._report import RESULTS, environment, write_json
 from promptlb.emulator._launch import Service, start_service
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BODY = json.dumps(
     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}
 ).encode()
@@ -158,8 +156,7 @@ def main() -> None:
     )
     # A quick run is a smoke check: it must never replace the committed full-run numbers.
     out = RESULTS / "quick" / "proxy.json" if args.quick else RESULTS / "proxy.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
 
 
