@@ -156,3 +156,12 @@ def test_fallback_cache_and_shedding_tables_load_typed() -> None:
 def test_bad_degradation_config_names_the_key(extra: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         load_config({"nodes": [{"name": "a", "url": "http://a:1"}], **extra})
+
+
+def test_the_shipped_example_config_loads() -> None:
+    """examples/cluster.toml is what examples/app.py and the README point a new user at."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "cluster.toml"
+    config = load_config(example)
+    assert [n.name for n in config.nodes] == ["node-a", "node-b"]
+    assert config.strategy == "predictive"
+    assert all(n.sidecar for n in config.nodes)

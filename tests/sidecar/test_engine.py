@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from promptlb.sidecar import EngineMetricsError, EngineReading, parse_engine_metrics
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "engine-metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
 
 def fixture(name: str) -> str:
