@@ -98,7 +98,7 @@ def test_the_scan_catches_both_ways_out(tmp_path: Path) -> None:
 
 
 def test_examples_cited_by_the_examples_exist() -> None:
-    """A file an example tells the reader to pass (`--config` with a file under the examples folder) is shipped."""
+    """A file the examples tell a reader to pass (a config under examples/) is shipped."""
     cited = re.compile(r"\bexamples/[\w./-]+\.\w+")
     missing = [
         f"{f.relative_to(ROOT)}: {name}"
