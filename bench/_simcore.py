@@ -51,13 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from promptlb.middleware._strategies import (
-    STRATEGIES,
-    NoNodeAvailable,
-    Strategy,
-    _Static,
-    make_strategy,
-)
+from promptlb.middleware._refusals import NoNodeAvailable
+from promptlb.middleware._strategies import STRATEGIES, make_strategy
+from promptlb.middleware._strategy import Static as _Static
+from promptlb.middleware._strategy import Strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError, EngineSample, Snapshot
 

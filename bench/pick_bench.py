@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from promptlb.bench._report import environment
-from promptlb.middleware._strategies import Resource, make_strategy
+from promptlb.middleware._scoring import Resource
+from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import EngineSample, GpuSample, Snapshot
 

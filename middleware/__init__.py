@@ -11,7 +11,8 @@ from ._config import (
     load_config,
 )
 from ._middleware import PromptLBMiddleware
-from ._strategies import STRATEGIES, NoNodeAvailable
+from ._refusals import NoNodeAvailable
+from ._strategies import STRATEGIES
 from ._view import NodeView, RouteRequest
 
 __all__ = [

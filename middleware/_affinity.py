@@ -25,7 +25,7 @@ from typing import Any
 from promptlb.shared import ConfigError
 
 from ._config import AffinityConfig
-from ._strategies import NoNodeAvailable, Strategy
+from ._strategy import NoNodeAvailable, Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Affinity", "KeyMaker", "key_hash", "prompt_head"]
@@ -93,6 +93,10 @@ class Affinity:
     @property
     def inner(self) -> Strategy:
         return self._inner
+
+    @property
+    def scoring(self) -> Scoring | None:
+        return self._inner.scoring
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random

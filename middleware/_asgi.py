@@ -7,7 +7,18 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["ASGIApp", "DisconnectWatch", "Receive", "Scope", "Send", "json_error", "send_json"]
+from ._refusals import Refusal, error_body
+
+__all__ = [
+    "ASGIApp",
+    "DisconnectWatch",
+    "Receive",
+    "Scope",
+    "Send",
+    "json_error",
+    "send_json",
+    "send_refusal",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -85,5 +96,9 @@ async def json_error(
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     """An error in the OpenAI shape, so that the official clients raise the right exception."""
-    error = {"message": message, "type": kind, "param": param, "code": status}
-    await send_json(send, status, {"error": error}, headers)
+    await send_json(send, status, error_body(status, message, kind, param), headers)
+
+
+async def send_refusal(send: Send, refusal: Refusal, retry_after: bytes) -> None:
+    """``refusal`` as its status, error body and headers (``retry_after`` as `Refusal.headers`)."""
+    await send_json(send, refusal.status, refusal.error(), refusal.headers(retry_after))

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from promptlb.shared import ConfigError
@@ -19,11 +20,16 @@ from ._background import Evidence
 from ._config import Config
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
+from ._refusals import NoNodeAvailable, UnknownModel, UpstreamError
 from ._shedding import Admission
-from ._strategies import NoNodeAvailable, Strategy, make_strategy
-from ._view import NodeView, RouteRequest
+from ._strategies import make_strategy
+from ._strategy import Strategy
+from ._view import NodeView
 
-__all__ = ["Balancer", "UnknownModel", "Upstream", "UpstreamError"]
+if TYPE_CHECKING:
+    from ._request import Request
+
+__all__ = ["Balancer", "Upstream"]
 
 _log = logging.getLogger("promptlb.middleware")
 
@@ -42,21 +48,6 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-
-
-class UnknownModel(LookupError):
-    def __init__(self, model: str) -> None:
-        super().__init__(f"no node serves model {model!r}")
-        self.model = model
-
-
-class UpstreamError(Exception):
-    """Every try failed before a response could be passed on."""
-
-    def __init__(self, status: int, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.status = status
-        self.attempts = attempts
 
 
 @dataclass(slots=True)
@@ -170,10 +161,7 @@ class Balancer:
     @asynccontextmanager
     async def open(
         self,
-        request: RouteRequest,
-        path: str,
-        body: bytes,
-        headers: Iterable[tuple[bytes, bytes]] = (),
+        request: Request,
         *,
         first_deadline: float | None = None,
         total: float | None = None,
@@ -196,7 +184,7 @@ class Balancer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (total if total is not None else cfg.total_timeout)
         try_by = deadline if first_deadline is None else min(deadline, first_deadline)
-        headers = list(headers)
+        route = request.route
         budget = self._budget
         budget.active += 1
         tried: list[str] = []
@@ -207,9 +195,9 @@ class Balancer:
         status = 502
         try:
             while len(tried) < cfg.attempts:
-                candidates = self.table.candidates(request.model)
+                candidates = self.table.candidates(route.model)
                 if candidates is None:
-                    raise UnknownModel(request.model)
+                    raise UnknownModel(route.model)
                 if avoid:
                     candidates = [c for c in candidates if c.name not in avoid]
                 if tried:
@@ -219,15 +207,15 @@ class Balancer:
                         self.metrics.retry_budget_exhausted.inc()
                         break
                 elif not candidates:
-                    self.metrics.unavailable.labels(request.model).inc()
-                    raise NoNodeAvailable(request.model)
+                    self.metrics.unavailable.labels(route.model).inc()
+                    raise NoNodeAvailable(route.model)
                 remaining = try_by - loop.time()
                 if remaining <= 0:
                     status, last = 504, "deadline passed before a try could start"
                     break
                 if admit is not None:
                     candidates = [c for c in candidates if admit(c)] or candidates
-                view = self.strategy.pick(request, candidates, self.rng)
+                view = self.strategy.pick(route, candidates, self.rng)
                 node = self.table.nodes[view.name]
                 self.metrics.picks.labels(self.config.strategy, node.name).inc()
                 if tried:
@@ -241,9 +229,9 @@ class Balancer:
                 try:
                     async with asyncio.timeout(min(cfg.per_try_timeout, remaining)):
                         response = await session.post(
-                            node.config.url + path,
-                            data=body,
-                            headers=self.forward_headers(node, headers),
+                            node.config.url + request.target,
+                            data=request.raw,
+                            headers=self.forward_headers(node, request.headers),
                         )
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                     view.in_flight -= 1
@@ -265,7 +253,7 @@ class Balancer:
                     if len(tried) > 1:
                         budget.retrying -= 1
                 retryable = response.status >= 500 or response.status == 429
-                if retryable and len(tried) < cfg.attempts and self._more(request, avoid):
+                if retryable and len(tried) < cfg.attempts and self._more(route.model, avoid):
                     response.release()
                     view.in_flight -= 1
                     last = f"{node.name}: answered {response.status}"
@@ -321,15 +309,15 @@ class Balancer:
                     if ok and 200 <= code < 300:
                         try:
                             self.strategy.observe(
-                                request, upstream.node.view, latency, ttft, upstream.queued
+                                route, upstream.node.view, latency, ttft, upstream.queued
                             )
                         except Exception:  # learning must never break a request
                             _log.exception("strategy %s failed to observe", self.config.strategy)
         finally:
             budget.active -= 1
 
-    def _more(self, request: RouteRequest, tried: set[str]) -> bool:
-        candidates = self.table.candidates(request.model) or ()
+    def _more(self, model: str, tried: set[str]) -> bool:
+        candidates = self.table.candidates(model) or ()
         return any(c.name not in tried for c in candidates)
 
     def _finish(

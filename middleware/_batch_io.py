@@ -5,59 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Iterable
-from dataclasses import replace
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
 
+from ._answer import Answer, answer_headers
 from ._asgi import DisconnectWatch, Receive, Send, json_error, send_json
-from ._balancer import UnknownModel, UpstreamError
 from ._batch import Fetch, Reply, fail
-from ._degrade import Answer, Dispatcher, Exhausted
-from ._shedding import Shed
-from ._strategies import NoNodeAvailable
-from ._view import RouteRequest
+from ._degrade import Dispatcher
+from ._refusals import Refusal
+from ._request import Request
 
 __all__ = ["respond", "unless_gone", "upstream"]
 
 
-def upstream(
-    dispatch: Dispatcher,
-    request: RouteRequest,
-    path: str,
-    headers: Iterable[tuple[bytes, bytes]],
-    *,
-    no_fallback: bool,
-    retry_after: bytes,
-    shed_after: bytes,
-) -> Fetch:
-    """A caller's way upstream through the dispatcher, its refusals as `Reply`s (the same
-    statuses and headers as the proxy's own answers)."""
-    sent = list(headers)
+def upstream(dispatch: Dispatcher, request: Request) -> Fetch:
+    """A caller's way upstream through the dispatcher, with a refusal as a `Reply` of the
+    status, body and headers that the proxy would have answered."""
 
     async def fetch(body: dict[str, Any]) -> Reply:
-        raw = json.dumps(body).encode()
-        req = replace(request, input_tokens=len(raw) // 4)
         try:
-            async with dispatch.answer(req, path, body, raw, sent, no_fallback=no_fallback) as it:
+            async with dispatch.answer(request.with_body(body)) as it:
                 return await _read(it)
-        except UnknownModel as exc:
-            message = f"The model `{exc.model}` does not exist."
-            return fail(404, message, "model_not_found", param="model")
-        except NoNodeAvailable as exc:
-            return fail(503, str(exc), "service_unavailable", (b"retry-after", retry_after))
-        except Shed as exc:
-            dispatch.balancer.metrics.shed.labels(request.priority).inc()
-            return fail(429, str(exc), "rate_limit_error", (b"retry-after", shed_after))
-        except (UpstreamError, Exhausted) as exc:
-            status, kind = (
-                (exc.status, "upstream_error")
-                if isinstance(exc, UpstreamError)
-                else (503, "service_unavailable")
-            )
-            tries = (b"x-promptlb-attempts", str(exc.attempts).encode())
-            return fail(status, str(exc), kind, tries, (b"retry-after", retry_after))
+        except Refusal as exc:
+            headers = exc.headers(dispatch.retry_after)
+            return fail(exc.status, str(exc), exc.kind, *headers, param=exc.param)
 
     return fetch
 
@@ -65,13 +38,7 @@ def upstream(
 async def _read(answer: Answer) -> Reply:
     """The whole answer, parsed; a node's error as the node worded it."""
     up = answer.upstream
-    headers = [
-        (b"x-promptlb-node", b"cache" if up is None else up.node.name.encode()),
-        (b"x-promptlb-model", answer.model.encode()),
-        (b"x-promptlb-attempts", str(answer.attempts).encode()),
-    ]
-    if answer.degraded is not None:
-        headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
+    headers = answer_headers(answer)
     status = 200
     if up is None:
         assert answer.entry is not None

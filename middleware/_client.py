@@ -8,20 +8,18 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ._balancer import UnknownModel, UpstreamError
-from ._degrade import Answer, Dispatcher, Exhausted
-from ._proxy import route_request
-from ._shedding import Shed
+from ._answer import Answer
+from ._degrade import Dispatcher
+from ._refusals import Refusal
+from ._request import RequestReader
 from ._sse import replay_sse
-from ._strategies import NoNodeAvailable
 
 __all__ = ["PromptLBClient", "PromptLBError"]
 
-_JSON = [(b"content-type", b"application/json")]
-
 
 class PromptLBError(Exception):
-    """A node answered with an error (``status`` and the node's ``body``)."""
+    """No answer: a node answered with an error (``status``, the node's ``body`` and name),
+    or promptlb refused (``node`` None, ``body`` the error body the proxy would send)."""
 
     def __init__(self, status: int, body: object, node: str | None) -> None:
         super().__init__(f"{status} from {node or 'promptlb'}: {body}")
@@ -31,8 +29,9 @@ class PromptLBError(Exception):
 
 
 class PromptLBClient:
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, reader: RequestReader) -> None:
         self._dispatch = dispatcher
+        self._reader = reader
 
     async def chat(
         self, *, model: str, messages: list[dict[str, Any]], **params: Any
@@ -67,26 +66,12 @@ class PromptLBClient:
     async def _open(self, path: str, body: dict[str, Any]) -> AsyncIterator[Answer]:
         """The dispatcher's answer (fallbacks and cache included), with its refusals as
         `PromptLBError`: one type to catch."""
-        raw = json.dumps(body).encode()
-        classify = self._dispatch.classify
-        keys = self._dispatch.affinity_key
-        request = route_request(
-            body,
-            len(raw),
-            prompt_class=classify(body) if classify else "",
-            session_key=keys(body) if keys is not None else None,
-        )
         try:
-            async with self._dispatch.answer(request, path, body, raw, _JSON) as answer:
+            request = self._reader.build(path, body)
+            async with self._dispatch.answer(request) as answer:
                 yield answer
-        except UnknownModel as exc:
-            raise PromptLBError(404, str(exc), None) from None
-        except (NoNodeAvailable, Exhausted) as exc:
-            raise PromptLBError(503, str(exc), None) from None
-        except Shed as exc:
-            raise PromptLBError(429, str(exc), None) from None
-        except UpstreamError as exc:
-            raise PromptLBError(exc.status, str(exc), None) from None
+        except Refusal as exc:
+            raise PromptLBError(exc.status, exc.error(), None) from None
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self._open(path, body) as answer:

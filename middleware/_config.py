@@ -19,6 +19,7 @@ from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_durati
 
 from ._config_base import DURATION, check_url, positive
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
+from ._strategies import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = [
     "AffinityConfig",
@@ -33,10 +34,6 @@ __all__ = [
     "RetryConfig",
     "SheddingConfig",
     "load_config",
-]
-
-StrategyName = Literal[
-    "round_robin", "weighted", "least_conn", "resource", "p2c", "model_aware", "predictive"
 ]
 
 
@@ -224,7 +221,7 @@ class Config:
     """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
 
     nodes: tuple[NodeConfig, ...] = ()
-    strategy: StrategyName = "predictive"
+    strategy: str = DEFAULT_STRATEGY  # a name in the registry, STRATEGIES
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
     models_route: str | None = "/v1/models"  # aggregated from the ready nodes
@@ -253,6 +250,8 @@ class Config:
     affinity: AffinityConfig | None = None  # no session/prefix affinity unless configured
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError("strategy", self.strategy, "one of " + ", ".join(sorted(STRATEGIES)))
         if self.discovery.mode == "static" and not self.nodes:
             raise ConfigError("nodes", [], "at least one [[nodes]] entry (or discovery dns)")
         names = [n.name for n in self.nodes]

@@ -8,48 +8,23 @@ over, the caller streams it and nothing is retried or degraded any more.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, replace
 from typing import Any
 
-from ._affinity import KeyMaker
-from ._balancer import Balancer, UnknownModel, Upstream, UpstreamError
+from ._answer import Answer
+from ._balancer import Balancer, Upstream
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
-from ._classify import Classifier, load_classifier
 from ._config_degrade import CACHE_HOP, FallbackConfig
-from ._shedding import QueueTimeout, Shed
+from ._refusals import Exhausted, NoNodeAvailable, Shed, UnknownModel, UpstreamError
+from ._request import Request
+from ._shedding import QueueTimeout
 from ._sse import replayable
-from ._strategies import NoNodeAvailable
-from ._view import RouteRequest
 
-__all__ = ["Answer", "Dispatcher", "Exhausted"]
+__all__ = ["Dispatcher"]
 
 _HopError = (NoNodeAvailable, UnknownModel, UpstreamError)
-
-
-class Exhausted(Exception):
-    """Every hop of the chain failed and no cached answer was there: 503."""
-
-    def __init__(self, model: str, failures: list[str], attempts: int) -> None:
-        super().__init__(f"no answer for {model!r}: " + "; ".join(failures))
-        self.attempts = attempts
-
-
-@dataclass(slots=True)
-class Answer:
-    """What to pass on: a node's response (its first chunk already read) or a cached answer."""
-
-    model: str  # the model that answers
-    upstream: Upstream | None = None
-    first: bytes = b""
-    entry: CacheEntry | None = None
-    degraded: str | None = None  # "fallback" | "cache"
-    attempts: int = 0
-    store_key: str | None = None  # cache the answer under this key once it is complete
-    stack: AsyncExitStack | None = None
 
 
 class Dispatcher:
@@ -74,13 +49,9 @@ class Dispatcher:
             )
         self._families: Mapping[str, str] = cache_cfg.families if cache_cfg else {}
         self._writes: set[asyncio.Task[None]] = set()
-        # Classes cost a scan of the prompt: only when something routes by them.
-        wanted = config.strategy == "model_aware" or config.classifier is not None
-        self.classify: Classifier | None = load_classifier(config.classifier) if wanted else None
-        # Affinity keys cost a look at the body (and a hash of a long prompt's head): only
-        # when [affinity] is configured.
-        affinity = config.affinity
-        self.affinity_key: KeyMaker | None = KeyMaker(affinity) if affinity is not None else None
+        # A refusal's Retry-After when it carries none: the nodes' state may change by the next
+        # round of health checks.
+        self.retry_after = str(max(1, round(config.health.interval))).encode()
 
     async def stop(self) -> None:
         if self._writes:
@@ -111,58 +82,46 @@ class Dispatcher:
         )
 
     @asynccontextmanager
-    async def answer(
-        self,
-        request: RouteRequest,
-        path: str,
-        body: Mapping[str, Any],
-        raw: bytes,
-        headers: Iterable[tuple[bytes, bytes]] = (),
-        *,
-        no_fallback: bool = False,
-    ) -> AsyncIterator[Answer]:
-        """Find the answer (raising `UnknownModel`, `NoNodeAvailable`, `UpstreamError`, `Shed`
-        or `Exhausted` when there is none) and hold its upstream open while the caller passes
-        it on."""
-        found = await self._find(request, path, body, raw, list(headers), no_fallback)
+    async def answer(self, request: Request) -> AsyncIterator[Answer]:
+        """Find the answer (raising a `Refusal` when there is none) and hold its upstream open
+        while the caller passes it on."""
+        try:
+            found = await self._find(request)
+        except Shed:
+            self._lb.metrics.shed.labels(request.route.priority).inc()
+            raise
         if found.stack is None:
             yield found
             return
         async with found.stack:
             yield found
 
-    async def _find(
-        self,
-        request: RouteRequest,
-        path: str,
-        body: Mapping[str, Any],
-        raw: bytes,
-        headers: list[tuple[bytes, bytes]],
-        no_fallback: bool,
-    ) -> Answer:
-        chain = self._chains.get(request.model)
-        if chain is not None and no_fallback and chain.allow_opt_out:
+    async def _find(self, request: Request) -> Answer:
+        route = request.route
+        chain = self._chains.get(route.model)
+        if chain is not None and request.no_fallback and chain.allow_opt_out:
             chain = None
         if chain is None and self.cache is None:
             # Nothing to degrade to: the plain path, without the chain's per-request state.
             try:
-                await self._lb.admission.admit(request.model, request.priority)
+                await self._lb.admission.admit(route.model, route.priority)
             except QueueTimeout:
-                raise Shed(request.model, self.config.shedding.retry_after) from None
-            return await self._attempt(request, path, raw, headers, None, None, set(), False)
+                raise Shed(route.model, self.config.shedding.retry_after) from None
+            return await self._attempt(request, None, None, set(), False)
+        path = request.path
         hops: tuple[str, ...] = (request.model, *chain.then) if chain else (request.model,)
         cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
         keys: dict[str, str | None] = {}
 
         def usable(entry: CacheEntry | None) -> CacheEntry | None:
             # A client that streams needs an answer we can replay as a stream.
-            if entry is not None and request.stream and not replayable(path, entry):
+            if entry is not None and route.stream and not replayable(path, entry):
                 return None
             return entry
 
         def key_of(model: str) -> str | None:
             if model not in keys:
-                keys[model] = self.key(path, body, model)
+                keys[model] = self.key(path, request.body, model)
             return keys[model]
 
         if cache is not None and cfg is not None and cfg.serve_fresh:
@@ -174,10 +133,10 @@ class Dispatcher:
                     return Answer(entry.model, entry=entry)
         first = 0
         try:
-            await self._lb.admission.admit(request.model, request.priority)
+            await self._lb.admission.admit(route.model, route.priority)
         except QueueTimeout:
             if len(hops) == 1:
-                raise Shed(request.model, self.config.shedding.retry_after) from None
+                raise Shed(route.model, self.config.shedding.retry_after) from None
             first = 1  # waited long enough for the primary: degrade
         failures: list[str] = []
         attempts = 0
@@ -192,24 +151,20 @@ class Dispatcher:
                 failures.append("cache: no answer")
                 continue
             onward = i + 1 < len(hops) or outage_cache
-            hop_request = request if i == 0 else replace(request, model=hop)
-            hop_raw = raw if i == 0 else _rewrite(body, hop)
             nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1] != CACHE_HOP else None
             try:
-                answer = await self._try_model(
-                    hop_request, path, hop_raw, headers, chain, onward, body, nxt
-                )
+                answer = await self._try_model(request.for_model(hop), chain, onward, nxt)
             except _HopError as exc:
                 if isinstance(exc, UnknownModel) and chain is None:
                     raise
                 last = exc
-                attempts += getattr(exc, "attempts", 0)
+                attempts += exc.attempts or 0
                 failures.append(f"{hop}: {exc}")
                 if i + 1 < len(hops):
-                    metrics.fallbacks.labels(request.model, hops[i + 1]).inc()
+                    metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
                 continue
             answer.attempts += attempts
-            if answer.model != request.model:
+            if answer.model != route.model:
                 answer.degraded = "fallback"
             if answer.upstream is not None and answer.upstream.response.status == 200:
                 answer.store_key = key_of(answer.model)
@@ -220,7 +175,7 @@ class Dispatcher:
                 return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
         if chain is None and last is not None:
             raise last
-        raise Exhausted(request.model, failures, attempts)
+        raise Exhausted(route.model, failures, attempts)
 
     async def _cached(self, models: Iterable[str], key_of: Any) -> CacheEntry | None:
         """The answer to this request from the most preferred model that has one."""
@@ -241,15 +196,7 @@ class Dispatcher:
         return None
 
     async def _try_model(
-        self,
-        request: RouteRequest,
-        path: str,
-        raw: bytes,
-        headers: list[tuple[bytes, bytes]],
-        chain: FallbackConfig | None,
-        onward: bool,
-        body: Mapping[str, Any],
-        nxt: str | None,
+        self, request: Request, chain: FallbackConfig | None, onward: bool, nxt: str | None
     ) -> Answer:
         loop = asyncio.get_running_loop()
         ttft = chain.ttft if chain is not None else None
@@ -258,25 +205,21 @@ class Dispatcher:
         avoid: set[str] = set()
         hedge_after = chain.hedge_after if chain is not None else None
 
-        def attempt(req: RouteRequest, data: bytes) -> asyncio.Task[Answer]:
-            return asyncio.ensure_future(
-                self._attempt(req, path, data, headers, first_deadline, total, avoid, onward)
-            )
+        def attempt(req: Request) -> asyncio.Task[Answer]:
+            return asyncio.ensure_future(self._attempt(req, first_deadline, total, avoid, onward))
 
         if hedge_after is None:
-            return await self._attempt(
-                request, path, raw, headers, first_deadline, total, avoid, onward
-            )
-        tasks = [attempt(request, raw)]
+            return await self._attempt(request, first_deadline, total, avoid, onward)
+        tasks = [attempt(request)]
         winner: asyncio.Task[Answer] | None = None
         try:
             done, _ = await asyncio.wait(tasks, timeout=hedge_after)
             if not done:
                 candidates = self._lb.table.candidates(request.model) or ()
                 if any(c.name not in avoid for c in candidates):
-                    tasks.append(attempt(request, raw))
+                    tasks.append(attempt(request))
                 elif nxt is not None:
-                    tasks.append(attempt(replace(request, model=nxt), _rewrite(body, nxt)))
+                    tasks.append(attempt(request.for_model(nxt)))
                 if len(tasks) > 1:
                     self._lb.metrics.hedges.labels("sent").inc()
             winner = await _first_success(tasks, self._lb)
@@ -286,10 +229,7 @@ class Dispatcher:
 
     async def _attempt(
         self,
-        request: RouteRequest,
-        path: str,
-        raw: bytes,
-        headers: list[tuple[bytes, bytes]],
+        request: Request,
         first_deadline: float | None,
         total: float | None,
         avoid: set[str],
@@ -298,18 +238,14 @@ class Dispatcher:
         """One attempt at ``request.model``: tries (with retries) until a node's first chunk is
         in. With somewhere ``onward`` to go, a final 5xx or 429 is a failure, not an answer."""
         lb = self._lb
-        admit = (
-            lb.admission.open if lb.admission.enabled and request.priority != "critical" else None
-        )
+        critical = request.route.priority == "critical"
+        admit = lb.admission.open if lb.admission.enabled and not critical else None
         stack = AsyncExitStack()
         up: Upstream | None = None
         try:
             up = await stack.enter_async_context(
                 lb.open(
                     request,
-                    path,
-                    raw,
-                    headers,
                     first_deadline=first_deadline,
                     total=total,
                     avoid=avoid,
@@ -366,7 +302,3 @@ async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
         if isinstance(result, Answer) and result.stack is not None:
             lost = asyncio.CancelledError()
             await result.stack.__aexit__(type(lost), lost, None)
-
-
-def _rewrite(body: Mapping[str, Any], model: str) -> bytes:
-    return json.dumps({**body, "model": model}).encode()

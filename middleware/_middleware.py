@@ -13,6 +13,7 @@ from ._client import PromptLBClient
 from ._config import Config, load_config
 from ._degrade import Dispatcher
 from ._proxy import Proxy, models_response
+from ._request import RequestReader
 from ._status import status_json
 
 __all__ = ["PromptLBMiddleware"]
@@ -34,8 +35,9 @@ class PromptLBMiddleware:
         self.config = load_config(config)
         self.balancer = Balancer(self.config)
         self.dispatcher = Dispatcher(self.balancer)
-        self.client = PromptLBClient(self.dispatcher)
-        self._proxy = Proxy(self.dispatcher)
+        reader = RequestReader(self.config, self.balancer.admission)
+        self.client = PromptLBClient(self.dispatcher, reader)
+        self._proxy = Proxy(self.dispatcher, reader, self.config)
         self._routes = frozenset(self.config.routes)
         self._models_route = self.config.models_route
         prefix = self.config.admin_prefix

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from promptlb.shared import ConfigError
 
+from ._strategy import Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
 __all__ = ["ModelAware"]
@@ -16,22 +16,17 @@ __all__ = ["ModelAware"]
 
 class ModelAware:
     """``routes`` maps a class to node tags (or node names); ``default`` applies to classes
-    with no route or no matching node (empty: every candidate)."""
+    with no route or no matching node (empty: every candidate); ``inner`` picks among them."""
 
     name = "model_aware"
 
     def __init__(
         self,
+        inner: Strategy,
         *,
         routes: Mapping[str, Sequence[str]] | None = None,
         default: Sequence[str] = (),
-        inner: str = "p2c",
-        inner_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from ._strategies import make_strategy  # the table imports this module
-
-        if inner == self.name:
-            raise ConfigError("inner", inner, "another strategy than model_aware")
         table: dict[str, frozenset[str]] = {}
         for cls, tags in (routes or {}).items():
             if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
@@ -41,10 +36,11 @@ class ModelAware:
             raise ConfigError("default", default, "a list of node tags or names")
         self._routes = table
         self._default = frozenset(default)
-        try:
-            self._inner = make_strategy(inner, **dict(inner_options or {}))
-        except ConfigError as exc:
-            raise ConfigError(f"inner_options.{exc.key}", exc.value, exc.expected) from None
+        self.inner = inner
+
+    @property
+    def scoring(self) -> Scoring | None:
+        return self.inner.scoring
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
@@ -55,7 +51,7 @@ class ModelAware:
             chosen = _matching(candidates, wanted)
         if not chosen and self._default:
             chosen = _matching(candidates, self._default)
-        return self._inner.pick(request, chosen or candidates, rng)
+        return self.inner.pick(request, chosen or candidates, rng)
 
     def observe(
         self,
@@ -65,7 +61,7 @@ class ModelAware:
         ttft_s: float | None,
         queue_at_pick: int,
     ) -> None:
-        self._inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
+        self.inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
 
 def _matching(candidates: Sequence[NodeView], wanted: frozenset[str]) -> list[NodeView]:

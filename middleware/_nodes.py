@@ -97,7 +97,7 @@ class NodeTable:
         node = Node(node_config, view)
         if not self._config.health.enabled:
             node.health_ok = True
-            node.ready_since = time.monotonic()
+            node.ready_since = self._clock()
         self.nodes[node.name] = node
         self._dirty = True
         return node

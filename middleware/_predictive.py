@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from promptlb.shared import ConfigError, Snapshot
 
 from ._config_base import whole_number
+from ._strategy import FORGET_SPAN, Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Predictive", "ServiceModel"]
 
-_FORGET_SPAN = 4096  # as the other strategies: forget nodes not seen for one to two spans
 _OUT_SCALE = 100.0  # features in hundreds of output tokens and thousands of input tokens keep
 _IN_SCALE = 1000.0  # the least-squares problem well conditioned
 _MAX_CLASSES = 1024
@@ -189,28 +188,22 @@ class Predictive:
 
     def __init__(
         self,
+        inner: Strategy,
         *,
         warmup: int = 3,  # the fit has three coefficients
         sample: int = 16,
         forget: float = 0.97,
         default_output_tokens: int = 256,
-        p2c_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from ._strategies import PowerOfTwoChoices  # the table imports this module
-
         self.warmup = whole_number("warmup", warmup, 1)
         self.sample = whole_number("sample", sample, 2)
         self.forget = _real("forget", forget, 0.5, 1.0)
         self.default_output_tokens = whole_number("default_output_tokens", default_output_tokens, 1)
-        try:
-            self._p2c = PowerOfTwoChoices(**dict(p2c_options or {}))
-        except ConfigError as exc:
-            raise ConfigError(f"p2c_options.{exc.key}", exc.value, exc.expected) from None
-        except TypeError as exc:
-            raise ConfigError("p2c_options", p2c_options, f"options of p2c ({exc})") from None
+        self.inner = inner  # picks until the nodes are learnt (p2c, as the registry builds it)
+        self.scoring: Scoring | None = inner.scoring
         self._models: dict[str, ServiceModel] = {}
         self._old_models: dict[str, ServiceModel] = {}
-        self._picks_left = _FORGET_SPAN
+        self._picks_left = FORGET_SPAN
         self._history: dict[str, float] = {}  # prompt class -> EWMA of its output tokens
         self._mean_out = 0.0  # EWMA of the expected output of every request routed
 
@@ -258,11 +251,11 @@ class Predictive:
     ) -> NodeView:
         n = len(candidates)
         if n <= 1:
-            return self._p2c.pick(request, candidates, rng)  # raises NoNodeAvailable on none
+            return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
         self._picks_left -= 1
         if self._picks_left <= 0:
             self._old_models, self._models = self._models, {}
-            self._picks_left = _FORGET_SPAN
+            self._picks_left = FORGET_SPAN
         looked = candidates if n <= self.sample else rng.sample(candidates, self.sample)
         out = self.expected_output(request)
         mean_out = self._mean_out
@@ -286,7 +279,7 @@ class Predictive:
             elif t < second:
                 second, second_node = t, node
         if best == math.inf:  # no node warm yet: a true cold start
-            return self._p2c.pick(request, candidates, rng)
+            return self.inner.pick(request, candidates, rng)
         if probes:
             return probes[rng.randrange(len(probes))] if len(probes) > 1 else probes[0]
         if second == math.inf:

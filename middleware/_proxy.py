@@ -5,280 +5,106 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 import aiohttp
 
-from ._asgi import DisconnectWatch, Receive, Scope, Send, json_error, send_json
-from ._balancer import HOP_BY_HOP, Balancer, UnknownModel, UpstreamError
+from ._answer import Answer, answer_headers
+from ._asgi import DisconnectWatch, Receive, Scope, Send, send_json, send_refusal
+from ._balancer import HOP_BY_HOP, Balancer
 from ._batch import Batcher, batch_key, string_inputs
 from ._batch_io import respond, unless_gone, upstream
 from ._cache import CacheEntry
-from ._degrade import Answer, Dispatcher, Exhausted
+from ._config import Config
+from ._degrade import Dispatcher
+from ._refusals import Refusal
 from ._replies import SSE, Body, send_cached
-from ._shedding import Shed
+from ._request import Request, RequestReader
 from ._sse import StreamAssembler
-from ._strategies import NoNodeAvailable
-from ._view import Priority, RouteRequest
 
-__all__ = ["Proxy", "models_response", "route_request"]
+__all__ = ["Proxy", "models_response"]
 
-
-class _TooLarge(Exception):
-    pass
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-_MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
-
-
-def _plausible(max_tokens: object) -> bool:
-    """A ``max_tokens`` routing may believe (the node still gets the body as sent)."""
-    return (
-        isinstance(max_tokens, int)
-        and not isinstance(max_tokens, bool)
-        and 0 < max_tokens <= _MAX_TOKENS
-    )
-
-
-def route_request(
-    body: dict[str, Any],
-    size: int,
-    priority: Priority = "standard",
-    prompt_class: str = "",
-    session_key: str | None = None,
-) -> RouteRequest:
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    return RouteRequest(
-        model=body["model"],
-        # About four bytes a token: a body-size estimate costs nothing and ranks prompts right.
-        input_tokens=size // 4,
-        max_tokens=max_tokens if _plausible(max_tokens) else None,
-        stream=body.get("stream") is True,
-        session_key=session_key,
-        priority=priority,
-        prompt_class=prompt_class,
-    )
+# Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), and
+# the node's Date and Server, which the server in front writes for the gateway (Date is a
+# singleton field: two of them are a malformed answer).
+_DROPPED = (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
 
 
 class Proxy:
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    """The balanced routes: read the request, find its answer, pass it on (streaming)."""
+
+    def __init__(self, dispatcher: Dispatcher, reader: RequestReader, config: Config) -> None:
         self._dispatch = dispatcher
-        self._lb = balancer = dispatcher.balancer
-        self._limit = balancer.config.max_body_bytes
-        self._retry_after = str(max(1, round(balancer.config.health.interval))).encode()
-        self._shed_after = str(balancer.config.shedding.retry_after).encode()
-        cache = balancer.config.cache
+        self._reader = reader
+        self._retry_after = dispatcher.retry_after
+        cache = config.cache
         self._entry_limit = cache.max_entry_bytes if cache is not None else 0
-        self._classify = dispatcher.classify
-        header = balancer.config.class_header
-        self._class_header = header.lower().encode() if header else None
-        batching = balancer.config.batching
+        batching = config.batching
         self._batcher: Batcher | None = None
         if batching.enabled:
             self._batcher = Batcher(batching.batch_window, batching.max_batch)
         # The client's own key goes upstream only when forwarded: then callers with different
         # keys must never share a request.
-        self._keyed_auth = balancer.config.forward_authorization
-        self._affinity_key = dispatcher.affinity_key
+        self._keyed_auth = config.forward_authorization
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        priority = token = asked_class = None
-        no_fallback = False
-        class_header = self._class_header
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if value.isdigit() and int(value) > self._limit:
-                    return await json_error(
-                        send, 413, f"request body over {self._limit} bytes", "invalid_request_error"
-                    )
-            elif name.startswith(b"x-promptlb-"):
-                if name == b"x-promptlb-priority":
-                    priority = value
-                elif name == b"x-promptlb-priority-token":
-                    token = value
-                elif name == b"x-promptlb-no-fallback":
-                    no_fallback = value.strip() in (b"1", b"true", b"yes")
-            if name == class_header:
-                asked_class = value.decode("latin-1").strip()
         try:
-            raw = await _read_body(receive, self._limit)
-        except _TooLarge:
-            return await json_error(
-                send, 413, f"request body over {self._limit} bytes", "invalid_request_error"
-            )
-        except _ClientGone:
-            return None
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return await json_error(
-                send, 400, "request body is not valid JSON", "invalid_request_error"
-            )
-        if not isinstance(body, dict):
-            return await json_error(
-                send, 400, "request body must be a JSON object", "invalid_request_error"
-            )
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            return await json_error(
-                send, 400, "`model` is required", "invalid_request_error", param="model"
-            )
-        rank: Priority = "standard"
-        if priority is not None:
-            rank = self._lb.admission.priority(priority, token, scope.get("client"))
-        prompt_class = ""
-        if asked_class:
-            prompt_class = asked_class
-        elif self._classify is not None:
-            prompt_class = self._classify(body)
-        session_key = None
-        keys = self._affinity_key
-        if keys is not None:  # off by default: then not even the headers are read again
-            session_key = keys(body, keys.header_value(scope["headers"]))
-        request = route_request(body, len(raw), rank, prompt_class, session_key)
-        if self._batcher is not None and scope["path"].endswith("/embeddings"):
-            return await self._batched(scope, receive, send, request, body, raw, no_fallback)
-        await self.forward(scope, receive, send, request, body, raw, no_fallback)
+            request = await self._reader.read(scope, receive)
+        except Refusal as exc:
+            return await send_refusal(send, exc, self._retry_after)
+        if request is None:
+            return None  # the client left while sending
+        if self._batcher is not None and request.path.endswith("/embeddings"):
+            return await self._batched(receive, send, request)
+        await self.forward(receive, send, request)
         return None
 
-    async def _batched(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        request: RouteRequest,
-        body: dict[str, Any],
-        raw: bytes,
-        no_fallback: bool,
-    ) -> None:
+    async def _batched(self, receive: Receive, send: Send, request: Request) -> None:
         batcher = self._batcher
         assert batcher is not None
-        inputs = string_inputs(body)
-        if inputs is None or len(inputs) > batcher.max_batch or scope.get("query_string"):
-            return await self.forward(scope, receive, send, request, body, raw, no_fallback)
-        headers = scope["headers"]
+        inputs = string_inputs(request.body)
+        if inputs is None or len(inputs) > batcher.max_batch or request.target != request.path:
+            return await self.forward(receive, send, request)
         auth = None
         if self._keyed_auth:
-            auth = next((v for k, v in headers if k == b"authorization"), None)
+            auth = next((v for k, v in request.headers if k == b"authorization"), None)
+        route = request.route
         key = batch_key(
-            scope["path"], body, request.priority, request.prompt_class, no_fallback, auth
+            request.path,
+            request.body,
+            route.priority,
+            route.prompt_class,
+            request.no_fallback,
+            auth,
         )
-        fetch = upstream(
-            self._dispatch,
-            request,
-            scope["path"],
-            headers,
-            no_fallback=no_fallback,
-            retry_after=self._retry_after,
-            shed_after=self._shed_after,
-        )
-        reply = await unless_gone(receive, batcher.submit(key, body, inputs, fetch))
+        fetch = upstream(self._dispatch, request)
+        reply = await unless_gone(receive, batcher.submit(key, dict(request.body), inputs, fetch))
         if reply is not None:
             await respond(send, reply)
         return None
 
-    async def forward(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        request: RouteRequest,
-        body: dict[str, Any],
-        raw: bytes,
-        no_fallback: bool = False,
-    ) -> None:
+    async def forward(self, receive: Receive, send: Send, request: Request) -> None:
         # A client that goes away cancels this task, so the upstream try is cancelled too and
         # the balancer's bookkeeping (in-flight, results) unwinds exactly.
         watch = DisconnectWatch(receive)
-        path = scope["path"] + (
-            ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
-        )
         started = False
         try:
-            async with self._dispatch.answer(
-                request, path, body, raw, scope["headers"], no_fallback=no_fallback
-            ) as answer:
+            async with self._dispatch.answer(request) as answer:
                 started = True
                 if answer.upstream is None:
-                    await send_cached(send, scope["path"], request.stream, answer)
+                    await send_cached(send, request.path, request.route.stream, answer)
                 else:
-                    await self._pass_on(send, scope["path"], answer)
+                    await self._pass_on(send, request.path, answer)
             watch.armed = False
         except asyncio.CancelledError:
             watch.armed = False
             if not watch.gone:
                 raise
             watch.uncancel()
-        except UnknownModel as exc:
-            watch.armed = False
-            await json_error(
-                send,
-                404,
-                f"The model `{exc.model}` does not exist.",
-                "model_not_found",
-                param="model",
-            )
-        except NoNodeAvailable as exc:
-            watch.armed = False
-            await json_error(
-                send,
-                503,
-                str(exc),
-                "service_unavailable",
-                headers=[(b"retry-after", self._retry_after)],
-            )
-        except Shed as exc:
-            watch.armed = False
-            self._lb.metrics.shed.labels(request.priority).inc()
-            await json_error(
-                send,
-                429,
-                str(exc),
-                "rate_limit_error",
-                headers=[(b"retry-after", self._shed_after)],
-            )
-        except (UpstreamError, Exhausted) as exc:
+        except Refusal as exc:
             watch.armed = False
             if started:
                 raise
-            status, kind = (
-                (exc.status, "upstream_error")
-                if isinstance(exc, UpstreamError)
-                else (
-                    503,
-                    "service_unavailable",
-                )
-            )
-            await json_error(
-                send,
-                status,
-                str(exc),
-                kind,
-                headers=[
-                    (b"x-promptlb-attempts", str(exc.attempts).encode()),
-                    (b"retry-after", self._retry_after),
-                ],
-            )
+            await send_refusal(send, exc, self._retry_after)
         finally:
             watch.close()
 
@@ -287,17 +113,9 @@ class Proxy:
         assert up is not None
         response = up.response
         headers = [
-            (k, v)
-            for k, v in response.raw_headers
-            if k.lower().decode("latin-1") not in HOP_BY_HOP or k.lower() == b"content-length"
+            (k, v) for k, v in response.raw_headers if k.lower().decode("latin-1") not in _DROPPED
         ]
-        headers += [
-            (b"x-promptlb-node", up.node.name.encode()),
-            (b"x-promptlb-model", answer.model.encode()),
-            (b"x-promptlb-attempts", str(answer.attempts).encode()),
-        ]
-        if answer.degraded is not None:
-            headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
+        headers += answer_headers(answer)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sse = response.headers.get("content-type", "").encode().startswith(SSE)
         recorder: StreamAssembler | Body | None = None

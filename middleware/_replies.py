@@ -3,8 +3,8 @@ bounded copy of a non-stream answer kept for the cache while it passes through."
 
 from __future__ import annotations
 
+from ._answer import Answer, answer_headers
 from ._asgi import Send
-from ._degrade import Answer
 from ._sse import replay_sse
 
 __all__ = ["SSE", "Body", "send_cached"]
@@ -39,14 +39,7 @@ async def send_cached(send: Send, path: str, stream: bool, answer: Answer) -> No
     """A cached answer: as it was stored, or replayed as SSE for a client that asked to stream."""
     entry = answer.entry
     assert entry is not None
-    headers = [
-        (b"x-promptlb-node", b"cache"),
-        (b"x-promptlb-model", entry.model.encode()),
-        (b"x-promptlb-attempts", str(answer.attempts).encode()),
-        (b"x-promptlb-degraded", answer.degraded.encode())
-        if answer.degraded is not None
-        else (b"x-promptlb-cache", b"hit"),
-    ]
+    headers = answer_headers(answer)
     body = entry.body
     content_type = entry.content_type.encode()
     if stream:

@@ -12,9 +12,10 @@ from typing import Any
 
 from ._config_degrade import SheddingConfig
 from ._nodes import NodeTable
+from ._refusals import Shed
 from ._view import NodeView, Priority
 
-__all__ = ["Admission", "QueueTimeout", "Shed"]
+__all__ = ["Admission", "QueueTimeout"]
 
 _PRIORITIES: dict[bytes, Priority] = {
     b"critical": "critical",
@@ -23,15 +24,6 @@ _PRIORITIES: dict[bytes, Priority] = {
 }
 _RANK = {"sheddable": 0, "standard": 1, "critical": 2}
 _POLL = 0.05  # a waiter also rechecks this often: snapshots change saturation without a wake
-
-
-class Shed(Exception):
-    """Refused with 429: the pool is saturated and the request may not wait (or waited)."""
-
-    def __init__(self, model: str, retry_after: int) -> None:
-        super().__init__(f"model {model!r} is saturated; retry later")
-        self.model = model
-        self.retry_after = retry_after
 
 
 class QueueTimeout(Exception):

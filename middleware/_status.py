@@ -7,7 +7,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ._balancer import Balancer
-from ._strategies import DEFAULT_WEIGHTS, score_parts
+from ._scoring import score_parts
+from ._strategy import Scoring
 from ._view import NodeView
 
 __all__ = ["status_json"]
@@ -59,15 +60,11 @@ def status_json(lb: Balancer) -> dict[str, Any]:
 
 
 def _score(lb: Balancer, view: NodeView) -> dict[str, Any]:
-    """The p2c/resource cost and its parts, as the configured strategy would weigh them (the
-    defaults for strategies that do not score)."""
-    options = lb.strategy
+    """The p2c/resource cost and its parts, as the configured strategy weighs them (through
+    any wrapper); the defaults for strategies that do not score."""
+    scoring = lb.strategy.scoring or Scoring()
     parts = score_parts(
-        view,
-        getattr(options, "weights", DEFAULT_WEIGHTS),
-        getattr(options, "queue_scale", 8.0),
-        getattr(options, "unknown_score", 0.5),
-        view.effective_queue,
+        view, scoring.weights, scoring.queue_scale, scoring.unknown_score, view.effective_queue
     )
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(parts).items()}
 

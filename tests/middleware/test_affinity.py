@@ -16,7 +16,8 @@ from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._affinity import Affinity, KeyMaker, prompt_head
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import AffinityConfig, load_config
-from promptlb.middleware._strategies import NoNodeAvailable, make_strategy
+from promptlb.middleware._refusals import NoNodeAvailable
+from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
@@ -33,6 +34,7 @@ class Recording:
     """An inner strategy that notes what it was asked and picks the first candidate."""
 
     name = "recording"
+    scoring = None
 
     def __init__(self) -> None:
         self.picks: list[RouteRequest] = []
@@ -286,15 +288,21 @@ def test_prompt_head_reads_parts_and_stops_early() -> None:
     assert prompt_head({}, 1) is None
 
 
-def test_the_proxy_puts_the_key_on_the_route_request_only_with_affinity() -> None:
-    from promptlb.middleware._degrade import Dispatcher
+def test_the_reader_puts_the_key_on_the_route_request_only_with_affinity() -> None:
+    from promptlb.middleware._request import RequestReader
+
+    def reader(config: dict[str, Any]) -> RequestReader:
+        cfg = load_config(config)
+        return RequestReader(cfg, Balancer(cfg).admission)
 
     nodes_cfg = [{"name": "a", "url": "http://a:1"}]
-    off = Dispatcher(Balancer(load_config({"nodes": nodes_cfg})))
-    assert off.affinity_key is None
-    on = Dispatcher(Balancer(load_config({"nodes": nodes_cfg, "affinity": {}})))
-    assert on.affinity_key is not None
-    assert on.affinity_key(chat(LONG, "x", user="u")) == "s:u"
+    body = {"model": "m", **chat(LONG, "x", user="u")}
+    off = reader({"nodes": nodes_cfg})
+    assert off.keys is None
+    assert off.build("/v1/chat/completions", body).route.session_key is None
+    on = reader({"nodes": nodes_cfg, "affinity": {}})
+    assert on.keys is not None
+    assert on.build("/v1/chat/completions", body).route.session_key == "s:u"
 
 
 @pytest.fixture

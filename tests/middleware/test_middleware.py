@@ -183,3 +183,22 @@ async def test_admin_endpoints_are_closed_unless_configured(
             assert body["nodes"][0]["name"] == "a"
             metrics = (await http.get("/_promptlb/metrics", headers=headers)).text
             assert "promptlb_in_flight" in metrics
+
+
+def test_the_status_page_scores_with_the_configured_options_through_affinity() -> None:
+    from promptlb.middleware._balancer import Balancer
+    from promptlb.middleware._config import load_config
+    from promptlb.middleware._status import status_json
+
+    config = load_config(
+        {
+            "nodes": [{"name": "a", "url": "http://127.0.0.1:9"}],
+            "strategy": "p2c",
+            "strategy_options": {"unknown_score": 0.9},
+            "affinity": {},
+        }
+    )
+    lb = Balancer(config)
+    assert lb.strategy.name == "p2c+affinity"
+    # no snapshot yet: the score is the configured unknown_score, not the default 0.5
+    assert status_json(lb)["nodes"][0]["score"]["score"] == 0.9

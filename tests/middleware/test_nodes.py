@@ -177,3 +177,11 @@ def test_discovery_keeps_known_nodes_and_their_state() -> None:
     assert set(t.nodes) == {"n0", "new"}
     assert t.nodes["n0"] is n0
     assert t.state_of(t.nodes["new"]) == "unknown"
+
+
+def test_a_node_added_without_health_checks_is_ready_on_the_tables_clock() -> None:
+    clock = Clock()
+    clock.now = 1234.5  # far from time.monotonic(): the table must not read the wall clock
+    nodes = (NodeConfig(name="a", url="http://127.0.0.1:9000"),)
+    t = NodeTable(Config(nodes=nodes, health=HealthConfig(enabled=False)), clock=clock)
+    assert t.nodes["a"].ready_since == 1234.5

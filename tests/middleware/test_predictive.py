@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from promptlb.middleware._predictive import Predictive, ServiceModel
-from promptlb.middleware._strategies import PowerOfTwoChoices, make_strategy
+from promptlb.middleware._scoring import PowerOfTwoChoices
+from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError, EngineSample, Snapshot
 
@@ -81,7 +82,7 @@ def test_a_streamed_answer_splits_decode_from_the_head_so_a_wrong_wait_spares_th
 
 def test_the_model_follows_a_node_that_slows_down() -> None:
     rng = random.Random(3)
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     view = node("a")
     teach(strategy, view, 30, rng)
     teach(strategy, view, 60, rng, scale=2.0)
@@ -91,7 +92,7 @@ def test_the_model_follows_a_node_that_slows_down() -> None:
 
 
 def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait() -> None:
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     rng = random.Random(4)
     view = node("a", running=4, waiting=3)
     teach(strategy, view, 10, rng)
@@ -109,7 +110,7 @@ def test_a_cold_start_behaves_as_p2c() -> None:
     views = [node(f"n{i}", running=i) for i in range(6)]
     for v in views:
         v.in_flight = 1  # every cold node already has a probe out
-    ours, p2c = Predictive(), PowerOfTwoChoices()
+    ours, p2c = Predictive(PowerOfTwoChoices()), PowerOfTwoChoices()
     for seed in range(50):
         assert (
             ours.pick(request(), views, random.Random(seed)).name
@@ -119,7 +120,7 @@ def test_a_cold_start_behaves_as_p2c() -> None:
 
 def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
     rng = random.Random(5)
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     warm, cold = node("warm"), node("cold")
     teach(strategy, warm, 10, rng)
     strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
@@ -130,7 +131,7 @@ def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
 
 
 def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second() -> None:
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     # 4 running at 200 tokens/s in all: 50 tokens/s each, 2 s for 100 tokens, no queue.
     busy = node("busy", running=4, tps=200.0)
     assert strategy.expected_time(request(100), busy, 100.0) == pytest.approx(2.0)
@@ -147,13 +148,14 @@ def test_every_replica_routes_by_the_snapshots_before_any_answer_of_its_own() ->
     slow = node("slow", running=4, tps=100.0)  # 25 tokens/s a request
     got: Counter[str] = Counter()
     for seed in range(200):  # 200 fresh replicas, one pick each
-        got[Predictive().pick(request(), [slow, fast], random.Random(seed)).name] += 1
+        strategy = Predictive(PowerOfTwoChoices())
+        got[strategy.pick(request(), [slow, fast], random.Random(seed)).name] += 1
     # 4x slower is 256:1 at the fourth power.
     assert got["fast"] >= 195
 
 
 def test_a_cold_node_estimated_from_tokens_per_second_waits_behind_its_queue() -> None:
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     # A pick sets the usual output length (100 here), which prices the requests ahead.
     strategy.pick(request(100), [node("x"), node("y")], random.Random(0))
     full = node("full", running=4, waiting=8, tps=200.0)  # 4 slots, 8 queued, 2 s a request
@@ -163,7 +165,7 @@ def test_a_cold_node_estimated_from_tokens_per_second_waits_behind_its_queue() -
 
 def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> None:
     rng = random.Random(6)
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     fast, mid, slow = node("fast"), node("mid"), node("slow")
     teach(strategy, fast, 20, rng)
     teach(strategy, mid, 20, rng, scale=2.0)
@@ -181,7 +183,7 @@ def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> Non
 
 def test_a_near_tie_is_shared_so_that_replicas_do_not_herd() -> None:
     rng = random.Random(8)
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     a, b = node("a"), node("b")
     teach(strategy, a, 20, rng)
     teach(strategy, b, 20, rng, scale=1.1)
@@ -191,7 +193,7 @@ def test_a_near_tie_is_shared_so_that_replicas_do_not_herd() -> None:
 
 def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
     rng = random.Random(7)
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     fast, slow = node("fast", running=2, waiting=1), node("slow")
     teach(strategy, fast, 20, rng)
     teach(strategy, slow, 20, rng, scale=2.0)
@@ -202,7 +204,7 @@ def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
 
 
 def test_requests_without_max_tokens_use_their_class_history() -> None:
-    strategy = Predictive(default_output_tokens=256)
+    strategy = Predictive(PowerOfTwoChoices(), default_output_tokens=256)
     assert strategy.expected_output(request(None, cls="code")) == 256
     view = node("a")
     for _ in range(50):
@@ -227,7 +229,7 @@ def test_predictive_is_in_the_strategy_table_with_its_options() -> None:
         ({"forget": True}, "forget"),
         ({"default_output_tokens": 0}, "default_output_tokens"),
         ({"p2c_options": {"queue_scale": -1}}, "p2c_options.queue_scale"),
-        ({"p2c_options": {"nope": 1}}, "p2c_options"),
+        ({"p2c_options": {"nope": 1}}, "p2c_options.nope"),  # the path to the bad key
     ],
 )
 def test_bad_predictive_options_are_config_errors(options: dict[str, Any], key: str) -> None:
@@ -238,7 +240,7 @@ def test_bad_predictive_options_are_config_errors(options: dict[str, Any], key: 
 
 def test_a_scan_of_a_thousand_nodes_looks_at_a_bounded_sample() -> None:
     rng = random.Random(8)
-    strategy = Predictive(sample=16)
+    strategy = Predictive(PowerOfTwoChoices(), sample=16)
     views = [node(f"n{i}") for i in range(1000)]
     for v in views:
         teach(strategy, v, 3, rng)
@@ -267,7 +269,7 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
 
 
 def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room() -> None:
-    strategy = Predictive()
+    strategy = Predictive(PowerOfTwoChoices())
     rng = random.Random(9)
     view = node("a", running=2)  # never seen a queue: slots unknown, 2 seen running
     teach(strategy, view, 10, rng)
@@ -285,12 +287,12 @@ def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room()
 
 
 def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches() -> None:
-    from promptlb.middleware._proxy import route_request
+    from promptlb.middleware._request import route_of as route_request
 
     for bad in (0, -5, True, 10**40, "12", 2.5):
         assert route_request({"model": "m", "max_tokens": bad}, 100).max_tokens is None
     assert route_request({"model": "m", "max_tokens": 64}, 100).max_tokens == 64
-    strategy = Predictive(default_output_tokens=256)
+    strategy = Predictive(PowerOfTwoChoices(), default_output_tokens=256)
     view = node("a")
     for _ in range(20):
         strategy.observe(request(0, cls="qa"), view, 1.0, 0.2, 0)

@@ -13,10 +13,7 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
-from promptlb.middleware import PromptLBClient, PromptLBMiddleware
-from promptlb.middleware._balancer import Balancer
-from promptlb.middleware._config import load_config
-from promptlb.middleware._degrade import Dispatcher
+from promptlb.middleware import PromptLBMiddleware
 
 from tests.conftest import Launcher
 
@@ -106,8 +103,10 @@ async def test_client_authorization_is_forwarded_only_when_configured(
 
 async def test_the_in_app_client_streams_and_embeds(launch: Launcher) -> None:
     model = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "500")
-    lb = Balancer(load_config({"nodes": [{"name": "a", "url": model.url, "models": ["m"]}]}))
-    client = PromptLBClient(Dispatcher(lb))
+    app = PromptLBMiddleware(
+        noop, config={"nodes": [{"name": "a", "url": model.url, "models": ["m"]}]}
+    )
+    lb, client = app.balancer, app.client
     try:
         chunks = [
             c
@@ -133,6 +132,9 @@ async def test_the_gateway_serves_the_middleware(launch: Launcher, tmp_path: Pat
         body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
         async with http.post(gateway.url + "/v1/chat/completions", json=body) as response:
             assert response.status == 200
+            # one Date and one Server: the gateway's own, not the node's beside them
+            assert len(response.headers.getall("date")) == 1
+            assert len(response.headers.getall("server")) == 1
             assert response.headers["x-promptlb-node"] == "a"
             assert json.loads(await response.read())["choices"]
         async with http.get(gateway.url + "/elsewhere") as response:
@@ -165,3 +167,11 @@ def test_the_retry_budget_is_a_share_of_active_requests_with_a_floor() -> None:
     assert budget.allow()  # 20% of 100 is 20
     budget.retrying = 20
     assert not budget.allow()
+
+
+def test_the_gateway_parses_http_with_httptools() -> None:
+    from promptlb.middleware._gateway import server_config
+
+    config = server_config(noop, "127.0.0.1", 0, "warning")
+    config.load()  # resolves the protocol class, failing if httptools is not installed
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"

@@ -9,7 +9,8 @@ import pytest
 from promptlb.middleware._config import load_config
 from promptlb.middleware._config_degrade import SheddingConfig
 from promptlb.middleware._nodes import NodeTable
-from promptlb.middleware._shedding import Admission, QueueTimeout, Shed
+from promptlb.middleware._refusals import Shed
+from promptlb.middleware._shedding import Admission, QueueTimeout
 from promptlb.middleware._view import NodeView
 from promptlb.shared import EngineSample, Snapshot
 

@@ -10,21 +10,14 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 import pytest
-from promptlb.middleware._strategies import (
-    _FORGET_SPAN,
-    DEFAULT_STRATEGY,
-    STRATEGIES,
-    LeastConn,
-    NoNodeAvailable,
-    PowerOfTwoChoices,
-    Resource,
+from promptlb.middleware._refusals import NoNodeAvailable
+from promptlb.middleware._scoring import PowerOfTwoChoices, Resource, resource_score, score_parts
+from promptlb.middleware._simple import LeastConn, RoundRobin, Weighted
+from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES, make_strategy
+from promptlb.middleware._strategy import FORGET_SPAN as _FORGET_SPAN
+from promptlb.middleware._strategy import (
     ResourceWeights,
-    RoundRobin,
     Strategy,
-    Weighted,
-    make_strategy,
-    resource_score,
-    score_parts,
 )
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import EngineSample, GpuSample, Snapshot

@@ -1,0 +1,201 @@
+"""One balanced request, read once: the body raw and parsed, the client's headers, and what
+routing needs (model, size, priority, class, affinity key), carried down the whole path.
+
+`RequestReader` is the one place a request is read: the proxy reads it off the ASGI
+connection, the in-app client builds it from a body, and both get the same `Request`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ._affinity import KeyMaker
+from ._asgi import Receive, Scope
+from ._classify import Classifier, load_classifier
+from ._config import Config
+from ._refusals import BadRequest, TooLarge
+from ._shedding import Admission
+from ._view import Priority, RouteRequest
+
+__all__ = ["Request", "RequestReader"]
+
+Headers = list[tuple[bytes, bytes]]
+
+_MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
+_YES = (b"1", b"true", b"yes")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the client asked, as the nodes will get it."""
+
+    path: str  # the route, as the cache and the stream replay know it
+    target: str  # the path and query string sent upstream
+    raw: bytes  # the body as the node gets it
+    body: Mapping[str, Any]  # ... parsed
+    headers: Headers  # the client's, as received
+    route: RouteRequest  # what the strategy sees
+    no_fallback: bool = False  # the client asked for no fallback chain
+
+    @property
+    def model(self) -> str:
+        return self.route.model
+
+    def for_model(self, model: str) -> Request:
+        """The same request to another model (a fallback hop): the body names it."""
+        if model == self.route.model:
+            return self
+        body = {**self.body, "model": model}
+        return replace(
+            self, raw=json.dumps(body).encode(), body=body, route=replace(self.route, model=model)
+        )
+
+    def with_body(self, body: Mapping[str, Any]) -> Request:
+        """The same request with another body (the batcher's merged one)."""
+        raw = json.dumps(body).encode()
+        return replace(
+            self, raw=raw, body=body, route=replace(self.route, input_tokens=_tokens(raw))
+        )
+
+
+def _tokens(raw: bytes) -> int:
+    # About four bytes a token: a body-size estimate costs nothing and ranks prompts right.
+    return len(raw) // 4
+
+
+def _plausible(max_tokens: object) -> bool:
+    """A ``max_tokens`` routing may believe (the node still gets the body as sent)."""
+    return (
+        isinstance(max_tokens, int)
+        and not isinstance(max_tokens, bool)
+        and 0 < max_tokens <= _MAX_TOKENS
+    )
+
+
+def route_of(
+    body: Mapping[str, Any],
+    size: int,
+    priority: Priority = "standard",
+    prompt_class: str = "",
+    session_key: str | None = None,
+) -> RouteRequest:
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    return RouteRequest(
+        model=body["model"],
+        input_tokens=size // 4,
+        max_tokens=max_tokens if _plausible(max_tokens) else None,
+        stream=body.get("stream") is True,
+        session_key=session_key,
+        priority=priority,
+        prompt_class=prompt_class,
+    )
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class RequestReader:
+    """Reads requests per the config: the body limit, the class (a trusted header, else the
+    classifier when something routes by class), the affinity key (only under [affinity]) and
+    the priority (raised only for trusted clients)."""
+
+    def __init__(self, config: Config, admission: Admission) -> None:
+        self.limit = config.max_body_bytes
+        header = config.class_header
+        self._class_header = header.lower().encode() if header else None
+        # Classes cost a scan of the prompt: only when something routes by them.
+        wanted = config.strategy == "model_aware" or config.classifier is not None
+        self.classify: Classifier | None = load_classifier(config.classifier) if wanted else None
+        # Keys cost a look at the body (and a hash of a long prompt's head).
+        affinity = config.affinity
+        self.keys: KeyMaker | None = KeyMaker(affinity) if affinity is not None else None
+        self._admission = admission
+
+    async def read(self, scope: Scope, receive: Receive) -> Request | None:
+        """The request on this connection; None when the client left while sending it.
+        Raises `BadRequest` (and `TooLarge`) for what no node should see."""
+        priority = token = asked_class = None
+        no_fallback = False
+        class_header = self._class_header
+        headers: Headers = scope["headers"]
+        for name, value in headers:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self.limit:
+                    raise TooLarge(self.limit)
+            elif name.startswith(b"x-promptlb-"):
+                if name == b"x-promptlb-priority":
+                    priority = value
+                elif name == b"x-promptlb-priority-token":
+                    token = value
+                elif name == b"x-promptlb-no-fallback":
+                    no_fallback = value.strip() in _YES
+            if name == class_header:
+                asked_class = value.decode("latin-1").strip()
+        try:
+            raw = await _read_body(receive, self.limit)
+        except _ClientGone:
+            return None
+        rank: Priority = "standard"
+        if priority is not None:
+            rank = self._admission.priority(priority, token, scope.get("client"))
+        query = scope.get("query_string")
+        path = scope["path"]
+        target = path + "?" + query.decode("latin-1") if query else path
+        return self._build(path, target, raw, _parse(raw), headers, rank, asked_class, no_fallback)
+
+    def build(self, path: str, body: Mapping[str, Any], headers: Headers | None = None) -> Request:
+        """The in-app client's request: ``body`` as it would arrive over HTTP."""
+        raw = json.dumps(body).encode()
+        sent = headers if headers is not None else [(b"content-type", b"application/json")]
+        return self._build(path, path, raw, _parse(raw), sent, "standard", None, False)
+
+    def _build(
+        self,
+        path: str,
+        target: str,
+        raw: bytes,
+        body: dict[str, Any],
+        headers: Headers,
+        priority: Priority,
+        asked_class: str | None,
+        no_fallback: bool,
+    ) -> Request:
+        prompt_class = asked_class or (self.classify(body) if self.classify is not None else "")
+        keys = self.keys
+        session_key = keys(body, keys.header_value(headers)) if keys is not None else None
+        route = route_of(body, len(raw), priority, prompt_class, session_key)
+        return Request(path, target, raw, body, headers, route, no_fallback)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: a deeply nested body is bad input, not a crash.
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` is required", param="model")
+    return body
