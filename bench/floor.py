@@ -22,7 +22,8 @@ def forwarder(upstream: str) -> Any:
                 state["http"] = aiohttp.ClientSession(auto_decompress=False)
                 await send({"type": "lifespan.startup.complete"})
             await state["http"].close()
-            return await send({"type": "lifespan.shutdown.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
         body, more = b"", True
         while more:
             message = await receive()
