@@ -27,25 +27,42 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+# A request answered sooner than this never starts a watcher: most answers of a fast node come
+# back within it, and a watcher costs a task on every request. A client that leaves is noticed
+# this much later at worst.
+WATCH_AFTER = 0.05
+
+
 class DisconnectWatch:
     """Cancels the current task when the client disconnects, while ``armed``.
 
-    One watcher future on ``receive()`` per request: the task awaiting a node is cancelled so
-    that the upstream try unwinds (the node sees the disconnect). ``gone`` tells that cancel
-    from any other; disarm before answering, so a late disconnect cancels nothing else, and
-    `close` when done.
+    One watcher future on ``receive()`` per request, started ``delay`` seconds in: the task
+    awaiting a node is cancelled so that the upstream try unwinds (the node sees the
+    disconnect). ``gone`` tells that cancel from any other; disarm before answering, so a late
+    disconnect cancels nothing else, and `close` when done.
     """
 
-    __slots__ = ("_task", "_watcher", "armed", "gone")
+    __slots__ = ("_receive", "_task", "_timer", "_watcher", "armed", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, delay: float = WATCH_AFTER) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
+        self._receive = receive
         self.armed = True
         self.gone = False
-        self._watcher = asyncio.ensure_future(receive())
-        self._watcher.add_done_callback(self._on_message)
+        self._watcher: asyncio.Future[Message] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        if delay > 0:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        self._timer = None
+        if self.armed:
+            self._watcher = asyncio.ensure_future(self._receive())
+            self._watcher.add_done_callback(self._on_message)
 
     def _on_message(self, future: asyncio.Future[Message]) -> None:
         if (
@@ -63,9 +80,13 @@ class DisconnectWatch:
 
     def close(self) -> None:
         self.armed = False
-        if not self._watcher.done():
-            self._watcher.remove_done_callback(self._on_message)
-            self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        watcher = self._watcher
+        if watcher is not None and not watcher.done():
+            watcher.remove_done_callback(self._on_message)
+            watcher.cancel()
 
 
 async def send_json(
