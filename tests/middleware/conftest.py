@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator._launch import Service, start_command, start_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +50,36 @@ class Cluster:
         node.model = model
         return model
 
+    def client(self) -> openai.AsyncOpenAI:
+        """The official openai client on the app's ``/v1``, without retries of its own."""
+        return openai.AsyncOpenAI(base_url=self.app.url + "/v1", api_key="unused", max_retries=0)
+
+    async def status(self) -> dict[str, Any]:
+        """The app's ``/_promptlb/status`` document (asserting that it answered 200)."""
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(self.app.url + "/_promptlb/status") as response,
+        ):
+            assert response.status == 200
+            body: dict[str, Any] = await response.json()
+            return body
+
 
 MakeCluster = Callable[..., Cluster]
+Flags = tuple[str, ...]
+Messages = list[ChatCompletionMessageParam]
+
+
+@pytest.fixture
+def fast() -> Flags:
+    """Emulator flags for a quick node: 20 ms to the first token, then 400 tokens a second."""
+    return ("--ttft-ms", "20", "--tokens-per-s", "400")
+
+
+@pytest.fixture
+def hello() -> Messages:
+    """The one-message chat most end-to-end requests send."""
+    return [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
-from tests.middleware.conftest import MakeCluster
-from tests.middleware.test_end_to_end import FAST, client
+from tests.middleware.conftest import Flags, MakeCluster
 
 
 def chat(text: str, system: str = "") -> dict[str, object]:
@@ -102,14 +101,16 @@ def test_bad_model_aware_options_are_config_errors() -> None:
         make_strategy("model_aware", inner="p2c", inner_options={"nope": 1})
 
 
-async def test_classes_reach_their_nodes_through_the_openai_client(cluster: MakeCluster) -> None:
+async def test_classes_reach_their_nodes_through_the_openai_client(
+    cluster: MakeCluster, fast: Flags
+) -> None:
     config = (
         "strategy = 'model_aware'\nclass_header = 'x-prompt-class'\n"
         "[strategy_options]\ninner = 'least_conn'\ndefault = ['general']\n"
         "[strategy_options.routes]\ncode = ['coder']\nsimple_qa = ['light']\n"
     )
-    c = cluster({"coder": FAST, "light": FAST, "general": FAST}, config)
-    api = client(c)
+    c = cluster({"coder": fast, "light": fast, "general": fast}, config)
+    api = c.client()
 
     async def node_for(text: str, headers: dict[str, str] | None = None) -> str:
         raw = await api.chat.completions.with_raw_response.create(

@@ -13,7 +13,6 @@ from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError, EngineSample, Snapshot
 
 from tests.middleware.conftest import MakeCluster
-from tests.middleware.test_end_to_end import client
 
 # A synthetic node: 0.3 s to the first token, 50 tokens/s, 0.5 ms per prompt token.
 A, B, C = 0.3, 0.02, 0.0005
@@ -252,7 +251,7 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
     fast = ("--tokens-per-s", "2000", "--ttft-ms", "5")
     slow = ("--tokens-per-s", "100", "--ttft-ms", "200")
     c = cluster({"fast": fast, "slow": slow}, "strategy = 'predictive'\n")
-    api = client(c)
+    api = c.client()
     got: list[str] = []
     for _ in range(30):
         raw = await api.chat.completions.with_raw_response.create(
