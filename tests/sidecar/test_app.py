@@ -19,7 +19,7 @@ from promptlb.sidecar._app import LIVE, _Collectors
 from promptlb.sidecar._gpu import GpuCollector
 from promptlb.sidecar._live import Live
 
-from tests.sidecar.test_gpu import FakeNvml
+from tests.sidecar.conftest import FakeNvml
 
 GOOD = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
 
@@ -280,15 +280,17 @@ async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
 # --- host and GPU sampling ------------------------------------------------------------------------
 
 
-async def test_gpus_are_sampled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_gpus_are_sampled_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml
+) -> None:
     threads: set[int] = set()
+    utilisation = nvml.nvmlDeviceGetUtilizationRates
 
-    class TracedNvml(FakeNvml):
-        def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-            threads.add(threading.get_ident())
-            return super().nvmlDeviceGetUtilizationRates(h)
+    def traced(h: int) -> Any:
+        threads.add(threading.get_ident())
+        return utilisation(h)
 
-    nvml = TracedNvml()
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", traced)
     monkeypatch.setattr(
         sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
     )
