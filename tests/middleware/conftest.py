@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator._launch import Service, start_command, start_service
+
+from tests.conftest import Serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,6 +72,30 @@ class Cluster:
 MakeCluster = Callable[..., Cluster]
 Flags = tuple[str, ...]
 Messages = list[ChatCompletionMessageParam]
+OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
+
+
+@pytest.fixture
+def openai_over(serve: Serve) -> OpenAIOver:
+    """``async with openai_over(path, events) as api:`` an openai client whose ``path`` answers
+    ``events`` from a real loopback server: the client's own HTTP stack and SSE parser read
+    them, as from a node."""
+
+    @asynccontextmanager
+    async def over(path: str, events: list[bytes]) -> AsyncIterator[openai.AsyncOpenAI]:
+        async def answer(request: web.Request) -> web.Response:
+            return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+        app = web.Application()
+        app.router.add_post(path, answer)
+        async with serve(app) as url:
+            api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            try:
+                yield api
+            finally:
+                await api.close()
+
+    return over
 
 
 @pytest.fixture

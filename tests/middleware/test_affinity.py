@@ -20,6 +20,8 @@ from promptlb.middleware._strategies import NoNodeAvailable, make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
+from tests.conftest import Serve
+
 
 def nodes(count: int) -> list[NodeView]:
     return [NodeView(name=f"node-{i}", url=f"http://n{i}:1") for i in range(count)]
@@ -298,18 +300,14 @@ def test_the_proxy_puts_the_key_on_the_route_request_only_with_affinity() -> Non
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[str]:
+async def upstream(serve: Serve) -> AsyncIterator[str]:
     async def handler(request: web.Request) -> web.Response:
         return web.json_response({"choices": []})
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)  # /health too
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with serve(app) as url:
+        yield url
 
 
 async def noop(scope: Any, receive: Any, send: Any) -> None:
