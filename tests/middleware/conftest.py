@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +14,8 @@ import pytest
 from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.middleware._view import NodeView
+from promptlb.shared import EngineSample, GpuSample, Snapshot
 
 from tests.conftest import Serve
 
@@ -72,6 +74,8 @@ class Cluster:
 MakeCluster = Callable[..., Cluster]
 Flags = tuple[str, ...]
 Messages = list[ChatCompletionMessageParam]
+MakeSnapshot = Callable[..., Snapshot]
+MakeNode = Callable[..., NodeView]
 OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
 
 
@@ -164,3 +168,73 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     yield make
     for service in reversed(started):
         service.stop()
+
+
+# --- nodes and snapshots for the pure-logic tests (strategies, node table, shedding) ----------
+
+SNAPSHOT_KEYS = frozenset(
+    {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
+    | {"running", "waiting", "kv_cache", "tps"}
+)
+
+
+def _snapshot(
+    name: str,
+    seq: int = 1,
+    *,
+    boot: str = "b00t",
+    ready: bool = True,
+    warm: bool = True,
+    draining: bool = False,
+    gpus: Sequence[float] = (),
+    cpu: float | None = None,
+    mem: float | None = None,
+    running: int | None = None,
+    waiting: int = 0,
+    kv_cache: float | None = None,
+    tps: float | None = None,
+) -> Snapshot:
+    engine = None
+    if running is not None:
+        engine = EngineSample(running=running, waiting=waiting, kv_cache=kv_cache, tps=tps)
+    return Snapshot(
+        node=name,
+        boot=boot,
+        seq=seq,
+        ts=1_700_000_000.0,
+        ready=ready,
+        warm=warm,
+        draining=draining,
+        cpu=cpu,
+        mem=mem,
+        gpus=tuple(GpuSample(i, u, 1_000, 80_000) for i, u in enumerate(gpus)),
+        engine=engine,
+    )
+
+
+@pytest.fixture
+def snap() -> MakeSnapshot:
+    """``snap("a", seq=2, gpus=[0.9], cpu=0.5, running=3, waiting=1)``: a ready, warm snapshot
+    of node ``a``, with GPUs at the given utilisations; it has an engine sample only when
+    ``running`` is given."""
+    return _snapshot
+
+
+@pytest.fixture
+def node() -> MakeNode:
+    """``node("a", running=2, weight=2.0, tags={"gpu"})``: the view of node ``a``. Any of
+    ``snap``'s keywords gives it a snapshot built by ``snap``; without them it has none (its
+    load is unknown). The other keywords are ``NodeView`` fields."""
+
+    def make(name: str, *, tags: Iterable[str] = (), **fields: Any) -> NodeView:
+        own = {key: fields.pop(key) for key in list(fields) if key in SNAPSHOT_KEYS}
+        snapshot = _snapshot(name, **own) if own else None
+        return NodeView(
+            name=name,
+            url=f"http://{name}:8000",
+            tags=frozenset(tags),
+            snapshot=snapshot,
+            **fields,
+        )
+
+    return make

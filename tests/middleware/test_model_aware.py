@@ -9,10 +9,10 @@ import time
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
 from promptlb.middleware._strategies import make_strategy
-from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
-from tests.middleware.conftest import Flags, MakeCluster
+from tests.middleware.conftest import Flags, MakeCluster, MakeNode
 
 
 def chat(text: str, system: str = "") -> dict[str, object]:
@@ -65,18 +65,19 @@ def test_a_custom_classifier_is_loaded_by_name() -> None:
             load_classifier(bad)
 
 
-def node(name: str, *tags: str) -> NodeView:
-    return NodeView(name=name, url=f"http://{name}:1", tags=frozenset(tags))
-
-
-def test_the_strategy_keeps_each_class_on_its_nodes() -> None:
+def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
     strategy = make_strategy(
         "model_aware",
         routes={"code": ["coder"], "simple_qa": ["light"]},
         default=["big"],
         inner="round_robin",
     )
-    nodes = [node("a", "light"), node("b", "coder"), node("c", "big"), node("d", "light")]
+    nodes = [
+        node("a", tags={"light"}),
+        node("b", tags={"coder"}),
+        node("c", tags={"big"}),
+        node("d", tags={"light"}),
+    ]
     rng = random.Random(1)
 
     def picks(cls: str) -> set[str]:
