@@ -7,15 +7,18 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from promptlb.emulator._launch import Service, start_service
 
 Launcher = Callable[..., Service]
+Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
 
-__all__ = ["Launcher", "RedisServer", "Service"]
+__all__ = ["Launcher", "RedisServer", "Serve", "Service"]
 
 
 @pytest.fixture
@@ -31,6 +34,25 @@ def launch() -> Iterator[Launcher]:
     yield _launch
     for service in reversed(started):
         service.stop()
+
+
+@pytest.fixture
+def serve() -> Serve:
+    """``async with serve(app) as url:`` runs an aiohttp app on a free loopback port; the
+    block's end cleans it up."""
+
+    @asynccontextmanager
+    async def _serve(app: web.Application) -> AsyncIterator[str]:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            await runner.cleanup()
+
+    return _serve
 
 
 class RedisServer:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+import openai
 import pytest
+from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.middleware._view import NodeView
+from promptlb.shared import EngineSample, GpuSample, Snapshot
+
+from tests.conftest import Serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,8 +56,62 @@ class Cluster:
         node.model = model
         return model
 
+    def client(self) -> openai.AsyncOpenAI:
+        """The official openai client on the app's ``/v1``, without retries of its own."""
+        return openai.AsyncOpenAI(base_url=self.app.url + "/v1", api_key="unused", max_retries=0)
+
+    async def status(self) -> dict[str, Any]:
+        """The app's ``/_promptlb/status`` document (asserting that it answered 200)."""
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(self.app.url + "/_promptlb/status") as response,
+        ):
+            assert response.status == 200
+            body: dict[str, Any] = await response.json()
+            return body
+
 
 MakeCluster = Callable[..., Cluster]
+Flags = tuple[str, ...]
+Messages = list[ChatCompletionMessageParam]
+MakeSnapshot = Callable[..., Snapshot]
+MakeNode = Callable[..., NodeView]
+OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
+
+
+@pytest.fixture
+def openai_over(serve: Serve) -> OpenAIOver:
+    """``async with openai_over(path, events) as api:`` an openai client whose ``path`` answers
+    ``events`` from a real loopback server: the client's own HTTP stack and SSE parser read
+    them, as from a node."""
+
+    @asynccontextmanager
+    async def over(path: str, events: list[bytes]) -> AsyncIterator[openai.AsyncOpenAI]:
+        async def answer(request: web.Request) -> web.Response:
+            return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+        app = web.Application()
+        app.router.add_post(path, answer)
+        async with serve(app) as url:
+            api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            try:
+                yield api
+            finally:
+                await api.close()
+
+    return over
+
+
+@pytest.fixture
+def fast() -> Flags:
+    """Emulator flags for a quick node: 20 ms to the first token, then 400 tokens a second."""
+    return ("--ttft-ms", "20", "--tokens-per-s", "400")
+
+
+@pytest.fixture
+def hello() -> Messages:
+    """The one-message chat most end-to-end requests send."""
+    return [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture
@@ -104,3 +168,73 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     yield make
     for service in reversed(started):
         service.stop()
+
+
+# --- nodes and snapshots for the pure-logic tests (strategies, node table, shedding) ----------
+
+SNAPSHOT_KEYS = frozenset(
+    {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
+    | {"running", "waiting", "kv_cache", "tps"}
+)
+
+
+def _snapshot(
+    name: str,
+    seq: int = 1,
+    *,
+    boot: str = "b00t",
+    ready: bool = True,
+    warm: bool = True,
+    draining: bool = False,
+    gpus: Sequence[float] = (),
+    cpu: float | None = None,
+    mem: float | None = None,
+    running: int | None = None,
+    waiting: int = 0,
+    kv_cache: float | None = None,
+    tps: float | None = None,
+) -> Snapshot:
+    engine = None
+    if running is not None:
+        engine = EngineSample(running=running, waiting=waiting, kv_cache=kv_cache, tps=tps)
+    return Snapshot(
+        node=name,
+        boot=boot,
+        seq=seq,
+        ts=1_700_000_000.0,
+        ready=ready,
+        warm=warm,
+        draining=draining,
+        cpu=cpu,
+        mem=mem,
+        gpus=tuple(GpuSample(i, u, 1_000, 80_000) for i, u in enumerate(gpus)),
+        engine=engine,
+    )
+
+
+@pytest.fixture
+def snap() -> MakeSnapshot:
+    """``snap("a", seq=2, gpus=[0.9], cpu=0.5, running=3, waiting=1)``: a ready, warm snapshot
+    of node ``a``, with GPUs at the given utilisations; it has an engine sample only when
+    ``running`` is given."""
+    return _snapshot
+
+
+@pytest.fixture
+def node() -> MakeNode:
+    """``node("a", running=2, weight=2.0, tags={"gpu"})``: the view of node ``a``. Any of
+    ``snap``'s keywords gives it a snapshot built by ``snap``; without them it has none (its
+    load is unknown). The other keywords are ``NodeView`` fields."""
+
+    def make(name: str, *, tags: Iterable[str] = (), **fields: Any) -> NodeView:
+        own = {key: fields.pop(key) for key in list(fields) if key in SNAPSHOT_KEYS}
+        snapshot = _snapshot(name, **own) if own else None
+        return NodeView(
+            name=name,
+            url=f"http://{name}:8000",
+            tags=frozenset(tags),
+            snapshot=snapshot,
+            **fields,
+        )
+
+    return make

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -21,9 +21,20 @@ from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
+from tests.conftest import Serve
+from tests.middleware.conftest import MakeNode
 
-def nodes(count: int) -> list[NodeView]:
-    return [NodeView(name=f"node-{i}", url=f"http://n{i}:1") for i in range(count)]
+MakePool = Callable[[int], list[NodeView]]
+
+
+@pytest.fixture
+def nodes(node: MakeNode) -> MakePool:
+    """``nodes(8)``: views node-0 ... node-7, without snapshots."""
+
+    def make(count: int) -> list[NodeView]:
+        return [node(f"node-{i}") for i in range(count)]
+
+    return make
 
 
 def keyed(key: str | None) -> RouteRequest:
@@ -57,7 +68,7 @@ class Recording:
         self.observed.append((node.name, latency_s, ttft_s, queue_at_pick))
 
 
-def test_a_key_stays_on_its_node_when_loads_are_balanced() -> None:
+def test_a_key_stays_on_its_node_when_loads_are_balanced(nodes: MakePool) -> None:
     rng = random.Random(1)
     pool = nodes(8)
     for node in pool:
@@ -83,7 +94,7 @@ def test_a_key_stays_on_its_node_when_loads_are_balanced() -> None:
 
 @pytest.mark.parametrize(("epsilon", "at_least"), [(0.25, 0.75), (1.0, 0.97)])
 def test_sessions_mostly_keep_their_node_while_requests_come_and_go(
-    epsilon: float, at_least: float
+    epsilon: float, at_least: float, nodes: MakePool
 ) -> None:
     """200 sessions, requests arriving at random and each holding its node for the next 48
     arrivals (6 in flight per node on average). Loads fluctuate, so the bound sends some
@@ -106,7 +117,7 @@ def test_sessions_mostly_keep_their_node_while_requests_come_and_go(
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.25, 1.0])
-def test_a_hot_key_never_pushes_a_node_over_the_bound(epsilon: float) -> None:
+def test_a_hot_key_never_pushes_a_node_over_the_bound(epsilon: float, nodes: MakePool) -> None:
     rng = random.Random(3)
     pool = nodes(8)
     affinity = Affinity(make_strategy("p2c"), epsilon=epsilon)
@@ -120,7 +131,7 @@ def test_a_hot_key_never_pushes_a_node_over_the_bound(epsilon: float) -> None:
     assert sum(1 for n in pool if n.in_flight > 0) == len(pool)
 
 
-def test_weights_scale_a_nodes_bound() -> None:
+def test_weights_scale_a_nodes_bound(nodes: MakePool) -> None:
     rng = random.Random(4)
     pool = nodes(4)
     pool[0].weight = 3.0
@@ -132,7 +143,7 @@ def test_weights_scale_a_nodes_bound() -> None:
     assert pool[0].in_flight > 600 * 3 / 6 * 0.8
 
 
-def test_a_node_leaving_moves_only_its_own_keys() -> None:
+def test_a_node_leaving_moves_only_its_own_keys(nodes: MakePool) -> None:
     rng = random.Random(5)
     pool = nodes(8)
     affinity = Affinity(make_strategy("p2c"))
@@ -150,7 +161,7 @@ def test_a_node_leaving_moves_only_its_own_keys() -> None:
     assert again == before
 
 
-def test_replicas_agree_on_a_keys_node() -> None:
+def test_replicas_agree_on_a_keys_node(nodes: MakePool) -> None:
     pool_a, pool_b = nodes(6), list(reversed(nodes(6)))  # same names, another order
     a, b = Affinity(make_strategy("p2c")), Affinity(make_strategy("round_robin"))
     for i in range(300):
@@ -161,7 +172,7 @@ def test_replicas_agree_on_a_keys_node() -> None:
         )
 
 
-def test_requests_without_a_key_go_to_the_inner_strategy() -> None:
+def test_requests_without_a_key_go_to_the_inner_strategy(nodes: MakePool) -> None:
     inner = Recording()
     affinity = Affinity(inner)
     pool = nodes(3)
@@ -175,7 +186,7 @@ def test_requests_without_a_key_go_to_the_inner_strategy() -> None:
     assert affinity.pick(keyed("s:x"), pool[:1], rng) is pool[0]
 
 
-def test_observe_reaches_the_inner_strategy_when_it_has_the_hook() -> None:
+def test_observe_reaches_the_inner_strategy_when_it_has_the_hook(nodes: MakePool) -> None:
     inner = Recording()
     pool = nodes(2)
     Affinity(inner).observe(keyed("s:x"), pool[1], 0.5, 0.1, 3)
@@ -183,7 +194,7 @@ def test_observe_reaches_the_inner_strategy_when_it_has_the_hook() -> None:
     Affinity(make_strategy("round_robin")).observe(keyed(None), pool[0], 0.5, None, 0)  # no hook
 
 
-def test_rings_are_built_once_per_candidate_list() -> None:
+def test_rings_are_built_once_per_candidate_list(nodes: MakePool) -> None:
     affinity = Affinity(make_strategy("p2c"), vnodes=16)
     pool = nodes(4)
     rng = random.Random(7)
@@ -306,18 +317,14 @@ def test_the_reader_puts_the_key_on_the_route_request_only_with_affinity() -> No
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[str]:
+async def upstream(serve: Serve) -> AsyncIterator[str]:
     async def handler(request: web.Request) -> web.Response:
         return web.json_response({"choices": []})
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)  # /health too
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with serve(app) as url:
+        yield url
 
 
 async def noop(scope: Any, receive: Any, send: Any) -> None:

@@ -20,7 +20,7 @@ from promptlb.middleware._cache import (
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
 from tests.conftest import RedisServer
-from tests.middleware.test_sse import openai_over
+from tests.middleware.conftest import OpenAIOver
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -158,7 +158,7 @@ def test_an_unfinished_broken_or_oversized_stream_is_not_kept() -> None:
     assert big.result() is None
 
 
-async def test_a_replay_is_parsed_by_the_openai_client() -> None:
+async def test_a_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) -> None:
     assembler = StreamAssembler(chat=True)
     feed(assembler, sse(CHAT_STREAM))
     body = assembler.result()

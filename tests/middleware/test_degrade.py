@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.conftest import RedisServer
-from tests.middleware.conftest import Cluster, MakeCluster
-from tests.middleware.test_end_to_end import FAST, HELLO, client, status
+from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages
 
 HEALTH = (
     "[health]\ninterval = '200ms'\ninterval_jitter = '20ms'\ntimeout = '200ms'\n"
@@ -19,8 +20,15 @@ HEALTH = (
 )
 
 
-def chat_body(**extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": HELLO, "max_tokens": 6, "temperature": 0, **extra}
+ChatBody = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def chat_body(hello: Messages) -> ChatBody:
+    def make(**extra: Any) -> dict[str, Any]:
+        return {"model": "m", "messages": hello, "max_tokens": 6, "temperature": 0, **extra}
+
+    return make
 
 
 async def post(
@@ -45,7 +53,7 @@ async def emulator_stats(url: str) -> dict[str, int]:
 async def wait_down(c: Cluster, *names: str) -> None:
     deadline = time.monotonic() + 10
     while True:
-        states = {n["name"]: n["state"] for n in (await status(c))["nodes"]}
+        states = {n["name"]: n["state"] for n in (await c.status())["nodes"]}
         if all(states[name] != "ready" for name in names):
             return
         assert time.monotonic() < deadline, states
@@ -59,21 +67,23 @@ def kill(c: Cluster, name: str) -> None:
 
 async def test_a_slow_primary_falls_back_to_the_light_model_within_ttft(
     cluster: MakeCluster,
+    fast: Flags,
+    hello: Messages,
 ) -> None:
     config = "[[fallback]]\nmodel = 'big'\nthen = ['small']\nttft = '500ms'\n"
     c = cluster(
         {
             "big": ("--model", "big", "--ttft-ms", "5000", "--tokens-per-s", "400"),
-            "small": ("--model", "small", *FAST),
+            "small": ("--model", "small", *fast),
         },
         config,
     )
-    api = client(c)
-    await api.chat.completions.create(model="small", messages=HELLO, max_tokens=2)  # warm
+    api = c.client()
+    await api.chat.completions.create(model="small", messages=hello, max_tokens=2)  # warm
     for stream in (False, True):
         started = time.monotonic()
         raw = await api.chat.completions.with_raw_response.create(
-            model="big", messages=HELLO, max_tokens=4, stream=stream
+            model="big", messages=hello, max_tokens=4, stream=stream
         )
         parsed = raw.parse()
         if stream:
@@ -91,7 +101,9 @@ async def test_a_slow_primary_falls_back_to_the_light_model_within_ttft(
     assert (await emulator_stats(c.nodes["big"].model.url))["cancelled"] == 2
 
 
-async def test_clients_may_opt_out_of_fallback_only_where_allowed(cluster: MakeCluster) -> None:
+async def test_clients_may_opt_out_of_fallback_only_where_allowed(
+    cluster: MakeCluster, fast: Flags, chat_body: ChatBody
+) -> None:
     config = (
         "[retry]\nper_try_timeout = '300ms'\n"
         "[[fallback]]\nmodel = 'big'\nthen = ['small']\nttft = '300ms'\n"
@@ -100,7 +112,7 @@ async def test_clients_may_opt_out_of_fallback_only_where_allowed(cluster: MakeC
     c = cluster(
         {
             "big": ("--model", "big", "--model", "mid", "--ttft-ms", "3000"),
-            "small": ("--model", "small", *FAST),
+            "small": ("--model", "small", *fast),
         },
         config,
     )
@@ -112,13 +124,13 @@ async def test_clients_may_opt_out_of_fallback_only_where_allowed(cluster: MakeC
 
 
 async def test_everything_down_serves_the_shared_redis_cache_from_another_replica(
-    cluster: MakeCluster, redis_server: RedisServer
+    cluster: MakeCluster, redis_server: RedisServer, fast: Flags, chat_body: ChatBody
 ) -> None:
     config = (
         HEALTH + f"[cache]\nbackend = '{redis_server.url}'\n"
         "[[fallback]]\nmodel = 'm'\nthen = ['cache']\nttft = '1s'\n"
     )
-    c = cluster({"a": FAST, "b": FAST}, config)
+    c = cluster({"a": fast, "b": fast}, config)
     code, headers, fresh, _ = await post(c.app.url, chat_body())
     assert code == 200 and "x-promptlb-degraded" not in headers
     sampled, _, _, _ = await post(c.app.url, chat_body(temperature=0.7, max_tokens=3))
@@ -144,10 +156,10 @@ async def test_everything_down_serves_the_shared_redis_cache_from_another_replic
 
 
 async def test_requests_succeed_when_redis_dies_mid_test(
-    cluster: MakeCluster, redis_server: RedisServer
+    cluster: MakeCluster, redis_server: RedisServer, fast: Flags, chat_body: ChatBody
 ) -> None:
     config = f"[cache]\nbackend = '{redis_server.url}'\nserve_fresh = true\ntimeout = '50ms'\n"
-    c = cluster({"a": FAST}, config)
+    c = cluster({"a": fast}, config)
     code, headers, first, _ = await post(c.app.url, chat_body())
     assert code == 200 and "x-promptlb-cache" not in headers
     await asyncio.sleep(0.2)
@@ -169,14 +181,16 @@ async def test_requests_succeed_when_redis_dies_mid_test(
 
 async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     cluster: MakeCluster,
+    fast: Flags,
+    hello: Messages,
 ) -> None:
     config = HEALTH + "[cache]\n[[fallback]]\nmodel = 'm'\nthen = ['cache']\n"
-    c = cluster({"a": FAST}, config)
-    api = client(c)
+    c = cluster({"a": fast}, config)
+    api = c.client()
 
     async def ask() -> tuple[str, str | None, dict[str, str]]:
         raw = await api.chat.completions.with_raw_response.create(
-            model="m", messages=HELLO, max_tokens=9, temperature=0, stream=True
+            model="m", messages=hello, max_tokens=9, temperature=0, stream=True
         )
         chunks = [chunk async for chunk in raw.parse()]
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -201,12 +215,12 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     assert (replayed, replay_finish) == (text, finish)
     # The same answer, asked without streaming, comes back whole.
     whole = await api.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=9, temperature=0
+        model="m", messages=hello, max_tokens=9, temperature=0
     )
     assert whole.choices[0].message.content == text
 
 
-async def test_shedding_by_priority(cluster: MakeCluster) -> None:
+async def test_shedding_by_priority(cluster: MakeCluster, chat_body: ChatBody) -> None:
     config = (
         "[shedding]\nenabled = true\nmax_in_flight = 1\nqueue_timeout = '600ms'\n"
         "retry_after = 2\npriority_token = 'letmein'\n"
@@ -235,17 +249,19 @@ async def test_shedding_by_priority(cluster: MakeCluster) -> None:
     assert (await busy)[0] == 200
 
 
-async def test_a_hedge_wins_and_the_loser_is_cancelled_upstream(cluster: MakeCluster) -> None:
+async def test_a_hedge_wins_and_the_loser_is_cancelled_upstream(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
     config = (
         "strategy = 'round_robin'\n"
         "[[fallback]]\nmodel = 'm'\nthen = []\nttft = '5s'\nhedge_after = '200ms'\n"
     )
-    c = cluster({"slow": ("--ttft-ms", "3000"), "fast": FAST}, config)
-    api = client(c)
+    c = cluster({"slow": ("--ttft-ms", "3000"), "fast": fast}, config)
+    api = c.client()
     for _ in range(4):
         started = time.monotonic()
         raw = await api.chat.completions.with_raw_response.create(
-            model="m", messages=HELLO, max_tokens=4
+            model="m", messages=hello, max_tokens=4
         )
         raw.parse()
         assert raw.headers["x-promptlb-node"] == "fast"

@@ -9,11 +9,10 @@ import time
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
 from promptlb.middleware._strategies import make_strategy
-from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
-from tests.middleware.conftest import MakeCluster
-from tests.middleware.test_end_to_end import FAST, client
+from tests.middleware.conftest import Flags, MakeCluster, MakeNode
 
 
 def chat(text: str, system: str = "") -> dict[str, object]:
@@ -66,18 +65,19 @@ def test_a_custom_classifier_is_loaded_by_name() -> None:
             load_classifier(bad)
 
 
-def node(name: str, *tags: str) -> NodeView:
-    return NodeView(name=name, url=f"http://{name}:1", tags=frozenset(tags))
-
-
-def test_the_strategy_keeps_each_class_on_its_nodes() -> None:
+def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
     strategy = make_strategy(
         "model_aware",
         routes={"code": ["coder"], "simple_qa": ["light"]},
         default=["big"],
         inner="round_robin",
     )
-    nodes = [node("a", "light"), node("b", "coder"), node("c", "big"), node("d", "light")]
+    nodes = [
+        node("a", tags={"light"}),
+        node("b", tags={"coder"}),
+        node("c", tags={"big"}),
+        node("d", tags={"light"}),
+    ]
     rng = random.Random(1)
 
     def picks(cls: str) -> set[str]:
@@ -102,14 +102,16 @@ def test_bad_model_aware_options_are_config_errors() -> None:
         make_strategy("model_aware", inner="p2c", inner_options={"nope": 1})
 
 
-async def test_classes_reach_their_nodes_through_the_openai_client(cluster: MakeCluster) -> None:
+async def test_classes_reach_their_nodes_through_the_openai_client(
+    cluster: MakeCluster, fast: Flags
+) -> None:
     config = (
         "strategy = 'model_aware'\nclass_header = 'x-prompt-class'\n"
         "[strategy_options]\ninner = 'least_conn'\ndefault = ['general']\n"
         "[strategy_options.routes]\ncode = ['coder']\nsimple_qa = ['light']\n"
     )
-    c = cluster({"coder": FAST, "light": FAST, "general": FAST}, config)
-    api = client(c)
+    c = cluster({"coder": fast, "light": fast, "general": fast}, config)
+    api = c.client()
 
     async def node_for(text: str, headers: dict[str, str] | None = None) -> str:
         raw = await api.chat.completions.with_raw_response.create(

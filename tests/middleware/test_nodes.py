@@ -5,7 +5,8 @@ from __future__ import annotations
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._config import HealthConfig, OutlierConfig
 from promptlb.middleware._nodes import NodeTable
-from promptlb.shared import EngineSample, Snapshot
+
+from tests.middleware.conftest import MakeSnapshot
 
 
 class Clock:
@@ -29,28 +30,6 @@ def table(n: int = 3, **config: object) -> NodeTable:
     t.settled = True
     t.tick(0.0)
     return t
-
-
-def snap(
-    node: str,
-    seq: int,
-    *,
-    boot: str = "b1",
-    ready: bool = True,
-    warm: bool = True,
-    draining: bool = False,
-    running: int = 0,
-) -> Snapshot:
-    return Snapshot(
-        node=node,
-        boot=boot,
-        seq=seq,
-        ts=1.0,
-        ready=ready,
-        warm=warm,
-        draining=draining,
-        engine=EngineSample(running=running, waiting=0),
-    )
 
 
 def names(t: NodeTable, now: float | None = None) -> set[str]:
@@ -100,7 +79,7 @@ def test_a_success_resets_the_failure_count() -> None:
     assert "n0" in names(t)
 
 
-def test_a_stale_snapshot_is_not_load_evidence() -> None:
+def test_a_stale_snapshot_is_not_load_evidence(snap: MakeSnapshot) -> None:
     t = table(stale_after=5.0)
     n0 = t.nodes["n0"]
     t.record_snapshot(n0, snap("n0", 1, running=7), now=1.0)
@@ -112,7 +91,7 @@ def test_a_stale_snapshot_is_not_load_evidence() -> None:
     assert "n0" in names(t)  # still a candidate: health decides that, not gossip
 
 
-def test_an_older_snapshot_never_replaces_a_newer_one() -> None:
+def test_an_older_snapshot_never_replaces_a_newer_one(snap: MakeSnapshot) -> None:
     t = table()
     n0 = t.nodes["n0"]
     assert t.record_snapshot(n0, snap("n0", 5, running=5), 1.0)
@@ -121,10 +100,10 @@ def test_an_older_snapshot_never_replaces_a_newer_one() -> None:
     assert t.record_snapshot(n0, snap("n0", 1, boot="b2", running=1), 1.2)  # a new boot
 
 
-def test_warming_and_draining_nodes_get_no_requests() -> None:
+def test_warming_and_draining_nodes_get_no_requests(snap: MakeSnapshot) -> None:
     t = table()
-    t.record_snapshot(t.nodes["n0"], snap("n0", 1, warm=False), 1.0)
-    t.record_snapshot(t.nodes["n1"], snap("n1", 1, draining=True), 1.0)
+    t.record_snapshot(t.nodes["n0"], snap("n0", 1, warm=False, running=0), 1.0)
+    t.record_snapshot(t.nodes["n1"], snap("n1", 1, draining=True, running=0), 1.0)
     assert names(t, 1.0) == {"n2"}
     assert t.state_of(t.nodes["n0"]) == "warming"
     assert t.state_of(t.nodes["n1"]) == "draining"
@@ -146,7 +125,7 @@ def test_slow_start_ramps_a_recovered_node() -> None:
     assert n0.view.ramp == 1.0
 
 
-def test_in_flight_at_snapshot_is_remembered_for_the_effective_queue() -> None:
+def test_in_flight_at_snapshot_is_remembered_for_the_effective_queue(snap: MakeSnapshot) -> None:
     t = table()
     n0 = t.nodes["n0"]
     n0.view.in_flight = 3

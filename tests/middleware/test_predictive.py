@@ -11,10 +11,9 @@ from promptlb.middleware._predictive import Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
-from promptlb.shared import ConfigError, EngineSample, Snapshot
+from promptlb.shared import ConfigError
 
-from tests.middleware.conftest import MakeCluster
-from tests.middleware.test_end_to_end import client
+from tests.middleware.conftest import MakeCluster, MakeNode
 
 # A synthetic node: 0.3 s to the first token, 50 tokens/s, 0.5 ms per prompt token.
 A, B, C = 0.3, 0.02, 0.0005
@@ -23,21 +22,6 @@ CONVERGES_WITHIN = 30  # observations, with 5% noise, to predict typical request
 
 def truth(out: int, inp: int) -> float:
     return A + B * out + C * inp
-
-
-def node(
-    name: str, *, running: int = 0, waiting: int = 0, tps: float | None = None, **kwargs: Any
-) -> NodeView:
-    snapshot = Snapshot(
-        node=name,
-        boot="b00t",
-        seq=1,
-        ts=1_700_000_000.0,
-        ready=True,
-        warm=True,
-        engine=EngineSample(running=running, waiting=waiting, tps=tps),
-    )
-    return NodeView(name=name, url=f"http://{name}:8000", snapshot=snapshot, **kwargs)
 
 
 def request(out: int | None = 100, inp: int = 200, cls: str = "") -> RouteRequest:
@@ -80,10 +64,10 @@ def test_a_streamed_answer_splits_decode_from_the_head_so_a_wrong_wait_spares_th
     assert model.theta[1] / 100 == pytest.approx(B, rel=0.02)
 
 
-def test_the_model_follows_a_node_that_slows_down() -> None:
+def test_the_model_follows_a_node_that_slows_down(node: MakeNode) -> None:
     rng = random.Random(3)
     strategy = Predictive(PowerOfTwoChoices())
-    view = node("a")
+    view = node("a", running=0)
     teach(strategy, view, 30, rng)
     teach(strategy, view, 60, rng, scale=2.0)
     model = strategy.model_of("a")
@@ -91,7 +75,9 @@ def test_the_model_follows_a_node_that_slows_down() -> None:
     assert model.service(200, 500) == pytest.approx(2 * truth(200, 500), rel=0.05)
 
 
-def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait() -> None:
+def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait(
+    node: MakeNode,
+) -> None:
     strategy = Predictive(PowerOfTwoChoices())
     rng = random.Random(4)
     view = node("a", running=4, waiting=3)
@@ -106,7 +92,7 @@ def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait
     assert busy is not None and quiet is not None and busy > quiet + 1.0
 
 
-def test_a_cold_start_behaves_as_p2c() -> None:
+def test_a_cold_start_behaves_as_p2c(node: MakeNode) -> None:
     views = [node(f"n{i}", running=i) for i in range(6)]
     for v in views:
         v.in_flight = 1  # every cold node already has a probe out
@@ -118,10 +104,10 @@ def test_a_cold_start_behaves_as_p2c() -> None:
         )
 
 
-def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
+def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request(node: MakeNode) -> None:
     rng = random.Random(5)
     strategy = Predictive(PowerOfTwoChoices())
-    warm, cold = node("warm"), node("cold")
+    warm, cold = node("warm", running=0), node("cold", running=0)
     teach(strategy, warm, 10, rng)
     strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
     assert strategy.pick(request(100), [warm, cold], rng) is cold
@@ -130,7 +116,7 @@ def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request() -> None:
     assert strategy.pick(request(100), [warm, cold], rng) is warm
 
 
-def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second() -> None:
+def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second(node: MakeNode) -> None:
     strategy = Predictive(PowerOfTwoChoices())
     # 4 running at 200 tokens/s in all: 50 tokens/s each, 2 s for 100 tokens, no queue.
     busy = node("busy", running=4, tps=200.0)
@@ -143,30 +129,33 @@ def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second() -> None:
     assert strategy.expected_time(request(100), node("tgi", running=4), 100.0) is None
 
 
-def test_every_replica_routes_by_the_snapshots_before_any_answer_of_its_own() -> None:
+def test_every_replica_routes_by_the_snapshots_before_any_answer_of_its_own(node: MakeNode) -> None:
     fast = node("fast", running=8, tps=800.0)  # 100 tokens/s a request
     slow = node("slow", running=4, tps=100.0)  # 25 tokens/s a request
     got: Counter[str] = Counter()
     for seed in range(200):  # 200 fresh replicas, one pick each
-        strategy = Predictive(PowerOfTwoChoices())
-        got[strategy.pick(request(), [slow, fast], random.Random(seed)).name] += 1
+        got[
+            Predictive(PowerOfTwoChoices()).pick(request(), [slow, fast], random.Random(seed)).name
+        ] += 1
     # 4x slower is 256:1 at the fourth power.
     assert got["fast"] >= 195
 
 
-def test_a_cold_node_estimated_from_tokens_per_second_waits_behind_its_queue() -> None:
+def test_a_cold_node_estimated_from_tokens_per_second_waits_behind_its_queue(
+    node: MakeNode,
+) -> None:
     strategy = Predictive(PowerOfTwoChoices())
     # A pick sets the usual output length (100 here), which prices the requests ahead.
-    strategy.pick(request(100), [node("x"), node("y")], random.Random(0))
+    strategy.pick(request(100), [node("x", running=0), node("y", running=0)], random.Random(0))
     full = node("full", running=4, waiting=8, tps=200.0)  # 4 slots, 8 queued, 2 s a request
     # (12 - 4 + 1) requests ahead of its turn at 2 s over 4 slots, then its own 2 s.
     assert strategy.expected_time(request(100), full, 100.0) == pytest.approx(9 * 2 / 4 + 2)
 
 
-def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> None:
+def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two(node: MakeNode) -> None:
     rng = random.Random(6)
     strategy = Predictive(PowerOfTwoChoices())
-    fast, mid, slow = node("fast"), node("mid"), node("slow")
+    fast, mid, slow = node("fast", running=0), node("mid", running=0), node("slow", running=0)
     teach(strategy, fast, 20, rng)
     teach(strategy, mid, 20, rng, scale=2.0)
     teach(strategy, slow, 20, rng, scale=6.0)
@@ -181,20 +170,20 @@ def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two() -> Non
     assert got["fast"] / 3000 == pytest.approx(share, abs=0.015)
 
 
-def test_a_near_tie_is_shared_so_that_replicas_do_not_herd() -> None:
+def test_a_near_tie_is_shared_so_that_replicas_do_not_herd(node: MakeNode) -> None:
     rng = random.Random(8)
     strategy = Predictive(PowerOfTwoChoices())
-    a, b = node("a"), node("b")
+    a, b = node("a", running=0), node("b", running=0)
     teach(strategy, a, 20, rng)
     teach(strategy, b, 20, rng, scale=1.1)
     got = Counter(strategy.pick(request(), [a, b], rng).name for _ in range(3000))
     assert 0.25 < got["b"] / 3000 < 0.45
 
 
-def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
+def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one(node: MakeNode) -> None:
     rng = random.Random(7)
     strategy = Predictive(PowerOfTwoChoices())
-    fast, slow = node("fast", running=2, waiting=1), node("slow")
+    fast, slow = node("fast", running=2, waiting=1), node("slow", running=0)
     teach(strategy, fast, 20, rng)
     teach(strategy, slow, 20, rng, scale=2.0)
     strategy.expected_time(request(), fast, 100.0)
@@ -203,10 +192,10 @@ def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one() -> None:
     assert got["slow"] > 800
 
 
-def test_requests_without_max_tokens_use_their_class_history() -> None:
+def test_requests_without_max_tokens_use_their_class_history(node: MakeNode) -> None:
     strategy = Predictive(PowerOfTwoChoices(), default_output_tokens=256)
     assert strategy.expected_output(request(None, cls="code")) == 256
-    view = node("a")
+    view = node("a", running=0)
     for _ in range(50):
         strategy.observe(request(40, cls="code"), view, truth(40, 200), A + C * 200, 0)
     assert strategy.expected_output(request(None, cls="code")) == pytest.approx(40, rel=0.05)
@@ -238,10 +227,10 @@ def test_bad_predictive_options_are_config_errors(options: dict[str, Any], key: 
     assert info.value.key == key
 
 
-def test_a_scan_of_a_thousand_nodes_looks_at_a_bounded_sample() -> None:
+def test_a_scan_of_a_thousand_nodes_looks_at_a_bounded_sample(node: MakeNode) -> None:
     rng = random.Random(8)
     strategy = Predictive(PowerOfTwoChoices(), sample=16)
-    views = [node(f"n{i}") for i in range(1000)]
+    views = [node(f"n{i}", running=0) for i in range(1000)]
     for v in views:
         teach(strategy, v, 3, rng)
     seen = {strategy.pick(request(), views, rng).name for _ in range(200)}
@@ -254,7 +243,7 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
     fast = ("--tokens-per-s", "2000", "--ttft-ms", "5")
     slow = ("--tokens-per-s", "100", "--ttft-ms", "200")
     c = cluster({"fast": fast, "slow": slow}, "strategy = 'predictive'\n")
-    api = client(c)
+    api = c.client()
     got: list[str] = []
     for _ in range(30):
         raw = await api.chat.completions.with_raw_response.create(
@@ -268,7 +257,9 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
     assert got[10:].count("fast") >= 17, got
 
 
-def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room() -> None:
+def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room(
+    node: MakeNode,
+) -> None:
     strategy = Predictive(PowerOfTwoChoices())
     rng = random.Random(9)
     view = node("a", running=2)  # never seen a queue: slots unknown, 2 seen running
@@ -286,14 +277,14 @@ def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room()
     assert busy is not None and quiet is not None and busy > quiet + 5.0
 
 
-def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches() -> None:
+def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches(node: MakeNode) -> None:
     from promptlb.middleware._request import route_of as route_request
 
     for bad in (0, -5, True, 10**40, "12", 2.5):
         assert route_request({"model": "m", "max_tokens": bad}, 100).max_tokens is None
     assert route_request({"model": "m", "max_tokens": 64}, 100).max_tokens == 64
     strategy = Predictive(PowerOfTwoChoices(), default_output_tokens=256)
-    view = node("a")
+    view = node("a", running=0)
     for _ in range(20):
         strategy.observe(request(0, cls="qa"), view, 1.0, 0.2, 0)
     assert strategy.expected_output(request(None, cls="qa")) >= 1.0

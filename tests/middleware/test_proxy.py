@@ -15,11 +15,11 @@ import pytest
 from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, Serve
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
+async def upstream(serve: Serve) -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
     seen: list[dict[str, str]] = []
 
     async def handler(request: web.Request) -> web.Response:
@@ -31,12 +31,8 @@ async def upstream() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    await runner.cleanup()
+    async with serve(app) as url:
+        yield url, seen
 
 
 async def post(app: PromptLBMiddleware, headers: dict[str, str]) -> httpx.Response:

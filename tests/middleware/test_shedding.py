@@ -11,23 +11,8 @@ from promptlb.middleware._config_degrade import SheddingConfig
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._refusals import Shed
 from promptlb.middleware._shedding import Admission, QueueTimeout
-from promptlb.middleware._view import NodeView
-from promptlb.shared import EngineSample, Snapshot
 
-
-def view(name: str, *, waiting: int | None = None, kv: float | None = None) -> NodeView:
-    snap = None
-    if waiting is not None:
-        snap = Snapshot(
-            node=name,
-            boot="b00t",
-            seq=1,
-            ts=1_700_000_000.0,
-            ready=True,
-            warm=True,
-            engine=EngineSample(running=1, waiting=waiting, kv_cache=kv),
-        )
-    return NodeView(name=name, url=f"http://{name}:8000", snapshot=snap)
+from tests.middleware.conftest import MakeNode
 
 
 def admission(**options: object) -> Admission:
@@ -49,21 +34,23 @@ def test_priority_may_be_lowered_by_anyone_and_raised_only_when_trusted() -> Non
     assert adm.priority(b"critical", None, None) == "standard"
 
 
-def test_a_node_is_over_by_queue_kv_or_in_flight_and_unknown_load_is_not_saturation() -> None:
+def test_a_node_is_over_by_queue_kv_or_in_flight_and_unknown_load_is_not_saturation(
+    node: MakeNode,
+) -> None:
     adm = admission(enabled=True, max_waiting=4, max_kv=0.9, max_in_flight=3)
-    assert not adm.over(view("a", waiting=4))
-    assert adm.over(view("a", waiting=5))
-    assert adm.over(view("a", waiting=0, kv=0.95))
-    unknown = view("a")
+    assert not adm.over(node("a", running=1, waiting=4))
+    assert adm.over(node("a", running=1, waiting=5))
+    assert adm.over(node("a", running=1, waiting=0, kv_cache=0.95))
+    unknown = node("a")
     assert not adm.over(unknown)
     unknown.in_flight = 3
     assert adm.over(unknown)
     # What we sent since the snapshot counts on top of the engine's queue.
-    queued = view("a", waiting=3)
+    queued = node("a", running=1, waiting=3)
     queued.in_flight = 2
     assert adm.over(queued)
-    assert adm.saturated([view("a", waiting=9), view("b", waiting=9)])
-    assert not adm.saturated([view("a", waiting=9), view("b", waiting=0)])
+    assert adm.saturated([node("a", running=1, waiting=9), node("b", running=1, waiting=9)])
+    assert not adm.saturated([node("a", running=1, waiting=9), node("b", running=1, waiting=0)])
     assert not adm.saturated([])
 
 

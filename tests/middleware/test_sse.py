@@ -4,42 +4,17 @@ emulator writes them (compact JSON, role chunk, usage chunk) assembled and repla
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import openai
 import pytest
-from aiohttp import web
 from promptlb.emulator._app import _Reply, _words
 from promptlb.middleware._cache import CacheEntry, MemoryCache, RedisCache, cache_key, open_cache
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
+from tests.middleware.conftest import OpenAIOver
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-@asynccontextmanager
-async def openai_over(path: str, events: list[bytes]) -> AsyncIterator[openai.AsyncOpenAI]:
-    """An openai client whose ``path`` answers ``events`` from a real loopback server: the
-    client's own HTTP stack and SSE parser read them, as from a node."""
-
-    async def serve(request: web.Request) -> web.Response:
-        return web.Response(body=b"".join(events), content_type="text/event-stream")
-
-    app = web.Application()
-    app.router.add_post(path, serve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    try:
-        yield api
-    finally:
-        await api.close()
-        await runner.cleanup()
 
 
 def test_models_of_one_family_share_a_key() -> None:
@@ -111,7 +86,7 @@ def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
     assert assemble(chat, b"".join(events), 13) == whole
 
 
-async def test_a_completions_replay_is_parsed_by_the_openai_client() -> None:
+async def test_a_completions_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) -> None:
     whole = _Reply(chat=False, model="big", n_in=4, n_out=10, body={}).whole()
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
     events = replay_sse(COMPLETIONS, entry)

@@ -6,7 +6,7 @@ import pickle
 import random
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import pytest
@@ -20,54 +20,30 @@ from promptlb.middleware._strategy import (
     Strategy,
 )
 from promptlb.middleware._view import NodeView, RouteRequest
-from promptlb.shared import EngineSample, GpuSample, Snapshot
+
+from tests.middleware.conftest import MakeNode, MakeSnapshot
 
 REQUEST = RouteRequest(model="llama-3.1-8b")
 
 
-def snap(
-    name: str,
-    *,
-    gpus: Sequence[float] = (),
-    cpu: float | None = None,
-    mem: float | None = None,
-    queue: int | None = None,
-    seq: int = 1,
-) -> Snapshot:
-    """A snapshot with GPUs at the given utilisations and, when ``queue`` is set, an engine
-    running that many requests."""
-    return Snapshot(
-        node=name,
-        boot="b00t",
-        seq=seq,
-        ts=1_700_000_000.0,
-        ready=True,
-        warm=True,
-        cpu=cpu,
-        mem=mem,
-        gpus=tuple(GpuSample(i, u, 1_000, 80_000) for i, u in enumerate(gpus)),
-        engine=None if queue is None else EngineSample(running=queue, waiting=0),
-    )
-
-
-def idle(name: str, **kwargs: Any) -> NodeView:
+@pytest.fixture
+def idle(node: MakeNode) -> MakeNode:
     """A node whose snapshot reports no load at all."""
-    return NodeView(
-        name=name,
-        url=f"http://{name}:8000",
-        snapshot=snap(name, gpus=[0.0], cpu=0.0, mem=0.0, queue=0),
-        **kwargs,
-    )
+
+    def make(name: str, **kwargs: Any) -> NodeView:
+        return node(name, gpus=[0.0], cpu=0.0, mem=0.0, running=0, **kwargs)
+
+    return make
 
 
-def busy(name: str, level: float = 0.5, **kwargs: Any) -> NodeView:
+@pytest.fixture
+def busy(node: MakeNode) -> MakeNode:
     """A node loaded to ``level`` on every part of the resource score."""
-    return NodeView(
-        name=name,
-        url=f"http://{name}:8000",
-        snapshot=snap(name, gpus=[level, level], cpu=level, mem=level, queue=8),
-        **kwargs,
-    )
+
+    def make(name: str, level: float = 0.5, **kwargs: Any) -> NodeView:
+        return node(name, gpus=[level, level], cpu=level, mem=level, running=8, **kwargs)
+
+    return make
 
 
 def picks(strategy: Strategy, nodes: Sequence[NodeView], n: int, seed: int = 0) -> Counter[str]:
@@ -99,13 +75,13 @@ def test_no_node_available_survives_pickling() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_a_single_candidate_is_always_picked(name: str) -> None:
+def test_a_single_candidate_is_always_picked(name: str, busy: MakeNode) -> None:
     only = busy("only", 0.9)
     assert picks(make_strategy(name), [only], 20) == {"only": 20}
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_ties_are_broken_at_random_not_by_list_order(name: str) -> None:
+def test_ties_are_broken_at_random_not_by_list_order(name: str, busy: MakeNode) -> None:
     nodes = [busy("a", 0.3), busy("b", 0.3), busy("c", 0.3)]
     seen = first_picks(name, nodes)
     assert set(seen) == {"a", "b", "c"}
@@ -122,7 +98,9 @@ def test_every_strategy_is_a_fresh_object_with_its_config_name(name: str) -> Non
 # -- round_robin ----------------------------------------------------------------------------
 
 
-def test_round_robin_spreads_evenly_in_turn_whatever_the_load() -> None:
+def test_round_robin_spreads_evenly_in_turn_whatever_the_load(
+    idle: MakeNode, busy: MakeNode
+) -> None:
     nodes = [busy("a", 0.9), idle("b"), busy("c", 0.1, weight=5.0)]
     strategy = RoundRobin()
     rng = random.Random(3)
@@ -132,11 +110,11 @@ def test_round_robin_spreads_evenly_in_turn_whatever_the_load() -> None:
     assert order[:6] == ["abc"[(start + i) % 3] for i in range(6)]
 
 
-def test_round_robin_starts_at_a_random_offset() -> None:
+def test_round_robin_starts_at_a_random_offset(idle: MakeNode) -> None:
     assert set(first_picks("round_robin", [idle("a"), idle("b"), idle("c")])) == {"a", "b", "c"}
 
 
-def test_round_robin_follows_a_changing_candidate_set() -> None:
+def test_round_robin_follows_a_changing_candidate_set(idle: MakeNode) -> None:
     strategy = RoundRobin()
     rng = random.Random(0)
     five = [idle(n) for n in "abcde"]
@@ -149,7 +127,7 @@ def test_round_robin_follows_a_changing_candidate_set() -> None:
 # -- weighted -------------------------------------------------------------------------------
 
 
-def test_weighted_gives_nginx_smooth_sequence_for_5_1_1() -> None:
+def test_weighted_gives_nginx_smooth_sequence_for_5_1_1(idle: MakeNode) -> None:
     nodes = [idle("a", weight=5.0), idle("b", weight=1.0), idle("c", weight=1.0)]
     cycles: Counter[str] = Counter()
     for seed in range(50):
@@ -163,17 +141,17 @@ def test_weighted_gives_nginx_smooth_sequence_for_5_1_1() -> None:
     assert min(cycles.values()) > 50
 
 
-def test_weighted_shares_follow_the_weights_exactly() -> None:
+def test_weighted_shares_follow_the_weights_exactly(idle: MakeNode) -> None:
     nodes = [idle("a", weight=3.0), idle("b", weight=2.0), idle("c", weight=1.0)]
     assert picks(Weighted(), nodes, 600) == {"a": 300, "b": 200, "c": 100}
 
 
-def test_weighted_ramp_reduces_a_warming_nodes_share() -> None:
+def test_weighted_ramp_reduces_a_warming_nodes_share(idle: MakeNode) -> None:
     nodes = [idle("a"), idle("b", ramp=0.5)]
     assert picks(Weighted(), nodes, 300) == {"a": 200, "b": 100}
 
 
-def test_weighted_keeps_shares_while_another_models_candidates_interleave() -> None:
+def test_weighted_keeps_shares_while_another_models_candidates_interleave(idle: MakeNode) -> None:
     strategy = Weighted()
     rng = random.Random(0)
     big = [idle("a", weight=2.0), idle("b", weight=1.0)]
@@ -185,7 +163,7 @@ def test_weighted_keeps_shares_while_another_models_candidates_interleave() -> N
     assert seen == {"a": 200, "b": 100}
 
 
-def test_weighted_forgets_nodes_that_are_gone() -> None:
+def test_weighted_forgets_nodes_that_are_gone(idle: MakeNode) -> None:
     strategy = Weighted()
     rng = random.Random(0)
     strategy.pick(REQUEST, [idle("gone"), idle("stays")], rng)
@@ -196,7 +174,9 @@ def test_weighted_forgets_nodes_that_are_gone() -> None:
     assert "stays" in strategy._peers
 
 
-def test_dynamic_weights_shift_share_away_from_a_busy_gpu_but_never_to_zero() -> None:
+def test_dynamic_weights_shift_share_away_from_a_busy_gpu_but_never_to_zero(
+    idle: MakeNode, busy: MakeNode
+) -> None:
     nodes = [busy("hot", 1.0), idle("cool")]
     seen = picks(Weighted(dynamic_weights=True), nodes, 1_100)
     # hot's factor is clamped at min_factor 0.1 against cool's 1.0.
@@ -206,7 +186,7 @@ def test_dynamic_weights_shift_share_away_from_a_busy_gpu_but_never_to_zero() ->
     assert static == {"hot": 550, "cool": 550}
 
 
-def test_dynamic_weights_follow_new_snapshots_smoothly() -> None:
+def test_dynamic_weights_follow_new_snapshots_smoothly(snap: MakeSnapshot, idle: MakeNode) -> None:
     hot = NodeView(name="hot", url="http://hot", snapshot=snap("hot", gpus=[0.0]))
     cool = idle("cool")
     strategy = Weighted(dynamic_weights=True)
@@ -227,20 +207,22 @@ def test_dynamic_weights_follow_new_snapshots_smoothly() -> None:
     assert share() == pytest.approx(0.5, abs=0.01)
 
 
-def test_dynamic_weights_keep_full_weight_without_gpu_data() -> None:
-    cpu_only = NodeView(name="cpu", url="http://cpu", snapshot=snap("cpu", cpu=0.9, queue=3))
+def test_dynamic_weights_keep_full_weight_without_gpu_data(
+    snap: MakeSnapshot, idle: MakeNode
+) -> None:
+    cpu_only = NodeView(name="cpu", url="http://cpu", snapshot=snap("cpu", cpu=0.9, running=3))
     unknown = NodeView(name="unknown", url="http://unknown")
     seen = picks(Weighted(dynamic_weights=True), [cpu_only, unknown, idle("gpu")], 300)
     assert seen == {"cpu": 100, "unknown": 100, "gpu": 100}
 
 
-def test_dynamic_weights_min_factor_is_configurable() -> None:
+def test_dynamic_weights_min_factor_is_configurable(idle: MakeNode, busy: MakeNode) -> None:
     nodes = [busy("hot", 1.0), idle("cool")]
     seen = picks(Weighted(dynamic_weights=True, min_factor=0.5), nodes, 300)
     assert seen == {"hot": 100, "cool": 200}
 
 
-def test_weighted_above_64_candidates_draws_in_proportion_to_the_weights() -> None:
+def test_weighted_above_64_candidates_draws_in_proportion_to_the_weights(idle: MakeNode) -> None:
     # 100 nodes: "heavy" weighs 25, "zero" 0, the other 98 weigh 1 each (a total of 123).
     nodes = [idle(f"n{i}") for i in range(98)]
     nodes += [idle("heavy", weight=25.0), idle("zero", weight=0.0)]
@@ -253,7 +235,9 @@ def test_weighted_above_64_candidates_draws_in_proportion_to_the_weights() -> No
     assert sum(picks(Weighted(), zeros, 50).values()) == 50
 
 
-def test_weighted_above_64_candidates_reads_the_weights_again_every_64_picks() -> None:
+def test_weighted_above_64_candidates_reads_the_weights_again_every_64_picks(
+    idle: MakeNode,
+) -> None:
     nodes = [idle(f"n{i}") for i in range(100)]
     strategy = Weighted()
     rng = random.Random(0)
@@ -285,24 +269,30 @@ def test_weighted_rejects_bad_options(options: dict[str, Any]) -> None:
 # -- least_conn -----------------------------------------------------------------------------
 
 
-def test_least_conn_picks_the_fewest_requests_per_weight() -> None:
-    a = NodeView(name="a", url="http://a", snapshot=snap("a", queue=6))
-    b = NodeView(name="b", url="http://b", snapshot=snap("b", queue=9), weight=2.0)  # 4.5
-    c = NodeView(name="c", url="http://c", snapshot=snap("c", queue=5))
+def test_least_conn_picks_the_fewest_requests_per_weight(snap: MakeSnapshot) -> None:
+    a = NodeView(name="a", url="http://a", snapshot=snap("a", running=6))
+    b = NodeView(name="b", url="http://b", snapshot=snap("b", running=9), weight=2.0)  # 4.5
+    c = NodeView(name="c", url="http://c", snapshot=snap("c", running=5))
     assert picks(LeastConn(), [a, b, c], 10) == {"b": 10}
 
 
-def test_least_conn_counts_our_in_flight_on_top_of_the_others_in_the_engine() -> None:
+def test_least_conn_counts_our_in_flight_on_top_of_the_others_in_the_engine(
+    snap: MakeSnapshot,
+) -> None:
     # a: the engine saw 4, of which 2 were ours; ours are 7 now -> 2 others + 7 = 9.
     a = NodeView(
-        name="a", url="http://a", snapshot=snap("a", queue=4), in_flight=7, in_flight_at_snapshot=2
+        name="a",
+        url="http://a",
+        snapshot=snap("a", running=4),
+        in_flight=7,
+        in_flight_at_snapshot=2,
     )
-    b = NodeView(name="b", url="http://b", snapshot=snap("b", queue=8))
+    b = NodeView(name="b", url="http://b", snapshot=snap("b", running=8))
     no_snapshot = NodeView(name="c", url="http://c", in_flight=8, in_flight_at_snapshot=0)
     assert set(picks(LeastConn(), [a, b, no_snapshot], 30)) == {"b", "c"}
 
 
-def test_least_conn_matches_effective_queue_over_capacity() -> None:
+def test_least_conn_matches_effective_queue_over_capacity(snap: MakeSnapshot) -> None:
     rng = random.Random(7)
     strategy = LeastConn()
     for trial in range(300):
@@ -311,7 +301,9 @@ def test_least_conn_matches_effective_queue_over_capacity() -> None:
                 name=f"n{i}",
                 url="http://n",
                 # no snapshot, one without engine metrics, or one with an engine queue
-                snapshot=rng.choice((None, snap(f"n{i}"), snap(f"n{i}", queue=rng.randrange(10)))),
+                snapshot=rng.choice(
+                    (None, snap(f"n{i}"), snap(f"n{i}", running=rng.randrange(10)))
+                ),
                 weight=rng.choice((0.5, 1.0, 3.0)),
                 ramp=rng.choice((0.2, 1.0)),
                 in_flight=rng.randrange(6),
@@ -324,23 +316,25 @@ def test_least_conn_matches_effective_queue_over_capacity() -> None:
         assert chosen.effective_queue / (chosen.weight * chosen.ramp) == min(loads), trial
 
 
-def test_least_conn_ramp_reduces_share() -> None:
-    warming = NodeView(name="w", url="http://w", snapshot=snap("w", queue=3), ramp=0.5)  # 6
-    full = NodeView(name="f", url="http://f", snapshot=snap("f", queue=5))
+def test_least_conn_ramp_reduces_share(snap: MakeSnapshot) -> None:
+    warming = NodeView(name="w", url="http://w", snapshot=snap("w", running=3), ramp=0.5)  # 6
+    full = NodeView(name="f", url="http://f", snapshot=snap("f", running=5))
     assert picks(LeastConn(), [warming, full], 10) == {"f": 10}
 
 
-def test_least_conn_avoids_a_zero_weight_node_while_another_can_serve() -> None:
+def test_least_conn_avoids_a_zero_weight_node_while_another_can_serve(snap: MakeSnapshot) -> None:
     zero = NodeView(name="z", url="http://z", weight=0.0)
-    loaded = NodeView(name="l", url="http://l", snapshot=snap("l", queue=50))
+    loaded = NodeView(name="l", url="http://l", snapshot=snap("l", running=50))
     assert picks(LeastConn(), [zero, loaded], 10) == {"l": 10}
 
 
-def test_least_conn_sample_of_zero_weight_nodes_falls_back_to_the_others() -> None:
+def test_least_conn_sample_of_zero_weight_nodes_falls_back_to_the_others(
+    snap: MakeSnapshot,
+) -> None:
     # 999 zero-weight nodes and one that can serve: a sample of 64 nearly always misses it, yet
     # it must get every request.
     nodes = [NodeView(name=f"z{i}", url=f"http://z{i}", weight=0.0) for i in range(999)]
-    nodes.append(NodeView(name="l", url="http://l", snapshot=snap("l", queue=50)))
+    nodes.append(NodeView(name="l", url="http://l", snapshot=snap("l", running=50)))
     assert picks(LeastConn(), nodes, 50) == {"l": 50}
     # With none that can serve, one of them still gets the request.
     assert sum(picks(LeastConn(), nodes[:-1], 20).values()) == 20
@@ -349,9 +343,9 @@ def test_least_conn_sample_of_zero_weight_nodes_falls_back_to_the_others() -> No
 # -- resource -------------------------------------------------------------------------------
 
 
-def test_resource_score_is_the_weighted_mean_of_its_parts() -> None:
+def test_resource_score_is_the_weighted_mean_of_its_parts(snap: MakeSnapshot) -> None:
     node = NodeView(
-        name="n", url="http://n", snapshot=snap("n", gpus=[0.4, 0.6], cpu=0.2, mem=0.4, queue=8)
+        name="n", url="http://n", snapshot=snap("n", gpus=[0.4, 0.6], cpu=0.2, mem=0.4, running=8)
     )
     # 0.4 * 0.5 + 0.3 * 0.2 + 0.2 * 0.4 + 0.1 * 8 / (8 + 8)
     assert resource_score(node) == pytest.approx(0.39)
@@ -364,8 +358,8 @@ def test_resource_score_is_the_weighted_mean_of_its_parts() -> None:
     assert parts.cost == pytest.approx(parts.score)
 
 
-def test_resource_score_renormalises_the_weights_of_missing_parts() -> None:
-    no_gpus = NodeView(name="n", url="http://n", snapshot=snap("n", cpu=0.2, mem=0.4, queue=8))
+def test_resource_score_renormalises_the_weights_of_missing_parts(snap: MakeSnapshot) -> None:
+    no_gpus = NodeView(name="n", url="http://n", snapshot=snap("n", cpu=0.2, mem=0.4, running=8))
     assert resource_score(no_gpus) == pytest.approx((0.06 + 0.08 + 0.05) / 0.6)
     no_engine = NodeView(name="n", url="http://n", snapshot=snap("n", gpus=[1.0], cpu=1.0))
     assert resource_score(no_engine) == pytest.approx(1.0)
@@ -374,14 +368,14 @@ def test_resource_score_renormalises_the_weights_of_missing_parts() -> None:
     assert resource_score(nothing, unknown_score=0.6) == 0.6
 
 
-def test_resource_score_queue_scale_and_override() -> None:
-    node = NodeView(name="n", url="http://n", snapshot=snap("n", queue=2))
+def test_resource_score_queue_scale_and_override(snap: MakeSnapshot) -> None:
+    node = NodeView(name="n", url="http://n", snapshot=snap("n", running=2))
     weights = ResourceWeights(gpu=0, cpu=0, mem=0, queue=1)
     assert resource_score(node, weights, queue_scale=2.0) == pytest.approx(0.5)
     assert resource_score(node, weights, queue_scale=2.0, queue=6) == pytest.approx(0.75)
 
 
-def test_score_parts_agree_with_resource_score() -> None:
+def test_score_parts_agree_with_resource_score(snap: MakeSnapshot) -> None:
     rng = random.Random(11)
     for _ in range(200):
         snapshot = snap(
@@ -389,7 +383,7 @@ def test_score_parts_agree_with_resource_score() -> None:
             gpus=[rng.random() for _ in range(rng.randrange(4))],
             cpu=rng.choice((None, rng.random())),
             mem=rng.choice((None, rng.random())),
-            queue=rng.choice((None, rng.randrange(20))),
+            running=rng.choice((None, rng.randrange(20))),
         )
         node = NodeView(name="n", url="http://n", snapshot=rng.choice((None, snapshot)))
         node.ramp = rng.choice((0.25, 1.0))
@@ -399,12 +393,14 @@ def test_score_parts_agree_with_resource_score() -> None:
         assert parts.cost == pytest.approx(1 - (1 - parts.score) * node.ramp)
 
 
-def test_resource_picks_the_lowest_score() -> None:
+def test_resource_picks_the_lowest_score(busy: MakeNode) -> None:
     nodes = [busy("a", 0.6), busy("b", 0.2), busy("c", 0.9)]
     assert picks(Resource(), nodes, 10) == {"b": 10}
 
 
-def test_resource_does_not_take_an_unknown_node_for_an_idle_one() -> None:
+def test_resource_does_not_take_an_unknown_node_for_an_idle_one(
+    idle: MakeNode, busy: MakeNode
+) -> None:
     unknown = NodeView(name="unknown", url="http://unknown")
     assert picks(Resource(), [unknown, busy("light", 0.2)], 10) == {"light": 10}
     assert picks(Resource(), [unknown, idle("idle")], 10) == {"idle": 10}
@@ -416,32 +412,34 @@ def test_resource_does_not_take_an_unknown_node_for_an_idle_one() -> None:
     assert picks(cautious, [unknown, busy("heavy", 0.9)], 10) == {"heavy": 10}
 
 
-def test_resource_ramp_shrinks_the_headroom() -> None:
+def test_resource_ramp_shrinks_the_headroom(snap: MakeSnapshot, busy: MakeNode) -> None:
     warming = busy("w", 0.3, ramp=0.5)  # cost 1 - 0.68 * 0.5 = 0.66
     full = busy("f", 0.5)
     assert picks(Resource(), [warming, full], 10) == {"f": 10}
     parts = score_parts(warming)
     assert parts.cost == pytest.approx(1 - (1 - parts.score) * 0.5)
     idle = NodeView(
-        name="i", url="http://i:8000", snapshot=snap("i", cpu=0.0, mem=0.0, queue=0), ramp=0.25
+        name="i", url="http://i:8000", snapshot=snap("i", cpu=0.0, mem=0.0, running=0), ramp=0.25
     )
     assert score_parts(idle).score == 0.0
     assert score_parts(idle).cost == pytest.approx(0.75)  # not 0: it is still warming
 
 
-def test_resource_rescores_a_node_when_its_snapshot_changes() -> None:
+def test_resource_rescores_a_node_when_its_snapshot_changes(
+    snap: MakeSnapshot, busy: MakeNode
+) -> None:
     a, b = busy("a", 0.2), busy("b", 0.5)
     strategy = Resource()
     rng = random.Random(0)
     assert strategy.pick(REQUEST, [a, b], rng) is a
-    a.snapshot = snap("a", gpus=[0.9], cpu=0.9, mem=0.9, queue=30, seq=2)
+    a.snapshot = snap("a", gpus=[0.9], cpu=0.9, mem=0.9, running=30, seq=2)
     assert strategy.pick(REQUEST, [a, b], rng) is b
     a.snapshot = None
-    b.snapshot = snap("b", gpus=[0.9], cpu=0.9, mem=0.9, queue=30, seq=2)
+    b.snapshot = snap("b", gpus=[0.9], cpu=0.9, mem=0.9, running=30, seq=2)
     assert strategy.pick(REQUEST, [a, b], rng) is a
 
 
-def test_resource_custom_weights_leave_unnamed_parts_out() -> None:
+def test_resource_custom_weights_leave_unnamed_parts_out(snap: MakeSnapshot) -> None:
     gpu_heavy = NodeView(name="g", url="http://g", snapshot=snap("g", gpus=[0.9], cpu=0.0))
     cpu_heavy = NodeView(name="c", url="http://c", snapshot=snap("c", gpus=[0.1], cpu=1.0))
     assert picks(Resource(weights={"gpu": 1.0}), [gpu_heavy, cpu_heavy], 10) == {"c": 10}
@@ -490,18 +488,26 @@ def test_resource_rejects_bad_options(options: dict[str, Any]) -> None:
 # -- the scanning strategies' sample --------------------------------------------------------
 
 
-def one_idle_among(n: int) -> list[NodeView]:
-    return [busy(f"n{i}", 0.9) for i in range(n - 1)] + [idle("lone")]
+@pytest.fixture
+def one_idle_among(idle: MakeNode, busy: MakeNode) -> Callable[[int], list[NodeView]]:
+    def make(n: int) -> list[NodeView]:
+        return [busy(f"n{i}", 0.9) for i in range(n - 1)] + [idle("lone")]
+
+    return make
 
 
 @pytest.mark.parametrize("name", ["least_conn", "resource"])
-def test_a_scan_up_to_sample_nodes_is_exact(name: str) -> None:
+def test_a_scan_up_to_sample_nodes_is_exact(
+    name: str, one_idle_among: Callable[[int], list[NodeView]]
+) -> None:
     counts = picks(make_strategy(name), one_idle_among(64), 300)
     assert counts == Counter({"lone": 300})
 
 
 @pytest.mark.parametrize("name", ["least_conn", "resource"])
-def test_above_sample_nodes_a_random_sample_is_scanned(name: str) -> None:
+def test_above_sample_nodes_a_random_sample_is_scanned(
+    name: str, one_idle_among: Callable[[int], list[NodeView]]
+) -> None:
     # The lone idle node is found exactly when it is among the 64 drawn. Up to 4 x 64 nodes they
     # are drawn without replacement: 64/65 and 64/256 of picks.
     share = picks(make_strategy(name), one_idle_among(65), 2_000)["lone"] / 2_000
@@ -524,11 +530,11 @@ def test_the_sample_must_be_an_integer_of_at_least_two(name: str, sample: object
 # -- p2c -------------------------------------------------------------------------------------
 
 
-def test_p2c_picks_the_less_loaded_of_the_pair() -> None:
+def test_p2c_picks_the_less_loaded_of_the_pair(busy: MakeNode) -> None:
     assert picks(PowerOfTwoChoices(), [busy("heavy", 0.8), busy("light", 0.3)], 50) == {"light": 50}
 
 
-def test_p2c_never_picks_the_worst_and_favours_the_best() -> None:
+def test_p2c_never_picks_the_worst_and_favours_the_best(busy: MakeNode) -> None:
     nodes = [busy("best", 0.1), busy("mid", 0.5), busy("worst", 0.9)]
     seen = picks(PowerOfTwoChoices(), nodes, 3_000)
     assert "worst" not in seen
@@ -536,7 +542,7 @@ def test_p2c_never_picks_the_worst_and_favours_the_best() -> None:
     assert seen["best"] == pytest.approx(2_000, rel=0.06)
 
 
-def test_p2c_counts_requests_sent_since_the_snapshot() -> None:
+def test_p2c_counts_requests_sent_since_the_snapshot(busy: MakeNode) -> None:
     # Identical snapshots, but 12 requests went to a since: it is the busier now.
     a = busy("a", 0.3, in_flight=12, in_flight_at_snapshot=0)
     b = busy("b", 0.3, in_flight=0)
@@ -545,13 +551,13 @@ def test_p2c_counts_requests_sent_since_the_snapshot() -> None:
     assert set(picks(Resource(), [a, b], 100)) == {"a", "b"}
 
 
-def test_p2c_does_not_take_an_unknown_node_for_an_idle_one() -> None:
+def test_p2c_does_not_take_an_unknown_node_for_an_idle_one(idle: MakeNode, busy: MakeNode) -> None:
     unknown = NodeView(name="unknown", url="http://unknown")
     assert picks(PowerOfTwoChoices(), [unknown, idle("idle")], 20) == {"idle": 20}
     assert picks(PowerOfTwoChoices(), [unknown, busy("heavy", 0.9)], 20) == {"unknown": 20}
 
 
-def test_p2c_ramp_reduces_share() -> None:
+def test_p2c_ramp_reduces_share(busy: MakeNode) -> None:
     warming = busy("w", 0.3, ramp=0.5)
     full = busy("f", 0.4)
     assert picks(PowerOfTwoChoices(), [warming, full], 20) == {"f": 20}
@@ -578,7 +584,7 @@ class CountingNodes(Sequence[NodeView]):
         return self.nodes[index]
 
 
-def test_p2c_looks_at_two_candidates_whatever_their_number() -> None:
+def test_p2c_looks_at_two_candidates_whatever_their_number(busy: MakeNode) -> None:
     nodes = CountingNodes([busy(f"n{i}", i / 1_000) for i in range(1_000)])
     strategy = PowerOfTwoChoices()
     rng = random.Random(0)

@@ -30,6 +30,7 @@ KEYS = {KEY.kid: KEY}
 NOW = 1_700_000_000.0
 
 
+# Not a fixture: SIG_LEN and full() need it at import, and its ts is the NOW freshness checks use.
 def snap(**fields: Any) -> Snapshot:
     base: dict[str, Any] = {"node": "node-a", "boot": "boot-1", "seq": 7, "ts": NOW}
     return Snapshot(**{**base, **fields})

@@ -85,6 +85,7 @@ def with_key(key: object) -> dict[object, object]:
     return raw
 
 
+# Not test_signing's snap nor a fixture: BASE is also the raw map of wire() and with_key().
 def snap(**fields: Any) -> Snapshot:
     return Snapshot(**{**BASE, **fields})
 

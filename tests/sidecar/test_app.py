@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -19,21 +19,14 @@ from promptlb.sidecar._app import LIVE, _Collectors
 from promptlb.sidecar._gpu import GpuCollector
 from promptlb.sidecar._live import Live
 
-from tests.sidecar.test_gpu import FakeNvml
+from tests.conftest import Serve
+from tests.sidecar.conftest import FakeNvml
 
 GOOD = "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
 async def test_malformed_engine_metrics_drop_the_engine_fields_and_log_once_per_change(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, serve: Serve
 ) -> None:
     metrics = {"text": GOOD}
 
@@ -44,34 +37,31 @@ async def test_malformed_engine_metrics_drop_the_engine_fields_and_log_once_per_
 
     model = web.Application()
     model.router.add_get("/{tail:.*}", handler)
-    model_runner, model_url = await serve(model)
-    config = SidecarConfig(
-        model_url=model_url,
-        node_name="n",
-        sample_interval_s=0.02,
-        warmup_at_start=False,
-        warmup_required=False,
-        gpu=False,
-    )
-    sidecar = create_app(config)
-    sidecar_runner, _ = await serve(sidecar)
-    live = sidecar[LIVE]
+    async with AsyncExitStack() as stack:
+        model_url = await stack.enter_async_context(serve(model))
+        config = SidecarConfig(
+            model_url=model_url,
+            node_name="n",
+            sample_interval_s=0.02,
+            warmup_at_start=False,
+            warmup_required=False,
+            gpu=False,
+        )
+        sidecar = create_app(config)
+        await stack.enter_async_context(serve(sidecar))
+        live = sidecar[LIVE]
 
-    async def engine_after(text: str) -> Snapshot:
-        metrics["text"] = text
-        await asyncio.sleep(0.2)  # ten sample intervals
-        return decode(live.encoded())
+        async def engine_after(text: str) -> Snapshot:
+            metrics["text"] = text
+            await asyncio.sleep(0.2)  # ten sample intervals
+            return decode(live.encoded())
 
-    try:
         with caplog.at_level(logging.INFO, "promptlb.sidecar"):
             assert (await engine_after(GOOD)).engine is not None
             assert (await engine_after("vllm:num_requests_running {{{\n")).engine is None
             assert (await engine_after("tgi_queue_size 2\n")).engine is None
             good = await engine_after(GOOD)
             assert good.engine is not None and good.engine.running == 3
-    finally:
-        await sidecar_runner.cleanup()
-        await model_runner.cleanup()
     messages = [r.getMessage() for r in caplog.records if "engine metrics" in r.getMessage()]
     # One line per change: two different problems, then the recovery; never one per sample.
     assert len(messages) == 3, messages
@@ -94,37 +84,39 @@ async def test_a_snapshot_is_encoded_once_per_change() -> None:
 # --- a controllable model server, and a sidecar in process beside it ------------------------------
 
 Reply = Callable[[web.Request], web.StreamResponse]
+SidecarBeside = Callable[..., AbstractAsyncContextManager[tuple[web.Application, Live]]]
 
 
-@asynccontextmanager
-async def sidecar_beside(
-    routes: dict[str, Reply], **overrides: Any
-) -> AsyncIterator[tuple[web.Application, Live]]:
-    """A model server answering ``routes`` (path -> reply; others 404) and a sidecar for it."""
+@pytest.fixture
+def sidecar_beside(serve: Serve) -> SidecarBeside:
+    """``async with sidecar_beside(routes, **overrides) as (app, live):`` a model server
+    answering ``routes`` (path -> reply; others 404) and a sidecar for it."""
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        reply = routes.get(request.path)
-        return reply(request) if reply else web.Response(status=404)
+    @asynccontextmanager
+    async def beside(
+        routes: dict[str, Reply], **overrides: Any
+    ) -> AsyncIterator[tuple[web.Application, Live]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            reply = routes.get(request.path)
+            return reply(request) if reply else web.Response(status=404)
 
-    model = web.Application()
-    model.router.add_route("*", "/{tail:.*}", handler)
-    model_runner, model_url = await serve(model)
-    settings: dict[str, Any] = {
-        "model_url": model_url,
-        "node_name": "n",
-        "sample_interval_s": 0.02,
-        "warmup_at_start": False,
-        "warmup_required": False,
-        "gpu": False,
-        **overrides,
-    }
-    sidecar = create_app(SidecarConfig(**settings))
-    sidecar_runner, _ = await serve(sidecar)
-    try:
-        yield sidecar, sidecar[LIVE]
-    finally:
-        await sidecar_runner.cleanup()
-        await model_runner.cleanup()
+        model = web.Application()
+        model.router.add_route("*", "/{tail:.*}", handler)
+        async with serve(model) as model_url:
+            settings: dict[str, Any] = {
+                "model_url": model_url,
+                "node_name": "n",
+                "sample_interval_s": 0.02,
+                "warmup_at_start": False,
+                "warmup_required": False,
+                "gpu": False,
+                **overrides,
+            }
+            sidecar = create_app(SidecarConfig(**settings))
+            async with serve(sidecar):
+                yield sidecar, sidecar[LIVE]
+
+    return beside
 
 
 async def until(condition: Callable[[], object], limit: float = 5.0) -> None:
@@ -151,6 +143,7 @@ def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 async def test_learnt_model_names_that_break_the_limits_are_left_out_and_logged_once(
     caplog: pytest.LogCaptureFixture,
+    sidecar_beside: SidecarBeside,
 ) -> None:
     path = "/mnt/models/" + "meta-llama/Llama-3.1-70B-Instruct/".ljust(200, "x")  # 212 chars
     # Over 256 characters, empty, and a lone surrogate (valid JSON, but msgpack cannot pack it).
@@ -170,7 +163,7 @@ async def test_learnt_model_names_that_break_the_limits_are_left_out_and_logged_
     assert not tracebacks(caplog)
 
 
-async def test_configured_models_override_the_learnt_ones() -> None:
+async def test_configured_models_override_the_learnt_ones(sidecar_beside: SidecarBeside) -> None:
     routes = {"/health": text("ok"), "/v1/models": models_reply("learnt")}
     async with sidecar_beside(routes, models=("a", "b")) as (_, live):
         await until(lambda: live.server_ok)
@@ -182,7 +175,9 @@ async def test_configured_models_override_the_learnt_ones() -> None:
 
 
 @pytest.mark.parametrize("status", [404, 405])
-async def test_a_server_without_health_is_probed_on_v1_models(status: int) -> None:
+async def test_a_server_without_health_is_probed_on_v1_models(
+    status: int, sidecar_beside: SidecarBeside
+) -> None:
     models = {"reply": models_reply("m")}
     routes: dict[str, Reply] = {
         "/health": text("no such route", status),
@@ -197,7 +192,9 @@ async def test_a_server_without_health_is_probed_on_v1_models(status: int) -> No
         assert live.reasons() == ["model server /v1/models answered 503"]
 
 
-async def test_a_health_error_other_than_404_or_405_is_not_ready() -> None:
+async def test_a_health_error_other_than_404_or_405_is_not_ready(
+    sidecar_beside: SidecarBeside,
+) -> None:
     routes = {"/health": text("boom", 500), "/v1/models": models_reply("m")}
     async with sidecar_beside(routes) as (_, live):
         await until(lambda: live.server_reason != "model server not probed yet")
@@ -210,6 +207,7 @@ async def test_a_health_error_other_than_404_or_405_is_not_ready() -> None:
 
 async def test_an_out_of_range_engine_count_drops_the_engine_and_logs_once(
     caplog: pytest.LogCaptureFixture,
+    sidecar_beside: SidecarBeside,
 ) -> None:
     metrics = {"text": GOOD}
     routes: dict[str, Reply] = {
@@ -233,6 +231,7 @@ async def test_an_out_of_range_engine_count_drops_the_engine_and_logs_once(
 
 async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
     caplog: pytest.LogCaptureFixture,
+    sidecar_beside: SidecarBeside,
 ) -> None:
     load = (
         "vllm:num_requests_running {}\nvllm:num_requests_waiting 0\n"
@@ -258,7 +257,7 @@ async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
 
 
 async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, sidecar_beside: SidecarBeside
 ) -> None:
     # Whatever slips past the parser, the snapshot's own checks must not become a traceback.
     def parse(text: str, engine: str) -> EngineReading:
@@ -280,15 +279,17 @@ async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
 # --- host and GPU sampling ------------------------------------------------------------------------
 
 
-async def test_gpus_are_sampled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_gpus_are_sampled_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml, sidecar_beside: SidecarBeside
+) -> None:
     threads: set[int] = set()
+    utilisation = nvml.nvmlDeviceGetUtilizationRates
 
-    class TracedNvml(FakeNvml):
-        def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-            threads.add(threading.get_ident())
-            return super().nvmlDeviceGetUtilizationRates(h)
+    def traced(h: int) -> Any:
+        threads.add(threading.get_ident())
+        return utilisation(h)
 
-    nvml = TracedNvml()
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", traced)
     monkeypatch.setattr(
         sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
     )

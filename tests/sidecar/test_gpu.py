@@ -3,67 +3,15 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from promptlb.shared import GpuSample
 from promptlb.sidecar._gpu import GpuCollector
 
-_MiB = 1024 * 1024
+from tests.sidecar.conftest import FakeNvml
 
 
-class NVMLError(Exception):
-    pass
-
-
-class FakeNvml:
-    """Two GPUs; the second has no power sensor, as many boards do."""
-
-    NVML_TEMPERATURE_GPU = 0
-
-    def __init__(self, *, init_fails: bool = False) -> None:
-        self.init_fails = init_fails
-        self.inits = 0
-        self.shutdowns = 0
-        self.broken: set[int] = set()  # utilisation queries fail
-        self.broken_memory: set[int] = set()
-
-    def nvmlInit(self) -> None:
-        self.inits += 1
-        if self.init_fails:
-            raise NVMLError("NVML Shared Library Not Found")
-
-    def nvmlShutdown(self) -> None:
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
-        if h in self.broken:
-            raise NVMLError("GPU is lost")
-        return SimpleNamespace(gpu=[87, 3][h], memory=10)
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        if h in self.broken_memory:
-            raise NVMLError("Unknown Error")
-        return SimpleNamespace(used=[70_000, 1_000][h] * _MiB, total=81_559 * _MiB)
-
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
-        return [71, 40][h]
-
-    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        if h == 1:
-            raise NVMLError("Not Supported")
-        return 312_600  # milliwatts
-
-
-def test_every_gpu_is_reported_with_what_it_has() -> None:
-    nvml = FakeNvml()
+def test_every_gpu_is_reported_with_what_it_has(nvml: FakeNvml) -> None:
     gpus = GpuCollector(nvml)
     gpus.open()
     samples = gpus.sample()
@@ -79,8 +27,9 @@ def test_every_gpu_is_reported_with_what_it_has() -> None:
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
 
 
-def test_a_lost_gpu_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    nvml = FakeNvml()
+def test_a_lost_gpu_is_left_out_and_logged_once(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
     gpus = GpuCollector(nvml)
     gpus.open()
     nvml.broken.add(0)
@@ -93,8 +42,8 @@ def test_a_lost_gpu_is_left_out_and_logged_once(caplog: pytest.LogCaptureFixture
 
 def test_each_failing_gpu_is_logged_once_and_so_is_its_recovery(
     caplog: pytest.LogCaptureFixture,
+    nvml: FakeNvml,
 ) -> None:
-    nvml = FakeNvml()
     gpus = GpuCollector(nvml)
     gpus.open()
     with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
@@ -115,8 +64,8 @@ def test_each_failing_gpu_is_logged_once_and_so_is_its_recovery(
 
 def test_a_gpu_whose_memory_is_unreadable_is_left_out_and_logged_once(
     caplog: pytest.LogCaptureFixture,
+    nvml: FakeNvml,
 ) -> None:
-    nvml = FakeNvml()
     gpus = GpuCollector(nvml)
     gpus.open()
     nvml.broken_memory.add(1)
@@ -129,16 +78,17 @@ def test_a_gpu_whose_memory_is_unreadable_is_left_out_and_logged_once(
     gpus.close()
 
 
-def test_a_gpu_sampled_after_close_reports_nothing() -> None:
-    nvml = FakeNvml()
+def test_a_gpu_sampled_after_close_reports_nothing(nvml: FakeNvml) -> None:
     gpus = GpuCollector(nvml)
     gpus.open()
     gpus.close()
     assert gpus.sample() == ()
 
 
-def test_no_nvml_gives_an_empty_list_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    nvml = FakeNvml(init_fails=True)
+def test_no_nvml_gives_an_empty_list_logged_once(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    nvml.init_fails = True
     gpus = GpuCollector(nvml)
     with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
         gpus.open()
@@ -170,8 +120,7 @@ def test_the_real_library_on_this_host_never_crashes() -> None:
         gpus.close()
 
 
-def test_disabled_collection_does_not_touch_nvml() -> None:
-    nvml = FakeNvml()
+def test_disabled_collection_does_not_touch_nvml(nvml: FakeNvml) -> None:
     gpus = GpuCollector(nvml, enabled=False)
     gpus.open()
     assert gpus.sample() == ()
