@@ -70,7 +70,7 @@ async def _read(answer: Answer) -> Reply:
 async def unless_gone(receive: Receive, work: Awaitable[Reply]) -> Reply | None:
     """``work``'s reply, or None when the client disconnects first (``work`` is cancelled,
     which takes the caller out of its batch)."""
-    watch = DisconnectWatch(receive)
+    watch = DisconnectWatch(receive, delay=0)  # a batch waits its window: watch from the start
     try:
         return await work
     except asyncio.CancelledError:
