@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from promptlb.bench._report import RESULTS, environment, write_json
 from promptlb.bench._stats import percentile
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 SIDECAR = ("--sample-interval", "100ms", "--no-warmup-required", "--log-level", "WARNING")
 HEALTH = "[health]\ninterval = '250ms'\ninterval_jitter = '25ms'\ntimeout = '250ms'\n"

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 from promptlb.bench._report import RESULTS, environment
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 from promptlb.shared import EngineSample, GpuSample, SigningKey, Snapshot, decode, encode
 from promptlb.sidecar._gpu import GpuCollector
 

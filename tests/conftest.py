@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 Launcher = Callable[..., Service]
 

@@ -15,7 +15,7 @@ from promptlb.bench._loadgen import Result, node_from_headers, prompt_text, repl
 from promptlb.bench._report import busy_slot_seconds, load_over_time, summarize
 from promptlb.bench._scenario import Arrival
 from promptlb.bench._stats import jain, percentile
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 RATE = 50.0
 SECONDS = 10.0

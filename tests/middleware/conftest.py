@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.emulator import Service, start_command, start_service
 
 ROOT = Path(__file__).resolve().parents[2]
 
