@@ -8,16 +8,17 @@ import heapq
 import itertools
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from promptlb.middleware._config import OutlierConfig
-from promptlb.middleware._rules import ejection_cap
+from promptlb.middleware._rules import RetryBudget, ejection_cap
+from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
 from ._simnode import Group, Node
-from ._simparams import PERFECT, ServiceFn, SimParams
-from ._simreplica import Replica
+from ._simparams import PERFECT, SIM_STRATEGIES, ServiceFn, SimParams
+from ._simreplica import Replica, View, build_strategy
 
 __all__ = [
     "CONNECT_FAIL",
@@ -39,6 +40,9 @@ OUTLIER = OutlierConfig()
 
 
 class SimState:
+    """A run's state from its start: the replicas built and the refreshes, faults and the
+    utilisation mark on the heap; the perfect dispatcher's groups are built when it runs."""
+
     def __init__(
         self,
         nodes: Sequence[NodeSpec],
@@ -46,8 +50,11 @@ class SimState:
         strategy: str,
         duration: float,
         params: SimParams,
+        options: Mapping[str, Any],
         service: ServiceFn | None,
     ) -> None:
+        if strategy not in SIM_STRATEGIES:
+            raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
         self.params = params
         self.name = strategy
         self.perfect = strategy == PERFECT
@@ -72,6 +79,31 @@ class SimState:
         self.group_list: list[Group] = []
         # The simulated nodes all serve the one model: the pool is every node.
         self.eject_cap = ejection_cap(len(self.nodes), OUTLIER.max_ejection_percent)
+        if not self.perfect:
+            count = params.replicas
+            for r in range(count):
+                views: list[View] = []
+                for node in self.nodes:
+                    view = View(
+                        name=node.name,
+                        url=f"sim://{node.name}",
+                        tier=node.spec.tier,
+                        tags=frozenset(node.spec.tags),
+                    )
+                    view.idx = node.idx
+                    view.snapshot = node.snapshot(0.0)
+                    views.append(view)
+                # Seeded per replica and alike for every strategy: runs differ in the policy.
+                rng = random.Random(params.seed * 1_000_003 + r)
+                budget = RetryBudget(params.budget_percent, params.budget_min)
+                self.replicas.append(Replica(build_strategy(strategy, options), rng, views, budget))
+                if params.staleness > 0:
+                    phase = params.staleness * r / count
+                    self._push(phase if phase > 0 else params.staleness, REFRESH, r)
+        for node in self.nodes:
+            for fault in node.spec.faults:
+                self._push(fault.at, FAULT, (node, fault))
+        self._push(duration, MARK, None)
 
     def _push(self, t: float, kind: int, obj: Any, try_no: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj, try_no))

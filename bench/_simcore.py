@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from promptlb.middleware._rules import RetryBudget
 from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
@@ -62,7 +60,7 @@ from ._simbase import CONNECT_FAIL, DETECT, FAULT, FINISH, MARK, REFRESH, TIMEOU
 from ._simfaults import Faults
 from ._simnode import Req
 from ._simparams import PERFECT, RANDOM, SIM_STRATEGIES, ServiceFn, SimParams, SimResult
-from ._simreplica import RandomChoice, Replica, View, build_strategy
+from ._simreplica import RandomChoice
 
 __all__ = [
     "PERFECT",
@@ -77,54 +75,15 @@ __all__ = [
 
 
 class _Sim(Faults):
-    def __init__(
-        self,
-        nodes: Sequence[NodeSpec],
-        arrivals: Sequence[Arrival],
-        strategy: str,
-        duration: float,
-        params: SimParams,
-        options: Mapping[str, Any],
-        service: ServiceFn | None,
-    ) -> None:
-        if strategy not in SIM_STRATEGIES:
-            raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
-        super().__init__(nodes, arrivals, strategy, duration, params, service)
-        if self.perfect:
-            for node in self.nodes:
-                self._join_group(node)
-        else:
-            count = params.replicas
-            for r in range(count):
-                views: list[View] = []
-                for node in self.nodes:
-                    view = View(
-                        name=node.name,
-                        url=f"sim://{node.name}",
-                        tier=node.spec.tier,
-                        tags=frozenset(node.spec.tags),
-                    )
-                    view.idx = node.idx
-                    view.snapshot = node.snapshot(0.0)
-                    views.append(view)
-                # Seeded per replica and alike for every strategy: runs differ in the policy.
-                rng = random.Random(params.seed * 1_000_003 + r)
-                budget = RetryBudget(params.budget_percent, params.budget_min)
-                self.replicas.append(Replica(build_strategy(strategy, options), rng, views, budget))
-                if params.staleness > 0:
-                    phase = params.staleness * r / count
-                    self._push(phase if phase > 0 else params.staleness, REFRESH, r)
-        for node in self.nodes:
-            for fault in node.spec.faults:
-                self._push(fault.at, FAULT, (node, fault))
-        self._push(duration, MARK, None)
-
     def _mark(self, now: float) -> None:
         for node in self.nodes:
             node.busy_mark = node.busy + node.running * (now - node.t_last)
 
     def run(self) -> SimResult:
         started = time.perf_counter()
+        if self.perfect:
+            for node in self.nodes:
+                self._join_group(node)
         arrivals = self.arrivals
         total = len(arrivals)
         heap = self.heap
@@ -228,5 +187,5 @@ def simulate(
     """
     if not nodes:
         raise ConfigError("nodes", [], "at least one node")
-    sim = _Sim(nodes, arrivals, strategy, duration, params or SimParams(), options or {}, service)
-    return sim.run()
+    params = params or SimParams()
+    return _Sim(nodes, arrivals, strategy, duration, params, options or {}, service).run()
