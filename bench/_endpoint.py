@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ._loadgen import Result, chat_body, request_once
-from ._report import RESULTS, environment, percentile, write_json
+from ._report import RESULTS, environment, write_json
 from ._scenario import Arrival
+from ._stats import percentile
 
 __all__ = ["HEADROOM", "nodes_needed", "run_endpoint"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.emulator import Service, start_command, start_service
 from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 from promptlb.shared import ConfigError, parse_duration
 

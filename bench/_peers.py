@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from promptlb.emulator._launch import start_command
+from promptlb.emulator import start_command
 
 from ._loadgen import UPSTREAM_HEADER
 

@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ._loadgen import Result
+from ._stats import jain, percentile
 
 __all__ = [
     "RESULTS",
     "busy_slot_seconds",
     "environment",
     "git_commit",
-    "jain",
     "load_over_time",
-    "percentile",
     "plot_cluster",
     "summarize",
     "table",
@@ -31,31 +30,6 @@ __all__ = [
 
 _ROOT = Path(__file__).resolve().parents[1]
 RESULTS = _ROOT / "bench" / "results"
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The p-th percentile (0..100), interpolated between closest ranks (numpy's default
-    "linear" method); None for no values."""
-    if not values:
-        return None
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile {p} is not in 0..100")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
-def jain(values: Sequence[float]) -> float | None:
-    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one node
-    takes everything. None without values; 1 when all are zero (equally idle is fair)."""
-    if not values:
-        return None
-    square_sum = sum(v * v for v in values)
-    if square_sum == 0:
-        return 1.0
-    return sum(values) ** 2 / (len(values) * square_sum)
 
 
 def _intervals(results: Iterable[Result], node: str) -> list[tuple[float, float]]:

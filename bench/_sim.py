@@ -27,21 +27,19 @@ from typing import Any
 from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError, parse_duration
 
-from ._report import environment
+from ._report import RESULTS, environment
 from ._scenario import Scenario, load_scenario, scaled
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
+from ._stats import jain, percentile
 
 __all__ = [
     "by_class",
-    "jain",
-    "percentile",
     "run_sim",
     "scale_nodes",
     "summarise",
     "trace_scenario",
 ]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = ("round_robin", PERFECT)
 # The scenarios' [targets] speak of their own nodes and duration at 8 replicas and 1 s staleness.
 TARGET_REPLICAS = 8
@@ -49,25 +47,6 @@ TARGET_STALENESS_S = 1.0
 TARGET_RUN = "the scenario as written at 8 replicas and 1 s staleness"
 _PER_NODE_ROWS = 16  # beyond this many nodes the table shows node classes ...
 _PER_NODE_JSON = 64  # ... and beyond this many, the JSON too (1,000 nodes' rows are ~1 MB)
-
-
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default) of sorted values."""
-    if not ordered:
-        return float("nan")
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def jain(values: Sequence[float]) -> float:
-    """Jain's fairness index: 1 when all are equal, 1/n when one has everything."""
-    total = sum(values)
-    squares = sum(v * v for v in values)
-    if squares == 0:
-        return 1.0
-    return total * total / (len(values) * squares)
 
 
 def scale_nodes(scenario: Scenario, count: int | None) -> tuple[Scenario, list[str]]:
@@ -150,9 +129,9 @@ def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[s
         "strategy": result.strategy,
         "requests": result.requests,
         "ok": ok,
-        "p50_s": percentile(ordered, 0.50),
-        "p90_s": percentile(ordered, 0.90),
-        "p99_s": percentile(ordered, 0.99),
+        "p50_s": percentile(ordered, 50),
+        "p90_s": percentile(ordered, 90),
+        "p99_s": percentile(ordered, 99),
         "mean_s": sum(ordered) / ok if ok else float("nan"),
         "mean_wait_s": sum(result.waits) / ok if ok else float("nan"),
         "throughput_rps": ok / result.makespan if result.makespan > 0 else 0.0,
@@ -182,10 +161,10 @@ def _strategies(raw: str) -> list[str]:
     return names
 
 
-def _ratio(value: float, base: float) -> float | None:
-    if base > 0 and value == value and base == base:  # NaN-safe: no successes, no ratio
-        return value / base
-    return None
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or not base > 0:  # no successes, no ratio
+        return None
+    return value / base
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

@@ -35,8 +35,9 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from promptlb.bench._report import RESULTS, environment, percentile, write_json
-from promptlb.emulator._launch import Service, start_service
+from promptlb.bench._report import RESULTS, environment, write_json
+from promptlb.bench._stats import percentile
+from promptlb.emulator import Service, start_service
 
 NODES = 4
 SLOTS = 8

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from promptlb.bench._report import environment, percentile, write_json
-from promptlb.emulator._launch import Service, start_service
+from promptlb.bench._report import RESULTS, environment, write_json
+from promptlb.bench._stats import percentile
+from promptlb.emulator import Service, start_service
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SIDECAR = ("--sample-interval", "100ms", "--no-warmup-required", "--log-level", "WARNING")
 HEALTH = "[health]\ninterval = '250ms'\ninterval_jitter = '25ms'\ntimeout = '250ms'\n"
 

@@ -15,16 +15,14 @@ import time
 import timeit
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from promptlb.bench._report import environment
+from promptlb.bench._report import RESULTS, environment
 from promptlb.middleware._scoring import Resource
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import EngineSample, GpuSample, Snapshot
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (10, 100, 1_000)
 P2C_GOAL_US = 20.0
 SCAN_GOAL_US = 200.0

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 from promptlb.bench._report import RESULTS, environment, write_json
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 BODY = json.dumps(
     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}

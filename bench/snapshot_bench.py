@@ -15,17 +15,15 @@ import platform
 import statistics
 import time
 import timeit
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
-from promptlb.bench._report import environment
-from promptlb.emulator._launch import Service, start_service
+from promptlb.bench._report import RESULTS, environment
+from promptlb.emulator import Service, start_service
 from promptlb.shared import EngineSample, GpuSample, SigningKey, Snapshot, decode, encode
 from promptlb.sidecar._gpu import GpuCollector
 
-RESULTS = Path(__file__).resolve().parent / "results"
 _MiB = 1024 * 1024
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.emulator import Service, start_command, start_service
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASE_S = 15.0

@@ -1,96 +1,34 @@
-"""The emulated model server: OpenAI-compatible endpoints over the capacity model."""
+"""The emulated model server: OpenAI-compatible endpoints over the capacity model. The request
+handlers and the app; the prompt's reading, the answers, the faults and the metrics are their
+own modules."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
 import os
 import random
-import struct
 import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
+from ._faults import Faults, check_faults
+from ._metrics import Stats, VllmMetrics
+from ._prompt import PrefixCache, estimate_tokens, prompt_head
+from ._reply import Reply, vector, words
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("promptlb.emulator")
 
-_TEXT = (
-    "the quick brown fox jumps over a lazy dog while small models answer fast and big models "
-    "think long about every prompt they are given"
-)
-_WORDS = tuple(_TEXT.split(" "))
 _MiB = 1024 * 1024
-
-
-@dataclass(slots=True)
-class _Stats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    success: int = 0
-    errors: int = 0
-    cancelled: int = 0  # generations abandoned because the client went away
-    prefix_queries: int = 0  # generations that looked their prompt's prefix up ...
-    prefix_hits: int = 0  # ... and found it cached
-    prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
-    prefix_hit_tokens: int = 0
-    leaked: list[bytearray] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "requests": self.requests,
-            "success": self.success,
-            "errors": self.errors,
-            "cancelled": self.cancelled,
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            "prefix_cache_queries": self.prefix_queries,
-            "prefix_cache_hits": self.prefix_hits,
-        }
-
-
-@dataclass(slots=True)
-class _Faults:
-    """The faults that can change while the process runs (``POST /_emulator/faults``); the CLI
-    flags are only their starting values. A benchmark plays a scenario's faults over time with
-    them, without restarting the process (which would reset its queue and its leaked memory)."""
-
-    slow_factor: float = 1.0
-    leak_mb_per_req: float = 0.0
-    error_rate: float = 0.0
-    # Set while the node is hung: requests wait on it, then go on once the hang is lifted, as
-    # the work queued on a stalled server does when it recovers.
-    running: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.running.set()
-
-    @property
-    def hang(self) -> bool:
-        return not self.running.is_set()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "slow_factor": self.slow_factor,
-            "hang": self.hang,
-            "leak_mb_per_req": self.leak_mb_per_req,
-            "error_rate": self.error_rate,
-        }
 
 
 @dataclass(slots=True)
@@ -99,119 +37,17 @@ class _State:
     capacity: Capacity
     rng: random.Random
     ready_at: float
-    faults: _Faults
-    stats: _Stats = field(default_factory=_Stats)
-    # Prefix hashes of recent prompts, least recently used first: the node's KV prefix cache.
-    prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    faults: Faults
+    stats: Stats
+    prefixes: PrefixCache
 
 
 STATE = web.AppKey("promptlb_emulator_state", _State)
 
 
-class _VllmMetrics(Collector):
-    """vLLM-style families, read from the live state at scrape time."""
-
-    def __init__(self, state: _State) -> None:
-        self._state = state
-
-    def collect(self) -> Iterator[Metric]:
-        state = self._state
-        model = state.config.models[0]
-        cap = state.capacity
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], value)
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], value)
-            return family
-
-        yield gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            cap.running,
-        )
-        yield gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", cap.waiting
-        )
-        yield gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            min(1.0, cap.kv_used / state.config.kv_capacity),
-        )
-        yield counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", state.stats.prompt_tokens
-        )
-        yield counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            state.stats.generation_tokens,
-        )
-        yield counter(
-            "vllm:request_success", "Count of successfully processed requests.", state.stats.success
-        )
-        yield counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            state.stats.prefix_query_tokens,
-        )
-        yield counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            state.stats.prefix_hit_tokens,
-        )
-
-
 def _error(status: int, message: str, kind: str) -> web.Response:
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status)
-
-
-def _estimate_tokens(value: object) -> int:
-    """About four characters a token, as tokenizers average on English text."""
-    if isinstance(value, str):
-        return max(1, math.ceil(len(value) / 4))
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value):
-            return len(value)  # a pre-tokenised prompt
-        return sum(_estimate_tokens(v) for v in value)
-    if isinstance(value, dict):
-        return _estimate_tokens(value.get("content", "")) + 4
-    return 1
-
-
-def _prefix(prompt: object, limit: int) -> str:
-    """The first ``limit`` characters of a prompt as an engine's chat template would lay it out
-    (role, then content, message by message); all of a shorter one."""
-    if isinstance(prompt, str):
-        return prompt[:limit]
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        parts: list[str] = []
-        size = 0
-        for message in prompt:
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(
-                    p["text"]
-                    for p in content
-                    if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-            piece = f"{message.get('role', '')}\n{content if isinstance(content, str) else ''}\n"
-            parts.append(piece)
-            size += len(piece)
-            if size >= limit:
-                break
-        return "".join(parts)[:limit]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return prompt[0][:limit]
-    return json.dumps(prompt)[:limit]  # token ids and the odd shape: their JSON text
-
-
-def _words(start: int, count: int) -> str:
-    return "".join(_WORDS[(start + i) % len(_WORDS)] + " " for i in range(count))
 
 
 class _Handlers:
@@ -245,10 +81,7 @@ class _Handlers:
         if faults.error_rate and state.rng.random() < faults.error_rate:
             state.stats.errors += 1
             return _error(500, "emulated internal error", "internal_server_error")
-        if faults.leak_mb_per_req:
-            leak = bytearray(int(faults.leak_mb_per_req * _MiB))
-            leak[::4096] = b"\x01" * len(range(0, len(leak), 4096))  # touch pages: real RSS
-            state.stats.leaked.append(leak)
+        faults.leak(state.stats.leaked)
         return body
 
     def _output_tokens(self, body: dict[str, Any]) -> int:
@@ -276,7 +109,7 @@ class _Handlers:
             field_name = "messages" if chat else "prompt"
             return _error(400, f"`{field_name}` is required", "invalid_request_error")
         cfg, state = self.cfg, self.state
-        n_in = _estimate_tokens(prompt)
+        n_in = estimate_tokens(prompt)
         n_out = self._output_tokens(body)
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
         rate = cfg.tokens_per_s / slow
@@ -289,9 +122,9 @@ class _Handlers:
         if options is not None and not isinstance(options, dict):
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
-        reply = _Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
-        head = _prefix(prompt, cfg.prefix_chars)
-        prefix = hashlib.blake2b(head.encode(), digest_size=16).digest()
+        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
+        head = prompt_head(prompt, chat=chat, limit=cfg.prefix_chars)
+        prefix = PrefixCache.key(head)
         try:
             async with state.capacity.slot():
                 reserved = n_in + n_out
@@ -299,10 +132,10 @@ class _Handlers:
                 try:
                     # Looked up when prefill starts (the slot is ours), stored once it is done:
                     # a twin request prefilling at the same time does not find it yet.
-                    if self._prefix_hit(prefix, n_in, len(head)):
+                    if state.prefixes.lookup(prefix, n_in, len(head)):
                         ttft *= 1.0 - cfg.prefix_discount
                     await asyncio.sleep(ttft)
-                    self._prefix_store(prefix)
+                    state.prefixes.store(prefix)
                     state.stats.prompt_tokens += n_in
                     if stream:
                         response = await self._stream(request, reply, rate)
@@ -321,29 +154,7 @@ class _Handlers:
         state.stats.success += 1
         return response
 
-    def _prefix_hit(self, prefix: bytes, n_in: int, chars: int) -> bool:
-        stats = self.state.stats
-        stats.prefix_queries += 1
-        stats.prefix_query_tokens += n_in
-        cache = self.state.prefixes
-        if prefix not in cache:
-            return False
-        cache.move_to_end(prefix)
-        stats.prefix_hits += 1
-        stats.prefix_hit_tokens += min(n_in, math.ceil(chars / 4))
-        return True
-
-    def _prefix_store(self, prefix: bytes) -> None:
-        limit = self.cfg.prefix_cache_entries
-        if limit == 0:
-            return
-        cache = self.state.prefixes
-        cache[prefix] = None
-        cache.move_to_end(prefix)
-        while len(cache) > limit:
-            cache.popitem(last=False)
-
-    async def _stream(self, request: web.Request, reply: _Reply, rate: float) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, reply: Reply, rate: float) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -360,7 +171,7 @@ class _Handlers:
             count = min(per_event, reply.n_out - sent)
             due = start + (sent + count) / rate
             await asyncio.sleep(max(0.0, due - loop.time()))
-            await response.write(reply.event(_words(sent, count), None))
+            await response.write(reply.event(words(sent, count), None))
             sent += count
             self.state.stats.generation_tokens += count
         await response.write(reply.event("", "length"))
@@ -390,11 +201,11 @@ class _Handlers:
                 await asyncio.sleep(cfg.ttft_ms / 1000 * self.state.faults.slow_factor)
         except QueueFull:
             return _error(429, "queue is full", "rate_limit_error")
-        n_in = sum(_estimate_tokens(v) for v in inputs)
+        n_in = sum(estimate_tokens(v) for v in inputs)
         self.state.stats.prompt_tokens += n_in
         self.state.stats.success += 1
         data = [
-            {"object": "embedding", "index": i, "embedding": _vector(v, cfg.embedding_dim)}
+            {"object": "embedding", "index": i, "embedding": vector(v, cfg.embedding_dim)}
             for i, v in enumerate(inputs)
         ]
         return web.json_response(
@@ -436,23 +247,13 @@ class _Handlers:
             return _error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
-        problem = _check_faults(body)
+        problem = check_faults(body)
         if problem:
             return _error(400, problem, "invalid_request_error")
         faults = self.state.faults
-        if "slow_factor" in body:
-            faults.slow_factor = float(body["slow_factor"])
-        if "leak_mb_per_req" in body:
-            faults.leak_mb_per_req = float(body["leak_mb_per_req"])
-        if "error_rate" in body:
-            faults.error_rate = float(body["error_rate"])
+        faults.update(body)
         if body.get("free_leaked"):
             self.state.stats.leaked.clear()
-        if "hang" in body:
-            if body["hang"]:
-                faults.running.clear()
-            else:
-                faults.running.set()
         log.warning("faults now %s", faults.as_dict())
         return web.json_response(faults.as_dict())
 
@@ -464,136 +265,29 @@ class _Handlers:
         )
 
 
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _check_faults(body: dict[str, Any]) -> str | None:
-    """What is wrong with a faults update, or None."""
-    known = ("slow_factor", "hang", "leak_mb_per_req", "error_rate", "free_leaked")
-    for key in body:
-        if key not in known:
-            return f"unknown key `{key}`; expected some of {', '.join(known)}"
-    for key in ("hang", "free_leaked"):
-        if key in body and not isinstance(body[key], bool):
-            return f"`{key}` must be true or false"
-    if "slow_factor" in body:
-        value = _number(body["slow_factor"])
-        if value is None or value <= 0:
-            return "`slow_factor` must be a number > 0"
-    if "leak_mb_per_req" in body:
-        value = _number(body["leak_mb_per_req"])
-        if value is None or value < 0:
-            return "`leak_mb_per_req` must be a number >= 0"
-    if "error_rate" in body:
-        value = _number(body["error_rate"])
-        if value is None or not 0 <= value <= 1:
-            return "`error_rate` must be a probability in 0..1"
-    return None
-
-
-def _vector(value: object, dim: int) -> list[float]:
-    """A deterministic unit vector per input, so equal inputs embed equally."""
-    digest = b""
-    seed = json.dumps(value, sort_keys=True).encode()
-    while len(digest) < dim * 4:
-        seed = hashlib.sha256(seed).digest()
-        digest += seed
-    ints = struct.unpack(f"<{dim}I", digest[: dim * 4])
-    vec = [i / 2**31 - 1.0 for i in ints]
-    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
-    return [v / norm for v in vec]
-
-
-@dataclass(slots=True)
-class _Reply:
-    chat: bool
-    model: str
-    n_in: int
-    n_out: int
-    body: dict[str, Any]
-    id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.n_in,
-            "completion_tokens": self.n_out,
-            "total_tokens": self.n_in + self.n_out,
-        }
-
-    def whole(self) -> dict[str, Any]:
-        text = _words(0, self.n_out)
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "finish_reason": "length",
-                "message": {"role": "assistant", "content": text},
-            }
-        else:
-            choice = {"index": 0, "finish_reason": "length", "text": text}
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(),
-        }
-
-    def event(self, content: str | dict[str, str], finish: str | None) -> bytes:
-        if self.chat:
-            delta = (
-                content if isinstance(content, dict) else ({"content": content} if content else {})
-            )
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": finish}
-            kind = "text_completion"
-        chunk = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-    def usage_event(self) -> bytes:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self._usage(),
-        }
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-
 REGISTRY = web.AppKey("promptlb_emulator_registry", CollectorRegistry)
 
 
 def create_app(config: EmulatorConfig) -> web.Application:
     """The emulator as an aiohttp app; serve it with ``AppRunner(app, handler_cancellation=True)``
     so that a client that goes away frees its slot, as it would on a real engine."""
+    stats = Stats()
+    capacity = Capacity(config.slots, config.max_queue)
     state = _State(
         config=config,
-        capacity=Capacity(config.slots, config.max_queue),
+        capacity=capacity,
         rng=random.Random(config.seed),
         ready_at=time.monotonic() + config.load_time_s,
-        faults=_Faults(
+        faults=Faults(
             slow_factor=config.slow_factor,
             leak_mb_per_req=config.leak_mb_per_req,
             error_rate=config.error_rate,
         ),
+        stats=stats,
+        prefixes=PrefixCache(config.prefix_cache_entries, stats),
     )
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_VllmMetrics(state))
+    registry.register(VllmMetrics(config, capacity, stats))
     app = web.Application(client_max_size=8 * _MiB)
     app[STATE] = state
     app[REGISTRY] = registry

@@ -22,7 +22,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from promptlb.shared import ConfigError
+from promptlb.shared import ConfigError, prompt_prefix
 
 from ._config import AffinityConfig
 from ._strategy import NoNodeAvailable, Scoring, Strategy
@@ -170,42 +170,12 @@ class Affinity:
 
 
 def prompt_head(body: Mapping[str, Any], limit: int) -> str | None:
-    """The first ``limit`` characters of the prompt (chat messages in order, or ``prompt``),
-    or None when the prompt is shorter. Stops reading once it has them: a long history costs
-    no more than a short one."""
-    parts: list[str] = []
-    size = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: the text ones
-                content = "".join(
-                    p["text"]
-                    for p in content
-                    if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-            if not isinstance(content, str):
-                continue
-            # The role is part of what a prefix cache sees (the chat template renders it).
-            role = message.get("role")
-            piece = f"{role if isinstance(role, str) else ''}\n{content}\n"
-            parts.append(piece)
-            size += len(piece)
-            if size >= limit:
-                break
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch: its first prompt stands for it
-        if isinstance(prompt, str):
-            parts.append(prompt)
-            size = len(prompt)
-    if size < limit:
-        return None
-    return "".join(parts)[:limit]
+    """The first ``limit`` characters of the prompt as `prompt_prefix` lays it out (the
+    emulator's prefix cache reads the same), or None when the prompt is shorter: a short prompt
+    shares no prefix worth a node. Stops reading once it has them, so a long history costs no
+    more than a short one."""
+    head = prompt_prefix(body, limit)
+    return head if len(head) >= limit else None
 
 
 class KeyMaker:

@@ -21,6 +21,7 @@ from ._config import Config
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
 from ._refusals import NoNodeAvailable, UnknownModel, UpstreamError
+from ._rules import RetryBudget
 from ._shedding import Admission
 from ._strategies import make_strategy
 from ._strategy import Strategy
@@ -65,21 +66,6 @@ class Upstream:
     queued: int = 0  # the node's effective queue when it was picked, for learning strategies
 
 
-class _RetryBudget:
-    """Retries in flight may not exceed a share of active requests (Envoy's retry budget)."""
-
-    __slots__ = ("active", "min_concurrent", "percent", "retrying")
-
-    def __init__(self, percent: float, min_concurrent: int) -> None:
-        self.percent = percent / 100.0
-        self.min_concurrent = min_concurrent
-        self.active = 0
-        self.retrying = 0
-
-    def allow(self) -> bool:
-        return self.retrying < max(self.min_concurrent, self.percent * self.active)
-
-
 class Balancer:
     def __init__(self, config: Config, *, rng: random.Random | None = None) -> None:
         self.config = config
@@ -97,7 +83,7 @@ class Balancer:
         self.strategy: Strategy = strategy
         self.metrics = Metrics(lambda: self.table)
         self.rng = rng or random.Random()
-        self._budget = _RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
+        self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
         self.admission = Admission(config.shedding, self.table)
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from promptlb.shared import ConfigError
+from promptlb.shared import ConfigError, prompt_turns
 
 __all__ = ["CLASSES", "Classifier", "classify", "load_classifier"]
 
@@ -65,30 +65,23 @@ _PUNCTUATION = str.maketrans({c: " " for c in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}
 
 
 def _texts(body: Mapping[str, Any]) -> tuple[str, int]:
-    """The last user turn's text and the prompt's total length in characters."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total = 0
-        last = ""
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = " ".join(
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("text")
-                )
-            if isinstance(content, str):
-                total += len(content)
-                if message.get("role") == "user":
-                    last = content
-        return last, total
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = " ".join(p for p in prompt if isinstance(p, str))
-    if isinstance(prompt, str):
-        return prompt, len(prompt)
-    return "", 0
+    """The last user turn's text and the prompt's total length in characters; a completion
+    batch's prompts count as one text."""
+    last = ""
+    total = 0
+    batch: list[str] = []
+    for role, pieces in prompt_turns(body):
+        text = pieces[0] if len(pieces) == 1 else " ".join(pieces)
+        if role is None:
+            batch.append(text)
+            continue
+        total += len(text)
+        if role == "user":
+            last = text
+    if batch:
+        last = batch[0] if len(batch) == 1 else " ".join(batch)
+        total = len(last)
+    return last, total
 
 
 def classify(body: Mapping[str, Any]) -> str:

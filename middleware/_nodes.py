@@ -6,7 +6,6 @@ State changes (a health result, a snapshot, an ejection) mark the table dirty; t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -14,12 +13,12 @@ from dataclasses import dataclass, field
 from promptlb.shared import Snapshot
 
 from ._config import Config, NodeConfig
+from ._rules import ejection_cap, ejection_time, ramp
 from ._view import NodeView
 
 __all__ = ["Node", "NodeTable"]
 
 _EWMA = 0.2  # weight of the newest latency/TTFT/error observation
-_MIN_RAMP = 0.1
 
 
 @dataclass(slots=True, eq=False)
@@ -181,8 +180,8 @@ class NodeTable:
         outlier = self._config.outlier
         if node.consecutive_failures >= outlier.consecutive_failures and self._may_eject(node, now):
             node.times_ejected += 1
-            node.ejected_until = now + min(
-                outlier.base_ejection_time * node.times_ejected, outlier.max_ejection_time
+            node.ejected_until = now + ejection_time(
+                node.times_ejected, outlier.base_ejection_time, outlier.max_ejection_time
             )
             node.consecutive_failures = 0
             node.ready_since = None
@@ -191,9 +190,7 @@ class NodeTable:
     def _may_eject(self, node: Node, now: float) -> bool:
         pool = [n for n in self.nodes.values() if n.models & node.models]
         ejected = sum(1 for n in pool if now < n.ejected_until)
-        # Envoy's rule: never eject past the cap, but always allow one when the pool is tiny.
-        cap = max(1, math.floor(len(pool) * self._config.outlier.max_ejection_percent / 100))
-        return ejected < cap
+        return ejected < ejection_cap(len(pool), self._config.outlier.max_ejection_percent)
 
     # -- the hot path ----------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -211,10 +208,8 @@ class NodeTable:
                 node.ejected_until = 0.0
                 node.ready_since = now
                 self._dirty = True
-            ramp = 1.0
-            if slow_start and node.ready_since is not None:
-                ramp = max(_MIN_RAMP, min(1.0, (now - node.ready_since) / slow_start))
-            view.ramp = ramp
+            since = node.ready_since
+            view.ramp = 1.0 if since is None else ramp(now - since, slow_start)
         if self._dirty:
             self._rebuild(now)
 

@@ -2,6 +2,7 @@
 
 from ._config import ConfigError, parse_duration
 from ._errors import SnapshotError
+from ._prompt import prompt_prefix, prompt_turns
 from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file
 from ._snapshot import MAX_SNAPSHOT_BYTES, SCHEMA_VERSION, EngineSample, GpuSample, Snapshot
 
@@ -19,4 +20,6 @@ __all__ = [
     "encode",
     "load_key_file",
     "parse_duration",
+    "prompt_prefix",
+    "prompt_turns",
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 Launcher = Callable[..., Service]
 Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from promptlb.bench._endpoint import nodes_needed, run_endpoint
 from promptlb.bench._loadgen import Result, node_from_headers, prompt_text, replay
-from promptlb.bench._report import busy_slot_seconds, jain, load_over_time, percentile, summarize
+from promptlb.bench._report import busy_slot_seconds, load_over_time, summarize
 from promptlb.bench._scenario import Arrival
-from promptlb.emulator._launch import Service, start_service
+from promptlb.bench._stats import jain, percentile
+from promptlb.emulator import Service, start_service
 
 RATE = 50.0
 SECONDS = 10.0

@@ -1,6 +1,6 @@
 """Fixtures that run the real emulator (``python -m promptlb.emulator``) on 127.0.0.1.
 
-Processes start through `promptlb.emulator._launch.start_service` (``--port 0``, then the
+Processes start through `promptlb.emulator.start_service` (``--port 0``, then the
 ``listening on`` line) and every one is stopped at teardown.
 """
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 from tests.conftest import Launcher
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import psutil
 import pytest
-from promptlb.emulator._launch import Service, start_service
+from promptlb.emulator import Service, start_service
 
 if TYPE_CHECKING:
     from tests.emulator.conftest import StartEmulator

@@ -13,7 +13,7 @@ import openai
 import pytest
 from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
-from promptlb.emulator._launch import Service, start_command, start_service
+from promptlb.emulator import Service, start_command, start_service
 from promptlb.middleware._view import NodeView
 from promptlb.shared import EngineSample, GpuSample, Snapshot
 

@@ -151,9 +151,9 @@ def test_the_gateway_rejects_a_bad_config_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_the_retry_budget_is_a_share_of_active_requests_with_a_floor() -> None:
-    from promptlb.middleware._balancer import _RetryBudget
+    from promptlb.middleware._rules import RetryBudget
 
-    budget = _RetryBudget(percent=20.0, min_concurrent=3)
+    budget = RetryBudget(percent=20.0, min_concurrent=3)
     budget.active = 5
     budget.retrying = 2
     assert budget.allow()  # under the floor of 3

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from promptlb.emulator._app import _Reply, _words
+from promptlb.emulator._reply import Reply, words
 from promptlb.middleware._cache import CacheEntry, MemoryCache, RedisCache, cache_key, open_cache
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
@@ -52,11 +52,11 @@ async def test_storing_a_key_again_replaces_it_without_counting_it_twice() -> No
     assert got is not None and got.body == b"b" * 50
 
 
-def emulator_stream(reply: _Reply, per_event: int = 3) -> bytes:
+def emulator_stream(reply: Reply, per_event: int = 3) -> bytes:
     """The bytes of the emulator's ``_stream`` for this reply, without the pacing."""
     out = [reply.event({"role": "assistant", "content": ""}, None)] if reply.chat else []
     for sent in range(0, reply.n_out, per_event):
-        out.append(reply.event(_words(sent, min(per_event, reply.n_out - sent)), None))
+        out.append(reply.event(words(sent, min(per_event, reply.n_out - sent)), None))
     out += [reply.event("", "length"), reply.usage_event(), b"data: [DONE]\n\n"]
     return b"".join(out)
 
@@ -72,13 +72,13 @@ def assemble(chat: bool, data: bytes, step: int) -> dict[str, Any] | None:
 @pytest.mark.parametrize("chat", [True, False])
 @pytest.mark.parametrize("step", [1, 11, 4096])
 def test_an_emulator_stream_assembles_into_its_whole_answer(chat: bool, step: int) -> None:
-    reply = _Reply(chat=chat, model="big", n_in=4, n_out=10, body={})
+    reply = Reply(chat=chat, model="big", n_in=4, n_out=10, body={})
     assert assemble(chat, emulator_stream(reply), step) == reply.whole()
 
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
-    whole = _Reply(chat=chat, model="big", n_in=4, n_out=10, body={}).whole()
+    whole = Reply(chat=chat, model="big", n_in=4, n_out=10, body={}).whole()
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
     events = replay_sse(CHAT if chat else COMPLETIONS, entry)
     assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
@@ -87,14 +87,14 @@ def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
 
 
 async def test_a_completions_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) -> None:
-    whole = _Reply(chat=False, model="big", n_in=4, n_out=10, body={}).whole()
+    whole = Reply(chat=False, model="big", n_in=4, n_out=10, body={}).whole()
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
     events = replay_sse(COMPLETIONS, entry)
 
     async with openai_over(COMPLETIONS, events) as api:
         stream = await api.completions.create(model="big", prompt="hi", stream=True)
         chunks = [c async for c in stream]
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == _words(0, 10)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == words(0, 10)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 14
 

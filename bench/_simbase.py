@@ -1,0 +1,109 @@
+"""The simulator's shared state: the event heap on virtual time, the nodes, the replicas and the
+tallies that become the `SimResult`. The event handlers are mixins over it (`_simdetect`,
+`_simperfect`, `_simtries`, `_simfaults`); `_simcore` runs the loop."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from promptlb.middleware._config import OutlierConfig
+from promptlb.middleware._rules import RetryBudget, ejection_cap
+from promptlb.shared import ConfigError
+
+from ._scenario import Arrival, NodeSpec
+from ._simnode import Group, Node
+from ._simparams import PERFECT, SIM_STRATEGIES, ServiceFn, SimParams
+from ._simreplica import Replica, View, build_strategy
+
+__all__ = [
+    "CONNECT_FAIL",
+    "DETECT",
+    "FAULT",
+    "FINISH",
+    "MARK",
+    "OUTLIER",
+    "REFRESH",
+    "TIMEOUT",
+    "UNEJECT",
+    "SimState",
+]
+
+# Event kinds. Ties in time are broken by a sequence number, so the order is deterministic.
+FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK = range(8)
+# The middleware's ejection defaults: SimParams sets only how many failures eject.
+OUTLIER = OutlierConfig()
+
+
+class SimState:
+    """A run's state from its start: the replicas built and the refreshes, faults and the
+    utilisation mark on the heap; the perfect dispatcher's groups are built when it runs."""
+
+    def __init__(
+        self,
+        nodes: Sequence[NodeSpec],
+        arrivals: Sequence[Arrival],
+        strategy: str,
+        duration: float,
+        params: SimParams,
+        options: Mapping[str, Any],
+        service: ServiceFn | None,
+    ) -> None:
+        if strategy not in SIM_STRATEGIES:
+            raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
+        self.params = params
+        self.name = strategy
+        self.perfect = strategy == PERFECT
+        self.arrivals = arrivals
+        self.duration = duration
+        self.service = service
+        self.service_rng = random.Random(params.seed * 7_919 + 17)
+        self.nodes = [Node(i, spec) for i, spec in enumerate(nodes)]
+        # (virtual time, sequence, event kind, object, try number)
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self.seq = itertools.count()
+        self.pending = 0
+        self.last_t = 0.0
+        self.retries = 0
+        self.ejections = 0
+        self.errors: dict[str, int] = {}
+        self.latencies: array[float] = array("d")
+        self.waits: array[float] = array("d")
+        self.replicas: list[Replica] = []
+        self.detect_at: dict[tuple[int, float], list[tuple[int, bool]]] = {}
+        self.groups: dict[tuple[float, float, float, float], Group] = {}
+        self.group_list: list[Group] = []
+        # The simulated nodes all serve the one model: the pool is every node.
+        self.eject_cap = ejection_cap(len(self.nodes), OUTLIER.max_ejection_percent)
+        if not self.perfect:
+            count = params.replicas
+            for r in range(count):
+                views: list[View] = []
+                for node in self.nodes:
+                    view = View(
+                        name=node.name,
+                        url=f"sim://{node.name}",
+                        tier=node.spec.tier,
+                        tags=frozenset(node.spec.tags),
+                    )
+                    view.idx = node.idx
+                    view.snapshot = node.snapshot(0.0)
+                    views.append(view)
+                # Seeded per replica and alike for every strategy: runs differ in the policy.
+                rng = random.Random(params.seed * 1_000_003 + r)
+                budget = RetryBudget(params.budget_percent, params.budget_min)
+                self.replicas.append(Replica(build_strategy(strategy, options), rng, views, budget))
+                if params.staleness > 0:
+                    phase = params.staleness * r / count
+                    self._push(phase if phase > 0 else params.staleness, REFRESH, r)
+        for node in self.nodes:
+            for fault in node.spec.faults:
+                self._push(fault.at, FAULT, (node, fault))
+        self._push(duration, MARK, None)
+
+    def _push(self, t: float, kind: int, obj: Any, try_no: int = 0) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj, try_no))

@@ -1,0 +1,113 @@
+"""What each middleware replica learns, on virtual time: snapshots every ``staleness`` seconds,
+health checks that take a node out and back, outlier ejection and slow start. The rules are the
+middleware's own (`promptlb.middleware._rules`); only their bookkeeping is the simulator's."""
+
+from __future__ import annotations
+
+import math
+
+from promptlb.middleware._rules import MIN_RAMP, ejection_time, ramp
+
+from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
+from ._simnode import Node
+from ._simreplica import Replica
+
+__all__ = ["Detection"]
+
+
+class Detection(SimState):
+    def _refresh(self, replica: Replica, now: float) -> None:
+        # A crashed node's ``cur`` stays the last snapshot it sent: a dead engine sends nothing.
+        for node, view in zip(self.nodes, replica.views, strict=True):
+            snap = node.cur
+            view.snapshot = node.snapshot(now) if snap is None else snap
+            view.in_flight_at_snapshot = view.in_flight
+        if replica.ramping:
+            self._ramp(replica, now)
+
+    def _ramp(self, replica: Replica, now: float) -> None:
+        ramping = replica.ramping
+        views = replica.views
+        slow_start = self.params.slow_start
+        for idx, since in list(ramping.items()):
+            share = ramp(now - since, slow_start)
+            views[idx].ramp = share
+            if share >= 1.0:
+                del ramping[idx]
+
+    def _warm(self, replica: Replica, idx: int, now: float) -> None:
+        """The node just became a candidate again: slow start from `MIN_RAMP` of its share."""
+        if self.params.slow_start > 0:
+            replica.ramping[idx] = now
+            replica.views[idx].ramp = MIN_RAMP
+
+    def _record(self, r: int, idx: int, *, ok: bool, now: float) -> None:
+        """A failed try, for outlier detection (NodeTable.record_result)."""
+        limit = self.params.outlier_failures
+        if ok or not limit:
+            return
+        replica = self.replicas[r]
+        replica.consecutive[idx] += 1
+        if replica.consecutive[idx] < limit or replica.ejected[idx]:
+            return
+        if replica.n_ejected >= self.eject_cap:
+            return
+        replica.consecutive[idx] = 0
+        replica.times_ejected[idx] += 1
+        until = now + ejection_time(
+            replica.times_ejected[idx], OUTLIER.base_ejection_time, OUTLIER.max_ejection_time
+        )
+        replica.ejected[idx] = True
+        replica.n_ejected += 1
+        replica.ejected_until[idx] = until
+        replica.ramping.pop(idx, None)
+        self.ejections += 1
+        replica.rebuild()
+        self._push(until, UNEJECT, r, idx)
+
+    def _uneject(self, r: int, idx: int, now: float) -> None:
+        replica = self.replicas[r]
+        if not replica.ejected[idx] or replica.ejected_until[idx] > now:
+            return
+        replica.ejected[idx] = False
+        replica.n_ejected -= 1
+        if replica.alive[idx]:
+            self._warm(replica, idx, now)
+        replica.rebuild()
+
+    def _schedule_detection(self, node: Node, now: float, up: bool) -> None:
+        """Each replica's health checks, staggered over the interval, see the change; it counts
+        after ``threshold`` checks in a row. Replicas detecting at the same instant share one
+        event, so that a fault on many nodes at once costs one rebuild per replica."""
+        params = self.params
+        interval = params.health_interval
+        threshold = params.healthy_threshold if up else params.unhealthy_threshold
+        count = len(self.replicas)
+        for r in range(count):
+            phase = interval * r / count
+            first = phase + math.ceil((now - phase) / interval) * interval
+            if first < now:  # float rounding
+                first += interval
+            at = first + (threshold - 1) * interval
+            key = (r, at)
+            batch = self.detect_at.get(key)
+            if batch is None:
+                batch = self.detect_at[key] = []
+                self._push(at, DETECT, key)
+            batch.append((node.idx, up))
+
+    def _detect(self, key: tuple[int, float], now: float) -> None:
+        replica = self.replicas[key[0]]
+        alive = replica.alive
+        for idx, up in self.detect_at.pop(key):
+            if alive[idx] == up:
+                continue
+            alive[idx] = up
+            if up and not replica.ejected[idx]:
+                self._warm(replica, idx, now)
+            elif not up:
+                replica.ramping.pop(idx, None)
+                replica.views[idx].ramp = 1.0
+        if replica.ramping:
+            self._ramp(replica, now)
+        replica.rebuild()

@@ -1,0 +1,96 @@
+"""The perfect dispatcher, the bound every strategy is measured against: one dispatcher with
+exact, instant knowledge of every queue, joining the shortest expected delay. Each node keeps a
+forecast of when its slots free up; alike nodes share a heap, so a pick costs a few heap reads."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from ._scenario import Arrival
+from ._simbase import SimState
+from ._simnode import QUEUED, Group, Node
+
+__all__ = ["Perfect"]
+
+
+class Perfect(SimState):
+    def _perfect_pick(self, arrival: Arrival, now: float, tried: list[int]) -> Node | None:
+        """Join the shortest expected delay with exact state: the node where this request
+        would finish first, given every request already placed and this one's service time."""
+        best = math.inf
+        chosen: Node | None = None
+        nodes = self.nodes
+        m = arrival.max_tokens
+        p = arrival.prompt_tokens
+        if tried:  # a retry (rare): a plain scan that can leave nodes out
+            for group in self.group_list:
+                extra = group.a + group.b * m + group.c * p
+                for idx in group.members:
+                    if idx in tried:
+                        continue
+                    free = nodes[idx].free[0]
+                    done = (free if free > now else now) + extra
+                    if done < best:
+                        best, chosen = done, nodes[idx]
+            return chosen
+        for group in self.group_list:
+            heap = group.heap
+            while heap:
+                top = heap[0]
+                if nodes[top[2]].version == top[1]:
+                    break
+                heapq.heappop(heap)
+            else:
+                continue
+            free = top[0]
+            done = (free if free > now else now) + group.a + group.b * m + group.c * p
+            if done < best:
+                best = done
+                chosen = nodes[top[2]]
+        return chosen
+
+    def _join_group(self, node: Node) -> None:
+        spec = node.spec
+        key = (spec.ttft_ms, spec.tokens_per_s, spec.prefill_tokens_per_s, node.factor)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(spec, node.factor)
+            self.group_list.append(group)
+        group.members.add(node.idx)
+        node.group = group
+        self._reindex(node)
+
+    def _leave_group(self, node: Node) -> None:
+        if node.group is not None:
+            node.group.members.discard(node.idx)
+            node.group = None
+        node.version += 1  # its heap entries are stale now
+
+    def _reindex(self, node: Node) -> None:
+        group = node.group
+        if group is None:
+            return
+        node.version += 1
+        heap = group.heap
+        heapq.heappush(heap, (node.free[0], node.version, node.idx))
+        if len(heap) > 4 * len(group.members) + 64:
+            # Stale entries pile up below the top; rebuilding keeps the heap near its members.
+            nodes = self.nodes
+            group.heap = [(nodes[i].free[0], nodes[i].version, i) for i in group.members]
+            heapq.heapify(group.heap)
+
+    def _replan(self, node: Node, now: float) -> None:
+        """Recompute when each slot frees up from the node's exact state (after a fault or a
+        try that ended early): the forecast `_send` keeps is exact only while nothing does."""
+        if not self.perfect:
+            return
+        free = sorted(r.finish for r in node.active)
+        free.extend([now] * (node.slots - len(free)))
+        heapq.heapify(free)
+        for req in node.queue:
+            if req.node is node and req.phase == QUEUED and not req.done:
+                t0 = heapq.heappop(free)
+                heapq.heappush(free, (t0 if t0 > now else now) + req.base * req.factor)
+        node.free = free
+        self._reindex(node)

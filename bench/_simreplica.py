@@ -1,0 +1,88 @@
+"""A middleware replica as the simulator keeps it: its strategy, its node views, and the state
+of its node table (health, ejections, slow start) as indexed lists, so that an event costs O(1)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from promptlb.middleware._refusals import NoNodeAvailable
+from promptlb.middleware._rules import RetryBudget
+from promptlb.middleware._strategies import make_strategy
+from promptlb.middleware._strategy import Static, Strategy
+from promptlb.middleware._view import NodeView, RouteRequest
+
+from ._simparams import RANDOM
+
+__all__ = ["RandomChoice", "Replica", "View", "build_strategy"]
+
+
+class RandomChoice(Static):
+    """A uniformly random candidate: the textbook baseline power-of-two choices is measured by.
+    Not one of the middleware's strategies; only the simulator offers it."""
+
+    name = RANDOM
+
+    def pick(
+        self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
+    ) -> NodeView:
+        if not candidates:
+            raise NoNodeAvailable(request.model)
+        return candidates[rng.randrange(len(candidates))]
+
+
+class View(NodeView):
+    """A `NodeView` that knows its node's index, so a pick maps back to a node in O(1)."""
+
+    __slots__ = ("idx",)
+    idx: int
+
+
+class Replica:
+    """One middleware replica: its strategy, its node views and its node table's state."""
+
+    __slots__ = (
+        "alive",
+        "budget",
+        "cands",
+        "consecutive",
+        "ejected",
+        "ejected_until",
+        "n_ejected",
+        "ramping",
+        "rng",
+        "strategy",
+        "times_ejected",
+        "views",
+    )
+
+    def __init__(
+        self, strategy: Strategy, rng: random.Random, views: list[View], budget: RetryBudget
+    ) -> None:
+        n = len(views)
+        self.strategy = strategy
+        self.rng = rng
+        self.views = views
+        self.cands: list[View] = list(views)
+        self.alive = [True] * n  # by health checks
+        self.ejected = [False] * n  # by outlier detection
+        self.ejected_until = [0.0] * n
+        self.n_ejected = 0
+        self.times_ejected = [0] * n
+        self.consecutive = [0] * n
+        self.ramping: dict[int, float] = {}  # node index -> ready since
+        # Its ``active``: requests open on this replica; ``retrying``: retry tries waiting for
+        # their headers, as Balancer.open counts them.
+        self.budget = budget
+
+    def rebuild(self) -> None:
+        alive, ejected = self.alive, self.ejected
+        self.cands = [v for v in self.views if alive[v.idx] and not ejected[v.idx]]
+
+
+def build_strategy(name: str, options: Mapping[str, Any]) -> Strategy:
+    """A middleware strategy by name, or the simulator's `RandomChoice`."""
+    if name == RANDOM:
+        return RandomChoice()
+    return make_strategy(name, **options)

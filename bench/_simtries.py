@@ -1,0 +1,245 @@
+"""A request's tries, from the pick to the last token: the middleware's `Balancer.open` (never
+the same node twice, within the retry budget) and the emulated node's slots and FIFO queue, with
+the per-try and client timeouts. A try that fails before its headers is retried elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+
+from promptlb.middleware._refusals import NoNodeAvailable
+
+from ._simbase import CONNECT_FAIL, FINISH, TIMEOUT
+from ._simdetect import Detection
+from ._simnode import CONNECTING, CRASHED, HUNG, QUEUED, RUNNING, STUCK, Node, Req
+from ._simperfect import Perfect
+from ._simreplica import View
+
+__all__ = ["Tries"]
+
+
+class Tries(Perfect, Detection):
+    def _end_try(self, req: Req) -> None:
+        """The try is over, whatever its outcome: the replica's counts let go of it."""
+        view = req.view
+        if view is not None:
+            view.in_flight -= 1
+            req.view = None
+        if req.retry_try:
+            req.retry_try = False
+            self.replicas[req.replica].budget.retrying -= 1
+
+    def _fail(self, req: Req, kind: str, when: float) -> None:
+        self._end_try(req)
+        req.done = True
+        if not self.perfect:
+            self.replicas[req.replica].budget.active -= 1
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        self.pending -= 1
+        if when > self.last_t:
+            self.last_t = when
+
+    def _try_failed(self, req: Req, kind: str, now: float) -> None:
+        """A try failed before its headers: the proxy tries another node if it may."""
+        node = req.node
+        self._end_try(req)
+        if node is not None and not self.perfect:
+            self._record(req.replica, node.idx, ok=False, now=now)
+        req.last = kind
+        if now >= req.born + self.params.client_timeout:
+            self._fail(req, "timeout", now)  # the client has already given up
+        elif len(req.tried) >= self.params.attempts:
+            self._fail(req, kind, now)
+        else:
+            self._route(req, now)
+
+    def _route(self, req: Req, now: float) -> None:
+        tried = req.tried
+        if self.perfect:
+            best = self._perfect_pick(req.arrival, now, tried)
+            if best is None:
+                self._fail(req, req.last, now)
+                return
+            if tried:
+                self.retries += 1
+            tried.append(best.idx)
+            self._send(req, best, now, None)
+            return
+        replica = self.replicas[req.replica]
+        if self.params.staleness == 0:
+            self._refresh(replica, now)
+        cands: list[View] = replica.cands
+        if tried:
+            # Rare (retries only): never the same node twice, as Balancer.open.
+            cands = cands.copy()  # copy and remove run in C: a 1,000-node list costs microseconds
+            views = replica.views
+            for idx in tried:
+                with contextlib.suppress(ValueError):
+                    cands.remove(views[idx])
+            if not cands or not replica.budget.allow():
+                self._fail(req, req.last, now)
+                return
+        route = req.route
+        assert route is not None
+        try:
+            view = replica.strategy.pick(route, cands, replica.rng)
+        except NoNodeAvailable:
+            self._fail(req, req.last, now)
+            return
+        assert isinstance(view, View)
+        req.queued = view.effective_queue
+        view.in_flight += 1
+        if tried:
+            replica.budget.retrying += 1
+            req.retry_try = True
+            self.retries += 1
+        tried.append(view.idx)
+        self._send(req, self.nodes[view.idx], now, view)
+
+    def _send(self, req: Req, node: Node, now: float, view: View | None) -> None:
+        params = self.params
+        req.view = view
+        req.node = node
+        req.sent = now
+        req.try_no += 1
+        req.armed = False
+        req.cut = False
+        req.deadline = min(now + params.per_try_timeout, req.born + params.client_timeout)
+        if node.state == CRASHED:
+            req.phase = CONNECTING
+            self._push(now + params.connect_fail_s, CONNECT_FAIL, req, req.try_no)
+            return
+        node.dispatched += 1
+        req.factor = node.factor
+        arrival = req.arrival
+        if self.service is None:
+            head = node.ttft + arrival.prompt_tokens * node.inv_prefill
+            req.head = head
+            req.base = head + arrival.max_tokens * node.inv_tps
+        else:
+            req.head = 0.0
+            req.base = self.service(node.spec, arrival, self.service_rng)
+        if node.state == HUNG:
+            # The emulator's hang: accepted, never answered, and not in the engine's counts.
+            req.phase = STUCK
+            node.hung.append(req)
+            req.armed = True
+            self._push(req.deadline, TIMEOUT, req, req.try_no)
+            return
+        self._admit(req, node, now)
+
+    def _admit(self, req: Req, node: Node, now: float) -> None:
+        """Into a free slot, or at the back of the FIFO queue."""
+        if self.perfect:
+            free = node.free
+            t0 = heapq.heappop(free)
+            heapq.heappush(free, (t0 if t0 > now else now) + req.base * req.factor)
+            self._reindex(node)
+        if node.running < node.slots:
+            self._start(req, node, now)
+            if node.running > node.max_depth:
+                node.max_depth = node.running
+        else:
+            req.phase = QUEUED
+            node.queue.append(req)
+            node.cur = None
+            if not req.armed:
+                req.armed = True
+                heapq.heappush(self.heap, (req.deadline, next(self.seq), TIMEOUT, req, req.try_no))
+            depth = node.running + len(node.queue) - node.stale
+            if depth > node.max_depth:
+                node.max_depth = depth
+
+    def _start(self, req: Req, node: Node, now: float) -> None:
+        node.busy += node.running * (now - node.t_last)
+        node.t_last = now
+        node.running += 1
+        node.cur = None
+        req.phase = RUNNING
+        req.start = now
+        node.active[req] = None
+        if req.retry_try:  # its headers are on their way: it leaves the retry budget
+            req.retry_try = False
+            self.replicas[req.replica].budget.retrying -= 1
+        factor = req.factor
+        finish = now + req.base * factor
+        give_up = req.born + self.params.client_timeout
+        if finish > give_up:
+            finish = give_up
+            req.cut = True
+        req.finish = finish
+        heapq.heappush(self.heap, (finish, next(self.seq), FINISH, req, req.try_no))
+        if not req.armed and now + req.head * factor > req.deadline:
+            req.armed = True
+            self._push(req.deadline, TIMEOUT, req, req.try_no)
+
+    def _next(self, node: Node, now: float) -> None:
+        """Hand free slots to the queue's head, FIFO, skipping tries that already ended."""
+        queue = node.queue
+        while queue and node.running < node.slots:
+            req = queue.popleft()
+            if req.node is not node or req.phase != QUEUED or req.done:
+                node.stale -= 1
+                node.cur = None
+                continue
+            self._start(req, node, now)
+
+    def _finish(self, t: float, req: Req, try_no: int) -> None:
+        if req.done or req.try_no != try_no or req.phase != RUNNING or req.finish != t:
+            return  # rescheduled by a slow fault, or the try already ended
+        node = req.node
+        assert node is not None
+        node.busy += node.running * (t - node.t_last)
+        node.t_last = t
+        node.running -= 1
+        node.cur = None
+        del node.active[req]
+        if req.cut:
+            # The client gave up mid-stream and disconnected: the slot frees now. The gateway
+            # counts an aborted request against no node.
+            self._fail(req, "timeout", t)
+            self._replan(node, t)
+        else:
+            view = req.view  # _end_try lets go of it
+            self._end_try(req)
+            req.done = True
+            self.latencies.append(t - req.born)
+            self.waits.append(req.start - req.sent)
+            node.served += 1
+            self.pending -= 1
+            self.last_t = t
+            if not self.perfect:
+                replica = self.replicas[req.replica]
+                route = req.route
+                if route is not None and view is not None:
+                    # A custom service time has no first-token split: then none is reported.
+                    head = None if self.service else req.start - req.sent + req.head * req.factor
+                    replica.strategy.observe(route, view, t - req.sent, head, req.queued)
+                replica.budget.active -= 1
+                if replica.consecutive[node.idx]:
+                    replica.consecutive[node.idx] = 0
+        self._next(node, t)
+
+    def _timeout(self, t: float, req: Req, try_no: int) -> None:
+        if req.done or req.try_no != try_no:
+            return
+        node = req.node
+        assert node is not None
+        phase = req.phase
+        if phase == RUNNING:
+            if req.start + req.head * req.factor <= t:
+                return  # its headers came in time
+            node.integrate(t)
+            node.running -= 1
+            node.cur = None
+            del node.active[req]
+            req.phase = CONNECTING
+            self._next(node, t)
+        elif phase == QUEUED:
+            node.stale += 1
+            node.cur = None
+            req.phase = CONNECTING
+        elif phase == STUCK:
+            node.hung.remove(req)
+        self._replan(node, t)
+        self._try_failed(req, "timeout", t)

@@ -1,0 +1,93 @@
+"""The faults a running emulator can be given (``POST /_emulator/faults``): their state, the
+check of an update (all or nothing) and its application."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Faults", "check_faults"]
+
+_MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class Faults:
+    """The faults that can change while the process runs (``POST /_emulator/faults``); the CLI
+    flags are only their starting values. A benchmark plays a scenario's faults over time with
+    them, without restarting the process (which would reset its queue and its leaked memory)."""
+
+    slow_factor: float = 1.0
+    leak_mb_per_req: float = 0.0
+    error_rate: float = 0.0
+    # Set while the node is hung: requests wait on it, then go on once the hang is lifted, as
+    # the work queued on a stalled server does when it recovers.
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.running.set()
+
+    @property
+    def hang(self) -> bool:
+        return not self.running.is_set()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "slow_factor": self.slow_factor,
+            "hang": self.hang,
+            "leak_mb_per_req": self.leak_mb_per_req,
+            "error_rate": self.error_rate,
+        }
+
+    def leak(self, into: list[bytearray]) -> None:
+        """A request's share of the leak, kept in ``into`` until ``free_leaked``."""
+        if self.leak_mb_per_req:
+            leak = bytearray(int(self.leak_mb_per_req * _MiB))
+            leak[::4096] = b"\x01" * len(range(0, len(leak), 4096))  # touch pages: real RSS
+            into.append(leak)
+
+    def update(self, body: dict[str, Any]) -> None:
+        """Apply a faults update that `check_faults` passed (``free_leaked`` is the stats')."""
+        if "slow_factor" in body:
+            self.slow_factor = float(body["slow_factor"])
+        if "leak_mb_per_req" in body:
+            self.leak_mb_per_req = float(body["leak_mb_per_req"])
+        if "error_rate" in body:
+            self.error_rate = float(body["error_rate"])
+        if "hang" in body:
+            if body["hang"]:
+                self.running.clear()
+            else:
+                self.running.set()
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def check_faults(body: dict[str, Any]) -> str | None:
+    """What is wrong with a faults update, or None."""
+    known = ("slow_factor", "hang", "leak_mb_per_req", "error_rate", "free_leaked")
+    for key in body:
+        if key not in known:
+            return f"unknown key `{key}`; expected some of {', '.join(known)}"
+    for key in ("hang", "free_leaked"):
+        if key in body and not isinstance(body[key], bool):
+            return f"`{key}` must be true or false"
+    if "slow_factor" in body:
+        value = _number(body["slow_factor"])
+        if value is None or value <= 0:
+            return "`slow_factor` must be a number > 0"
+    if "leak_mb_per_req" in body:
+        value = _number(body["leak_mb_per_req"])
+        if value is None or value < 0:
+            return "`leak_mb_per_req` must be a number >= 0"
+    if "error_rate" in body:
+        value = _number(body["error_rate"])
+        if value is None or not 0 <= value <= 1:
+            return "`error_rate` must be a probability in 0..1"
+    return None

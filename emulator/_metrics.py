@@ -1,0 +1,102 @@
+"""The emulator's counters and their vLLM-style Prometheus families, so that the sidecar and the
+middleware read an emulated node exactly as they read a real vLLM engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ._capacity import Capacity
+from ._config import EmulatorConfig
+
+__all__ = ["Stats", "VllmMetrics"]
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the node did: the counters its /metrics and /_emulator/stats expose."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    success: int = 0
+    errors: int = 0
+    cancelled: int = 0  # generations abandoned because the client went away
+    prefix_queries: int = 0  # generations that looked their prompt's prefix up ...
+    prefix_hits: int = 0  # ... and found it cached
+    prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
+    prefix_hit_tokens: int = 0
+    leaked: list[bytearray] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "success": self.success,
+            "errors": self.errors,
+            "cancelled": self.cancelled,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+        }
+
+
+class VllmMetrics(Collector):
+    """vLLM-style families, read from the live state at scrape time."""
+
+    def __init__(self, config: EmulatorConfig, capacity: Capacity, stats: Stats) -> None:
+        self._config = config
+        self._capacity = capacity
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        config, cap, stats = self._config, self._capacity, self._stats
+        model = config.models[0]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            cap.running,
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", cap.waiting
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            min(1.0, cap.kv_used / config.kv_capacity),
+        )
+        yield counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            stats.generation_tokens,
+        )
+        yield counter(
+            "vllm:request_success", "Count of successfully processed requests.", stats.success
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_query_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_hit_tokens,
+        )

@@ -1,0 +1,44 @@
+"""The one reading of "the prompt" that the middleware and the emulator share."""
+
+from __future__ import annotations
+
+from promptlb.emulator._prompt import prompt_head
+from promptlb.middleware._affinity import prompt_head as affinity_head
+from promptlb.shared import prompt_prefix, prompt_turns
+
+
+def test_turns_read_text_content_and_text_parts_in_order() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+            {"role": "assistant", "content": None},  # a tool call: no text
+            "junk",
+            {"role": 3, "content": "odd role"},
+        ]
+    }
+    assert list(prompt_turns(body)) == [
+        ("system", ["be brief"]),
+        ("user", ["a"]),
+        ("", ["odd role"]),
+    ]
+    assert list(prompt_turns({"prompt": ["one", 2, "two"]})) == [(None, ["one"]), (None, ["two"])]
+    assert list(prompt_turns({"prompt": [1, 2, 3]})) == []
+
+
+def test_the_prefix_lays_out_roles_and_a_batch_is_its_first_prompt() -> None:
+    chat = {"messages": [{"role": "system", "content": "s" * 10}, {"role": "user", "content": "u"}]}
+    assert prompt_prefix(chat, 1000) == "system\n" + "s" * 10 + "\nuser\nu\n"
+    assert prompt_prefix(chat, 8) == "system\ns"
+    assert prompt_prefix({"prompt": ["first", "second"]}, 1000) == "first"
+
+
+def test_the_emulator_caches_the_prefix_the_middleware_routes_by() -> None:
+    messages = [{"role": "system", "content": "x" * 600}, {"role": "user", "content": "hi"}]
+    routed = affinity_head({"messages": messages}, 512)
+    assert routed is not None
+    assert prompt_head(messages, chat=True, limit=512) == routed
+    assert prompt_head("y" * 600, chat=False, limit=512) == affinity_head(
+        {"prompt": "y" * 600}, 512
+    )
+    assert prompt_head([1, 2, 3], chat=False, limit=512) == "[1, 2, 3]"  # token ids: their JSON
