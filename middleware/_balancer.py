@@ -81,7 +81,7 @@ class Balancer:
             except ConfigError as exc:
                 raise ConfigError(f"affinity.{exc.key}", exc.value, exc.expected) from None
         self.strategy: Strategy = strategy
-        self.metrics = Metrics(lambda: self.table)
+        self.metrics = Metrics(lambda: self.table, config.strategy)
         self.rng = rng or random.Random()
         self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
         self.admission = Admission(config.shedding, self.table)
@@ -203,7 +203,7 @@ class Balancer:
                     candidates = [c for c in candidates if admit(c)] or candidates
                 view = self.strategy.pick(route, candidates, self.rng)
                 node = self.table.nodes[view.name]
-                self.metrics.picks.labels(self.config.strategy, node.name).inc()
+                self.metrics.node(node.name).picks.inc()
                 if tried:
                     self.metrics.retries.labels(tried[-1]).inc()
                     budget.retrying += 1
@@ -274,7 +274,7 @@ class Balancer:
                         outcome="timeout",
                     )
                 elif aborted:
-                    self.metrics.requests.labels(upstream.node.name, "aborted").inc()
+                    self.metrics.node(upstream.node.name).outcome("aborted").inc()
                 else:
                     code = upstream.response.status
                     ttft = (
@@ -313,9 +313,10 @@ class Balancer:
         now = time.monotonic()
         latency = now - started
         self.table.record_result(node, ok, latency if ok else None, ttft, now)
-        self.metrics.requests.labels(node.name, outcome).inc()
+        metrics = self.metrics.node(node.name)
+        metrics.outcome(outcome).inc()
         if ok:
-            self.metrics.latency.labels(node.name).observe(latency)
+            metrics.latency.observe(latency)
             if ttft is not None:
-                self.metrics.ttft.labels(node.name).observe(ttft)
+                metrics.ttft.observe(ttft)
         return latency

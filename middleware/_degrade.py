@@ -256,9 +256,13 @@ class Dispatcher:
             if onward and (status >= 500 or status == 429):
                 raise UpstreamError(status, f"{up.node.name}: answered {status}", up.attempts)
             by = up.deadline if first_deadline is None else min(up.deadline, first_deadline)
+            content = up.response.content
             try:
-                async with asyncio.timeout_at(by):
-                    first = await up.response.content.readany()
+                # A small answer is often in with its headers: then no timer is needed.
+                first = content.read_nowait()
+                if not first and not content.at_eof():
+                    async with asyncio.timeout_at(by):
+                        first = await content.readany()
             except TimeoutError:
                 up.timed_out = True
                 raise UpstreamError(

@@ -35,16 +35,29 @@ async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def serve(
-    app: ASGIApp, host: str, port: int, *, name: str = "promptlb-gateway", log_level: str = "info"
+    app: ASGIApp,
+    host: str,
+    port: int,
+    *,
+    name: str = "promptlb-gateway",
+    log_level: str = "info",
+    forwarded_allow_ips: str | None = None,
 ) -> None:
     """Serve an ASGI app with uvicorn on uvloop; prints ``NAME listening on http://…`` once
     bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly."""
-    uvloop.run(_serve(app, host, port, log_level, name))
+    uvloop.run(_serve(server_config(app, host, port, log_level, forwarded_allow_ips), name))
 
 
-def server_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn.Config:
+def server_config(
+    app: ASGIApp, host: str, port: int, log_level: str, forwarded_allow_ips: str | None = None
+) -> uvicorn.Config:
     """uvicorn's settings for promptlb's servers (the gateway, the example app, the bench's
-    floor): the same stack for all, so that their numbers compare."""
+    floor): the same stack for all, so that their numbers compare.
+
+    ``X-Forwarded-For`` and ``-Proto`` are believed only from ``forwarded_allow_ips`` (uvicorn's
+    syntax: addresses and networks, comma-separated, or ``*``). uvicorn's own default trusts
+    127.0.0.1, so any local client could claim an address in ``trusted_networks``.
+    """
     return uvicorn.Config(
         app,
         host=host,
@@ -56,12 +69,14 @@ def server_config(app: ASGIApp, host: str, port: int, log_level: str) -> uvicorn
         # The C parser, named rather than left to "auto": auto quietly takes h11 when httptools
         # is missing, and the hop then costs half again as much CPU.
         http="httptools",
+        proxy_headers=forwarded_allow_ips is not None,
+        forwarded_allow_ips=forwarded_allow_ips,
         timeout_graceful_shutdown=5,
     )
 
 
-async def _serve(app: ASGIApp, host: str, port: int, log_level: str, name: str) -> None:
-    config = server_config(app, host, port, log_level)
+async def _serve(config: uvicorn.Config, name: str) -> None:
+    host, port = config.host, config.port
     server = uvicorn.Server(config)
 
     async def announce() -> None:
@@ -94,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--forwarded-allow-ips",
+        default=None,
+        help="proxies whose X-Forwarded-For is believed (comma-separated, or '*'); default none",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")
@@ -102,4 +122,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"promptlb-gateway: bad config {args.config}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    serve(app, args.host, args.port, log_level=args.log_level)
+    serve(
+        app,
+        args.host,
+        args.port,
+        log_level=args.log_level,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+    )

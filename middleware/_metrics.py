@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from ._nodes import NodeTable
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "NodeMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -42,8 +42,32 @@ class _Live(Collector):
         yield ramp
 
 
+class NodeMetrics:
+    """One node's labelled series, looked up once: ``labels()`` costs a lock and a tuple per
+    call, and the hot path touches four series per request."""
+
+    __slots__ = ("_metrics", "_name", "_outcomes", "latency", "picks", "ttft")
+
+    def __init__(self, metrics: Metrics, name: str, strategy: str) -> None:
+        self._metrics = metrics
+        self._name = name
+        self.picks: Counter = metrics.picks.labels(strategy, name)
+        self.latency: Histogram = metrics.latency.labels(name)
+        self.ttft: Histogram = metrics.ttft.labels(name)
+        self._outcomes: dict[str, Counter] = {}
+
+    def outcome(self, outcome: str) -> Counter:
+        counter = self._outcomes.get(outcome)
+        if counter is None:
+            counter = self._metrics.requests.labels(self._name, outcome)
+            self._outcomes[outcome] = counter
+        return counter
+
+
 class Metrics:
-    def __init__(self, table: Callable[[], NodeTable | None]) -> None:
+    def __init__(self, table: Callable[[], NodeTable | None], strategy: str = "") -> None:
+        self._strategy = strategy
+        self._nodes: dict[str, NodeMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -113,6 +137,12 @@ class Metrics:
             "promptlb_shed", "Requests refused with 429 by load shedding.", ["priority"], registry=r
         )
         r.register(_Live(table))
+
+    def node(self, name: str) -> NodeMetrics:
+        found = self._nodes.get(name)
+        if found is None:
+            found = self._nodes[name] = NodeMetrics(self, name, self._strategy)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

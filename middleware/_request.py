@@ -28,7 +28,7 @@ _MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a 
 _YES = (b"1", b"true", b"yes")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
     """What the client asked, as the nodes will get it."""
 

@@ -171,3 +171,12 @@ def test_the_gateway_parses_http_with_httptools() -> None:
     config = server_config(noop, "127.0.0.1", 0, "warning")
     config.load()  # resolves the protocol class, failing if httptools is not installed
     assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+
+
+def test_forwarded_headers_are_believed_only_from_the_configured_proxies() -> None:
+    from promptlb.middleware._gateway import server_config
+
+    assert server_config(noop, "127.0.0.1", 0, "warning").proxy_headers is False
+    behind = server_config(noop, "127.0.0.1", 0, "warning", forwarded_allow_ips="10.0.0.1")
+    assert behind.proxy_headers is True
+    assert behind.forwarded_allow_ips == "10.0.0.1"
