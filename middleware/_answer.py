@@ -3,7 +3,7 @@ made: written by one function for the proxy, the batcher and the in-app client a
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from ._balancer import Upstream
@@ -23,7 +23,7 @@ class Answer:
     degraded: str | None = None  # "fallback" | "cache"
     attempts: int = 0
     store_key: str | None = None  # cache the answer under this key once it is complete
-    stack: AsyncExitStack | None = None
+    held: AbstractAsyncContextManager[Upstream] | None = None  # open until passed on
 
 
 def answer_headers(answer: Answer) -> list[tuple[bytes, bytes]]:

@@ -66,6 +66,16 @@ class Upstream:
     queued: int = 0  # the node's effective queue when it was picked, for learning strategies
 
 
+class _PassThrough(aiohttp.ClientRequest):
+    """A try carries the client's headers as they came: aiohttp adds no Accept,
+    Accept-Encoding or User-Agent, so the node answers what the client asked, in the bytes the
+    client will get. (``skip_auto_headers`` does the same at ~10 us a request: it builds and
+    sorts two header maps each time.)"""
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        return None
+
+
 class Balancer:
     def __init__(self, config: Config, *, rng: random.Random | None = None) -> None:
         self.config = config
@@ -108,7 +118,7 @@ class Balancer:
             self._session = aiohttp.ClientSession(
                 # Bytes pass through as the node sent them: no decompression, no added headers.
                 auto_decompress=False,
-                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                request_class=_PassThrough,
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=30),
                 timeout=aiohttp.ClientTimeout(total=None, connect=retry.connect_timeout),
             )

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 from ._answer import Answer
-from ._balancer import Balancer, Upstream
+from ._balancer import Balancer
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
 from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Shed, UnknownModel, UpstreamError
@@ -90,11 +90,16 @@ class Dispatcher:
         except Shed:
             self._lb.metrics.shed.labels(request.route.priority).inc()
             raise
-        if found.stack is None:
+        held = found.held
+        if held is None:
             yield found
             return
-        async with found.stack:
+        try:
             yield found
+        except BaseException as exc:
+            await held.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await held.__aexit__(None, None, None)
 
     async def _find(self, request: Request) -> Answer:
         route = request.route
@@ -240,18 +245,12 @@ class Dispatcher:
         lb = self._lb
         critical = request.route.priority == "critical"
         admit = lb.admission.open if lb.admission.enabled and not critical else None
-        stack = AsyncExitStack()
-        up: Upstream | None = None
+        # Entered here and left by `answer` once the caller has passed the answer on.
+        held = lb.open(
+            request, first_deadline=first_deadline, total=total, avoid=avoid, admit=admit
+        )
+        up = await held.__aenter__()
         try:
-            up = await stack.enter_async_context(
-                lb.open(
-                    request,
-                    first_deadline=first_deadline,
-                    total=total,
-                    avoid=avoid,
-                    admit=admit,
-                )
-            )
             status = up.response.status
             if onward and (status >= 500 or status == 429):
                 raise UpstreamError(status, f"{up.node.name}: answered {status}", up.attempts)
@@ -272,11 +271,9 @@ class Dispatcher:
                 up.failed = True
                 raise UpstreamError(502, f"{up.node.name}: broke: {exc!r}", up.attempts) from None
             up.first_byte_at = time.monotonic()
-            return Answer(
-                request.model, upstream=up, first=first, attempts=up.attempts, stack=stack
-            )
+            return Answer(request.model, upstream=up, first=first, attempts=up.attempts, held=held)
         except BaseException as exc:
-            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            await held.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
 
@@ -303,6 +300,6 @@ async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
     for task in losers:
         task.cancel()
     for result in await asyncio.gather(*losers, return_exceptions=True):
-        if isinstance(result, Answer) and result.stack is not None:
+        if isinstance(result, Answer) and result.held is not None:
             lost = asyncio.CancelledError()
-            await result.stack.__aexit__(type(lost), lost, None)
+            await result.held.__aexit__(type(lost), lost, None)

@@ -124,9 +124,29 @@ class Proxy:
             recorder = StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
             if not sse:
                 recorder = Body(limit)
+        if recorder is not None and answer.first:
+            recorder.feed(answer.first)
+        if response.content.at_eof():
+            # The whole answer came with its first chunk (most short, non-stream ones): one
+            # write, and no timer for a body that is already in.
+            await send({"type": "http.response.body", "body": answer.first})
+        else:
+            await self._stream_rest(send, answer, recorder, sse)
+        if recorder is not None and not up.failed and answer.store_key is not None:
+            complete = recorder.result()
+            if complete is not None:
+                self._dispatch.store(
+                    answer.store_key,
+                    CacheEntry(body=complete, model=answer.model, created=time.time()),
+                )
+
+    async def _stream_rest(
+        self, send: Send, answer: Answer, recorder: StreamAssembler | Body | None, sse: bool
+    ) -> None:
+        up = answer.upstream
+        assert up is not None
+        response = up.response
         if answer.first:
-            if recorder is not None:
-                recorder.feed(answer.first)
             await send({"type": "http.response.body", "body": answer.first, "more_body": True})
         try:
             async with asyncio.timeout_at(up.deadline):
@@ -153,13 +173,6 @@ class Proxy:
                     }
                 )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if recorder is not None and not up.failed and answer.store_key is not None:
-            complete = recorder.result()
-            if complete is not None:
-                self._dispatch.store(
-                    answer.store_key,
-                    CacheEntry(body=complete, model=answer.model, created=time.time()),
-                )
 
 
 async def models_response(lb: Balancer, send: Send) -> None:
