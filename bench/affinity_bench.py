@@ -1,21 +1,22 @@
 """Session affinity against plain p2c, on emulators with a prefix cache.
 
-Four emulators (8 slots, 300 ms TTFT, a prefix cache of 16 entries that saves 80% of the TTFT
-on a hit) behind three gateways: ``p2c``, ``p2c`` with ``[affinity]`` (its default epsilon
-0.25), and the same with epsilon 1 (a looser load bound, fewer spills). All get the same
-open-loop workload, one after the other: Poisson arrivals at about 60% of the cluster's
-capacity (counted with every request a miss), each request a turn of one of N conversations
-chosen by a Zipf law (a few hot sessions, many cold ones), streamed, with ``user`` set to the
-session. A conversation is a session-specific system prompt (longer than the 512-character
-prefix) and its growing history, so every turn after the first can reuse the prefix, if it
-reaches a node that still holds it.
+Four emulators (8 slots, 60 ms TTFT plus prefill at 800 prompt tokens/s for what the node's KV
+cache lacks, 400 blocks of 16 tokens of KV each) behind three gateways: ``p2c``, ``p2c`` with
+``[affinity]`` (its default epsilon 0.25), and the same with epsilon 1 (a looser load bound,
+fewer spills). All get the same open-loop workload, one after the other: Poisson arrivals at
+about 60% of the cluster's capacity (counted with every request a miss), each request a turn of
+one of N conversations chosen by a Zipf law (a few hot sessions, many cold ones), streamed, with
+``user`` set to the session. A conversation is a session-specific system prompt (longer than the
+512-character prefix) and its growing history, so every turn after the first can reuse the
+prefix, if it reaches a node that still holds it.
 
-The cache holds 16 prefixes per node against 40 sessions: a KV cache is finite, and with
+A node's cache holds about 16 conversations against 40 sessions: a KV cache is finite, and with
 plain p2c every node sees every session, so they evict each other. Each run salts its prompts
 so that it starts cold, whatever the run before it left in the caches.
 
 Reports per gateway: TTFT p50/p90/p99 (time to the first streamed chunk), the prefix-cache hit
-rate (the emulators' counters, before and after), requests per node, and the load balance:
+rate (cached prompt tokens over prompt tokens, from the emulators' counters, before and after),
+requests per node, and the load balance:
 requests open at each node (running + waiting, sampled every 250 ms) as max/avg against the
 bound 1 + epsilon. Prints a table and writes bench/results/affinity.json (``--quick``: a short
 run, written under bench/results/quick/).
@@ -41,11 +42,12 @@ from promptlb.emulator import Service, start_service
 
 NODES = 4
 SLOTS = 8
-TTFT_MS = 300.0
+TTFT_MS = 60.0
+PREFILL_TOKENS_PER_S = 800.0
 TOKENS_PER_S = 100.0
 OUTPUT_TOKENS = 16
-DISCOUNT = 0.8
-CACHE_ENTRIES = 16
+KV_BLOCKS = 400
+PROMPT_TOKENS = 200  # a turn's prompt, about: the system prompt and the rolling history
 EPSILON = 0.25  # affinity's default
 # Plain p2c, affinity with its default bound, and a loose bound: the price of a tight one.
 RUNS: tuple[tuple[str, float | None], ...] = (
@@ -185,9 +187,12 @@ async def drive(
         await sampling
         after = await emulator_stats(http, nodes)
     queries = sum(
-        after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"] for n in nodes
+        after[n]["prefix_cache_query_tokens"] - before[n]["prefix_cache_query_tokens"]
+        for n in nodes
     )
-    hits = sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in nodes)
+    hits = sum(
+        after[n]["prefix_cache_hit_tokens"] - before[n]["prefix_cache_hit_tokens"] for n in nodes
+    )
     return {
         "sent": sent,
         "ok": len(ttfts),
@@ -252,7 +257,8 @@ def gateway_config(nodes: dict[str, Service], epsilon: float | None) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    capacity = NODES * SLOTS / (TTFT_MS / 1000 + OUTPUT_TOKENS / TOKENS_PER_S)
+    miss_s = TTFT_MS / 1000 + PROMPT_TOKENS / PREFILL_TOKENS_PER_S
+    capacity = NODES * SLOTS / (miss_s + OUTPUT_TOKENS / TOKENS_PER_S)
     rate = args.load * capacity
     runs: dict[str, Any] = {}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
@@ -261,8 +267,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             service = start_service(
                 "emulator",
                 *("--model", MODEL, "--slots", str(SLOTS), "--ttft-ms", str(TTFT_MS)),
-                *("--tokens-per-s", str(TOKENS_PER_S), "--prefix-discount", str(DISCOUNT)),
-                *("--prefix-cache-entries", str(CACHE_ENTRIES), "--seed", str(i)),
+                *("--tokens-per-s", str(TOKENS_PER_S), "--kv-blocks", str(KV_BLOCKS)),
+                *("--prefill-tokens-per-s", str(PREFILL_TOKENS_PER_S), "--seed", str(i)),
             )
             stack.callback(service.stop)
             nodes[f"node-{i}"] = service
@@ -291,8 +297,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_ms": TTFT_MS,
             "tokens_per_s": TOKENS_PER_S,
             "output_tokens": OUTPUT_TOKENS,
-            "prefix_discount": DISCOUNT,
-            "prefix_cache_entries": CACHE_ENTRIES,
+            "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
+            "kv_blocks": KV_BLOCKS,
             "epsilon": {name: eps for name, eps in RUNS},
             "sessions": args.sessions,
             "zipf_s": args.zipf,

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
 from ._faults import Faults, check_faults
+from ._kv import KVCache
 from ._metrics import Stats, VllmMetrics
-from ._prompt import PrefixCache, estimate_tokens, prompt_head
+from ._prompt import estimate_tokens, prompt_blocks
 from ._reply import Reply, vector, words
 
 __all__ = ["create_app"]
@@ -39,7 +40,7 @@ class _State:
     ready_at: float
     faults: Faults
     stats: Stats
-    prefixes: PrefixCache
+    kv: KVCache
 
 
 STATE = web.AppKey("promptlb_emulator_state", _State)
@@ -109,13 +110,11 @@ class _Handlers:
             field_name = "messages" if chat else "prompt"
             return _error(400, f"`{field_name}` is required", "invalid_request_error")
         cfg, state = self.cfg, self.state
-        n_in = estimate_tokens(prompt)
+        n_in, blocks = prompt_blocks(prompt, chat=chat)
         n_out = self._output_tokens(body)
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
         rate = cfg.tokens_per_s / slow
         ttft = cfg.ttft_ms / 1000 * slow
-        if cfg.prefill_tokens_per_s:
-            ttft += n_in / cfg.prefill_tokens_per_s * slow
         model = body.get("model", cfg.models[0])
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -123,19 +122,16 @@ class _Handlers:
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
         reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
-        head = prompt_head(prompt, chat=chat, limit=cfg.prefix_chars)
-        prefix = PrefixCache.key(head)
         try:
             async with state.capacity.slot():
-                reserved = n_in + n_out
-                state.capacity.kv_used += reserved
+                # Looked up when prefill starts (the slot is ours): the blocks are then held
+                # until the answer is done, and stay cached after it.
+                lease = state.kv.start(blocks, n_in, n_out)
+                state.stats.looked_up(n_in, lease.cached_tokens)
+                if cfg.prefill_tokens_per_s:
+                    ttft += (n_in - lease.cached_tokens) / cfg.prefill_tokens_per_s * slow
                 try:
-                    # Looked up when prefill starts (the slot is ours), stored once it is done:
-                    # a twin request prefilling at the same time does not find it yet.
-                    if state.prefixes.lookup(prefix, n_in, len(head)):
-                        ttft *= 1.0 - cfg.prefix_discount
                     await asyncio.sleep(ttft)
-                    state.prefixes.store(prefix)
                     state.stats.prompt_tokens += n_in
                     if stream:
                         response = await self._stream(request, reply, rate)
@@ -148,7 +144,7 @@ class _Handlers:
                     state.stats.cancelled += 1
                     raise
                 finally:
-                    state.capacity.kv_used -= reserved
+                    state.kv.finish(lease)
         except QueueFull:
             return _error(429, "queue is full", "rate_limit_error")
         state.stats.success += 1
@@ -273,6 +269,7 @@ def create_app(config: EmulatorConfig) -> web.Application:
     so that a client that goes away frees its slot, as it would on a real engine."""
     stats = Stats()
     capacity = Capacity(config.slots, config.max_queue)
+    kv = KVCache(config.kv_capacity)
     state = _State(
         config=config,
         capacity=capacity,
@@ -284,10 +281,10 @@ def create_app(config: EmulatorConfig) -> web.Application:
             error_rate=config.error_rate,
         ),
         stats=stats,
-        prefixes=PrefixCache(config.prefix_cache_entries, stats),
+        kv=kv,
     )
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(VllmMetrics(config, capacity, stats))
+    registry.register(VllmMetrics(config, capacity, kv, stats))
     app = web.Application(client_max_size=8 * _MiB)
     app[STATE] = state
     app[REGISTRY] = registry

@@ -27,7 +27,6 @@ class Capacity:
         self.max_queue = max_queue
         self.running = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.kv_used = 0  # tokens held by running requests
 
     @property
     def waiting(self) -> int:

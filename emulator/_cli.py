@@ -34,25 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         "--prefill-tokens-per-s",
         type=float,
         default=d.prefill_tokens_per_s,
-        help="prompt tokens add to TTFT at this rate; 0 disables",
-    )
-    cap.add_argument(
-        "--prefix-discount",
-        type=float,
-        default=d.prefix_discount,
-        help="share of TTFT (prefill included) saved when the prompt's prefix is cached",
-    )
-    cap.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=d.prefix_chars,
-        help="the prefix a cache entry stands for: the prompt's first characters",
-    )
-    cap.add_argument(
-        "--prefix-cache-entries",
-        type=int,
-        default=d.prefix_cache_entries,
-        help="prefixes the cache holds (LRU); 0 caches nothing",
+        help="prompt tokens not found in the KV cache add to TTFT at this rate; 0 disables",
     )
     cap.add_argument(
         "--output-tokens",
@@ -68,10 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     cap.add_argument("--max-queue", type=int, default=d.max_queue, help="beyond it: 429")
     cap.add_argument(
-        "--kv-tokens",
+        "--kv-blocks",
         type=int,
-        default=d.kv_tokens,
-        help="KV-cache capacity in tokens; 0 means slots x 2048",
+        default=d.kv_blocks,
+        help="KV-cache capacity in blocks of 16 tokens (LRU prefix cache); 0 means slots x 128",
     )
     cap.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
     cap.add_argument(
@@ -134,13 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokens_per_s=args.tokens_per_s,
             ttft_ms=args.ttft_ms,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
-            prefix_discount=args.prefix_discount,
-            prefix_chars=args.prefix_chars,
-            prefix_cache_entries=args.prefix_cache_entries,
             output_tokens=args.output_tokens,
             output_spread=args.output_spread,
             max_queue=args.max_queue,
-            kv_tokens=args.kv_tokens,
+            kv_blocks=args.kv_blocks,
             embedding_dim=args.embedding_dim,
             load_time_s=args.load_time_s,
             stream_interval_ms=args.stream_interval_ms,

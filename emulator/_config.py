@@ -26,9 +26,9 @@ class EmulatorConfig:
     else drawn from a log-normal around ``output_tokens`` (``output_spread`` is its sigma; 0 makes
     it fixed). Time is emulated with asyncio sleeps, never with CPU.
 
-    Prefix caching: the node remembers the prefixes (first ``prefix_chars`` characters) of its
-    last ``prefix_cache_entries`` prompts; a prompt whose prefix is among them saves
-    ``prefix_discount`` of its TTFT, prefill included, as an engine's KV prefix cache does.
+    KV cache (``_kv``): ``kv_blocks`` blocks of 16 tokens, prefixes cached as vLLM caches them;
+    the prompt's tokens not found cached are prefilled at ``prefill_tokens_per_s`` on top of
+    ``ttft_ms`` (0: prompt length costs nothing, and the cache saves nothing).
     """
 
     models: tuple[str, ...] = ("emulated",)
@@ -38,13 +38,10 @@ class EmulatorConfig:
     tokens_per_s: float = 50.0
     ttft_ms: float = 100.0
     prefill_tokens_per_s: float = 0.0  # 0: prompt length does not add to TTFT
-    prefix_discount: float = 0.0  # share of TTFT saved when the prompt's prefix is cached
-    prefix_chars: int = 512  # the prefix: the prompt's first characters (all of a shorter one)
-    prefix_cache_entries: int = 1024  # prefixes the node's cache holds, least recently used out
     output_tokens: int = 64
     output_spread: float = 0.0
     max_queue: int = 10_000
-    kv_tokens: int = 0  # KV-cache capacity in tokens; 0: slots x 2048
+    kv_blocks: int = 0  # KV-cache capacity in blocks of 16 tokens; 0: slots x 128 (2,048 tokens)
     embedding_dim: int = 16
     load_time_s: float = 0.0
     stream_interval_ms: float = 50.0
@@ -60,11 +57,11 @@ class EmulatorConfig:
             raise ConfigError("model", self.models, "one or more non-empty model names")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError("port", self.port, "a TCP port in 0..65535")
-        for key in ("slots", "output_tokens", "embedding_dim", "prefix_chars"):
+        for key in ("slots", "output_tokens", "embedding_dim"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(key, value, "an integer >= 1")
-        for key in ("max_queue", "kv_tokens", "hang_after", "crash_after", "prefix_cache_entries"):
+        for key in ("max_queue", "kv_blocks", "hang_after", "crash_after"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(key, value, "an integer >= 0")
@@ -76,13 +73,11 @@ class EmulatorConfig:
         _positive("leak_mb_per_req", self.leak_mb_per_req, zero=True)
         if not isinstance(self.error_rate, int | float) or not 0.0 <= self.error_rate <= 1.0:
             raise ConfigError("error_rate", self.error_rate, "a probability in 0..1")
-        _positive("prefix_discount", self.prefix_discount, zero=True)
-        if self.prefix_discount > 1.0:
-            raise ConfigError("prefix_discount", self.prefix_discount, "a share in 0..1")
 
     @property
     def kv_capacity(self) -> int:
-        return self.kv_tokens or self.slots * 2048
+        """The KV cache's capacity in blocks."""
+        return self.kv_blocks or self.slots * 128
 
     def __repr__(self) -> str:
         shown = ", ".join(

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from ._capacity import Capacity
 from ._config import EmulatorConfig
+from ._kv import KVCache
 
 __all__ = ["Stats", "VllmMetrics"]
 
@@ -26,10 +27,17 @@ class Stats:
     errors: int = 0
     cancelled: int = 0  # generations abandoned because the client went away
     prefix_queries: int = 0  # generations that looked their prompt's prefix up ...
-    prefix_hits: int = 0  # ... and found it cached
+    prefix_hits: int = 0  # ... and found some of it cached
     prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
     prefix_hit_tokens: int = 0
     leaked: list[bytearray] = field(default_factory=list)
+
+    def looked_up(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries += 1
+        self.prefix_query_tokens += prompt_tokens
+        if cached_tokens:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += cached_tokens
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -41,15 +49,20 @@ class Stats:
             "generation_tokens": self.generation_tokens,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_query_tokens": self.prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.prefix_hit_tokens,
         }
 
 
 class VllmMetrics(Collector):
     """vLLM-style families, read from the live state at scrape time."""
 
-    def __init__(self, config: EmulatorConfig, capacity: Capacity, stats: Stats) -> None:
+    def __init__(
+        self, config: EmulatorConfig, capacity: Capacity, kv: KVCache, stats: Stats
+    ) -> None:
         self._config = config
         self._capacity = capacity
+        self._kv = kv
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -77,7 +90,7 @@ class VllmMetrics(Collector):
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            min(1.0, cap.kv_used / config.kv_capacity),
+            self._kv.usage,
         )
         yield counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens

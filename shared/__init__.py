@@ -2,11 +2,22 @@
 
 from ._config import ConfigError, parse_duration
 from ._errors import SnapshotError
+from ._kv import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    BYTES_PER_TOKEN,
+    block_hashes,
+    prompt_bytes,
+    prompt_tokens,
+)
 from ._prompt import prompt_prefix, prompt_turns
 from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file
 from ._snapshot import MAX_SNAPSHOT_BYTES, SCHEMA_VERSION, EngineSample, GpuSample, Snapshot
 
 __all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_TOKENS",
+    "BYTES_PER_TOKEN",
     "MAX_SNAPSHOT_BYTES",
     "SCHEMA_VERSION",
     "ConfigError",
@@ -16,10 +27,13 @@ __all__ = [
     "SigningKey",
     "Snapshot",
     "SnapshotError",
+    "block_hashes",
     "decode",
     "encode",
     "load_key_file",
     "parse_duration",
+    "prompt_bytes",
     "prompt_prefix",
+    "prompt_tokens",
     "prompt_turns",
 ]

@@ -457,3 +457,40 @@ async def test_full_queue_is_429_and_clients_going_away_free_their_places(
         queued.cancel()
         await asyncio.gather(holder, queued, return_exceptions=True)
         await _wait_for_load(session, emu.url, running=0, waiting=0)
+
+
+async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
+    start_emulator: StartEmulator,
+) -> None:
+    """Prefill costs the prompt tokens the KV cache lacks: a second turn that resends the
+    history pays for its new tail only, and vLLM's prefix-cache counters follow."""
+    emu = start_emulator(
+        *("--ttft-ms", "0", "--prefill-tokens-per-s", "2000", "--kv-blocks", "1000"),
+        *("--tokens-per-s", "1000", "--stream-interval-ms", "5"),
+    )
+    history = [{"role": "system", "content": "You are terse. " * 140}]  # ~2,000 bytes, 500 tok
+
+    async def first_chunk(http: aiohttp.ClientSession, messages: list[dict[str, str]]) -> float:
+        body = {"model": "emulated", "messages": messages, "max_tokens": 2, "stream": True}
+        started = time.perf_counter()
+        async with http.post(f"{emu.url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readany()
+            took = time.perf_counter() - started
+            await response.read()
+        return took
+
+    async with aiohttp.ClientSession() as http:
+        cold = await first_chunk(http, [*history, {"role": "user", "content": "first"}])
+        history += [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"}]
+        warm = await first_chunk(http, [*history, {"role": "user", "content": "second"}])
+        async with http.get(f"{emu.url}/metrics") as response:
+            text = await response.text()
+    assert cold >= 0.2  # ~500 tokens at 2,000/s
+    assert warm < cold / 2  # loose: the machine is shared
+    metrics = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    queried = metrics["vllm:prefix_cache_queries_total"]
+    hits = metrics["vllm:prefix_cache_hits_total"]
+    assert hits >= 480  # the whole history but its last partial block
+    assert queried > hits + 480  # the first turn found nothing
+    assert 0 < metrics["vllm:kv_cache_usage_perc"] <= 0.1

@@ -58,9 +58,8 @@ def test_invalid_values_exit_2_naming_the_flag(
         (["--leak-mb-per-req", "-1"], "--leak-mb-per-req"),
         (["--load-time-s", "-1"], "--load-time-s"),
         (["--stream-interval-ms", "0"], "--stream-interval-ms"),
-        (["--prefix-discount", "1.5"], "--prefix-discount"),
-        (["--prefix-chars", "0"], "--prefix-chars"),
-        (["--prefix-cache-entries", "-1"], "--prefix-cache-entries"),
+        (["--kv-blocks", "-1"], "--kv-blocks"),
+        (["--prefill-tokens-per-s", "-1"], "--prefill-tokens-per-s"),
         (["--model", ""], "--model"),
         (["--model", ","], "--model"),
         (["--slots", "two"], "--slots"),  # argparse's own type check

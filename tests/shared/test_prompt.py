@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from promptlb.emulator._prompt import prompt_head
+from promptlb.emulator._prompt import prompt_blocks
 from promptlb.middleware._affinity import prompt_head as affinity_head
-from promptlb.shared import prompt_prefix, prompt_turns
+from promptlb.shared import (
+    BLOCK_BYTES,
+    block_hashes,
+    prompt_bytes,
+    prompt_prefix,
+    prompt_tokens,
+    prompt_turns,
+)
 
 
 def test_turns_read_text_content_and_text_parts_in_order() -> None:
@@ -33,12 +40,16 @@ def test_the_prefix_lays_out_roles_and_a_batch_is_its_first_prompt() -> None:
     assert prompt_prefix({"prompt": ["first", "second"]}, 1000) == "first"
 
 
-def test_the_emulator_caches_the_prefix_the_middleware_routes_by() -> None:
+def test_the_emulator_blocks_the_prompt_the_middleware_reads() -> None:
     messages = [{"role": "system", "content": "x" * 600}, {"role": "user", "content": "hi"}]
-    routed = affinity_head({"messages": messages}, 512)
-    assert routed is not None
-    assert prompt_head(messages, chat=True, limit=512) == routed
-    assert prompt_head("y" * 600, chat=False, limit=512) == affinity_head(
-        {"prompt": "y" * 600}, 512
-    )
-    assert prompt_head([1, 2, 3], chat=False, limit=512) == "[1, 2, 3]"  # token ids: their JSON
+    body = {"messages": messages}
+    data = prompt_bytes(body)
+    tokens, blocks = prompt_blocks(messages, chat=True)
+    assert (tokens, blocks) == (prompt_tokens(data), block_hashes(data))
+    assert len(blocks) == len(data) // BLOCK_BYTES
+    # affinity's head is the start of what the engine caches
+    routed = affinity_head(body, 512)
+    assert routed is not None and data.decode().startswith(routed)
+    assert prompt_blocks("y" * 600, chat=False) == prompt_blocks(["y" * 600, "z"], chat=False)
+    ids_tokens, ids_blocks = prompt_blocks([1, 2, 3], chat=False)  # token ids: their JSON
+    assert ids_tokens == 3 and ids_blocks == []
