@@ -21,6 +21,14 @@ speed from the first snapshot, where answers of its own would take a replica 1/N
 to gather. While no candidate is warm or estimated, the strategy behaves as ``p2c``.
 Above ``sample`` candidates it looks at a random ``sample`` of them, so a pick stays bounded at
 1,000 nodes.
+
+**Cache-aware** (``cache_aware``, on by default): the input term counts only the prompt tokens a
+node is not expected to hold in its KV cache, per a `_prefix.PrefixIndex` of what this strategy
+sent where, so c is learnt as the node's prefill time per uncached token (from each answer's
+head: its TTFT less the predicted wait) and a node holding a prompt's prefix wins by the
+prefill it saves, weighed against its queue like everything else. A prefix no candidate holds
+goes, unless that costs over ``cold_slack`` more than the best, to the node that rendezvous
+hashing of its first block names, so independent replicas agree where it starts.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from collections.abc import Sequence
 from promptlb.shared import ConfigError, Snapshot
 
 from ._config_base import whole_number
+from ._prefix import INDEX_TOKENS, PrefixIndex, first_choice
 from ._strategy import FORGET_SPAN, Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
@@ -194,6 +203,10 @@ class Predictive:
         sample: int = 16,
         forget: float = 0.97,
         default_output_tokens: int = 256,
+        cache_aware: bool = True,
+        index_capacity: int = 8192,
+        index_ttl: int = 1_000_000,
+        cold_slack: float = 0.5,
     ) -> None:
         self.warmup = whole_number("warmup", warmup, 1)
         self.sample = whole_number("sample", sample, 2)
@@ -206,6 +219,22 @@ class Predictive:
         self._picks_left = FORGET_SPAN
         self._history: dict[str, float] = {}  # prompt class -> EWMA of its output tokens
         self._mean_out = 0.0  # EWMA of the expected output of every request routed
+        if not isinstance(cache_aware, bool):
+            raise ConfigError("cache_aware", cache_aware, "true or false")
+        zero = not isinstance(cold_slack, bool) and cold_slack == 0
+        self.cold_slack = 0.0 if zero else _real("cold_slack", cold_slack, 0.0, 10.0)
+        # Aged in picks, not seconds: a strategy has no clock of its own (the simulator runs
+        # it on virtual time), and an idle gateway's cache entries are not getting older.
+        self.index: PrefixIndex | None = None
+        if cache_aware:
+            self.index = PrefixIndex(
+                capacity=whole_number("index_capacity", index_capacity, 16),
+                ttl=float(whole_number("index_ttl", index_ttl, 1)),
+            )
+        self._tick = 0
+        # The uncached prompt tokens of each pick, until its answer teaches the model: the id of
+        # the route (one object per request, the same at pick and at observe), bounded.
+        self._uncached: dict[int, float] = {}
 
     def _model(self, name: str) -> ServiceModel:
         model = self._models.get(name)
@@ -219,8 +248,11 @@ class Predictive:
             return float(request.max_tokens)
         return self._history.get(request.prompt_class, float(self.default_output_tokens))
 
-    def expected_time(self, request: RouteRequest, node: NodeView, out: float) -> float | None:
-        """Seconds until ``request`` would finish on ``node``; ``None`` while the node is cold."""
+    def expected_time(
+        self, request: RouteRequest, node: NodeView, out: float, uncached: float | None = None
+    ) -> float | None:
+        """Seconds until ``request`` would finish on ``node`` with ``uncached`` of its prompt
+        tokens to prefill (all of them by default); ``None`` while the node is cold."""
         model = self._model(node.name)
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
@@ -241,13 +273,39 @@ class Predictive:
             rate = model.rate / _OUT_SCALE
             total = model.wait(queue, rate * self._mean_out) + rate * out
         else:
-            total = model.wait(queue) + model.service(out, request.input_tokens)
+            prefill = request.input_tokens if uncached is None else uncached
+            total = model.wait(queue) + model.service(out, prefill)
         if node.error_rate > 0:
             total /= max(0.05, 1.0 - node.error_rate)  # a failed try costs a retry
         return total / max(node.ramp, 0.1)
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
+    ) -> NodeView:
+        index = self.index
+        if index is None or not request.blocks:
+            return self._pick(request, candidates, rng, None)
+        self._tick += 1
+        held = index.matches(request.blocks, candidates, self._tick)
+        chosen = self._pick(request, candidates, rng, held)
+        index.record(chosen, request.blocks, self._tick)
+        uncached = self._uncached
+        if len(uncached) > 4096:
+            uncached.clear()  # answers that never came (failed tries): let them go
+        uncached[id(request)] = self._prefill(request, held.get(chosen.name, 0))
+        return chosen
+
+    @staticmethod
+    def _prefill(request: RouteRequest, depth: int) -> float:
+        """The prompt tokens a node that holds ``depth`` coarse blocks of it has to prefill."""
+        return max(0.0, request.input_tokens - depth * INDEX_TOKENS)
+
+    def _pick(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[NodeView],
+        rng: random.Random,
+        held: dict[str, int] | None,
     ) -> NodeView:
         n = len(candidates)
         if n <= 1:
@@ -265,14 +323,17 @@ class Predictive:
         best = second = math.inf
         first_node = second_node = looked[0]
         probes: list[NodeView] = []
+        times: dict[str, float] = {}
         for node in looked:
-            t = self.expected_time(request, node, out)
+            uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
+            t = self.expected_time(request, node, out, uncached)
             if t is None:
                 # A cold node is learnt one request at a time: it may get this one if it has
                 # none of ours in flight, else it sits out until its first answers are in.
                 if node.in_flight == 0 and out <= self._mean_out:
                     probes.append(node)
                 continue
+            times[node.name] = t
             if t < best:
                 second, second_node = best, first_node
                 best, first_node = t, node
@@ -282,6 +343,13 @@ class Predictive:
             return self.inner.pick(request, candidates, rng)
         if probes:
             return probes[rng.randrange(len(probes))] if len(probes) > 1 else probes[0]
+        if held is not None and not held and self.cold_slack:
+            # A prefix nobody holds: where rendezvous hashing of its first block says, unless
+            # that node is much worse, so that replicas that do not share an index agree.
+            agreed = first_choice(request.blocks[0], looked)
+            t = times.get(agreed.name)
+            if t is not None and t <= best * (1.0 + self.cold_slack):
+                return agreed
         if second == math.inf:
             return first_node
         # The better of the two in proportion to the fourth power of the other's time: a near tie
@@ -305,6 +373,7 @@ class Predictive:
     ) -> None:
         """A successful try took ``latency_s``; ``queue_at_pick`` was the node's queue then."""
         model = self._model(node.name)
+        prefill = self._uncached.pop(id(request), float(request.input_tokens))
         waited = model.wait(queue_at_pick) if model.count else 0.0
         # The wait is a guess: never let it take more than most of what was measured.
         service = max(latency_s - waited, 0.2 * latency_s)
@@ -313,11 +382,7 @@ class Predictive:
             _, b, c = model.theta
             if b > 0:
                 implied = (
-                    (
-                        service
-                        - max(model.theta[0], 0.0)
-                        - max(c, 0.0) * (request.input_tokens / _IN_SCALE)
-                    )
+                    (service - max(model.theta[0], 0.0) - max(c, 0.0) * (prefill / _IN_SCALE))
                     * _OUT_SCALE
                     / b
                 )
@@ -327,7 +392,7 @@ class Predictive:
         decode = None
         if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
             decode = latency_s - ttft_s
-        model.update(out, request.input_tokens, max(service, decode or 0.0), decode)
+        model.update(out, prefill, max(service, decode or 0.0), decode)
 
     def _learn_class(self, prompt_class: str, tokens: float) -> None:
         old = self._history.get(prompt_class)

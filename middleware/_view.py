@@ -27,6 +27,8 @@ class RouteRequest:
     prompt_class: str = ""
     session_key: str | None = None
     priority: Priority = "standard"
+    # The prompt's coarse KV block hashes (`_prefix.prompt_blocks`), for cache-aware strategies.
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, eq=False)

@@ -1,0 +1,222 @@
+"""The prefix index and cache-aware `predictive`: longest match, aging, the memory bound and the
+node's capacity, and the guards against the pitfalls peers' users hit."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import aiohttp
+from promptlb.middleware._config import load_config
+from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._predictive import Predictive
+from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, first_choice, prompt_blocks
+from promptlb.middleware._request import RequestReader
+from promptlb.middleware._scoring import PowerOfTwoChoices
+from promptlb.middleware._shedding import Admission
+from promptlb.middleware._view import NodeView, RouteRequest
+from promptlb.shared import BYTES_PER_TOKEN
+
+from tests.middleware.conftest import MakeCluster, MakeNode, Messages
+
+CHUNK = INDEX_TOKENS * BYTES_PER_TOKEN  # the bytes of one coarse block
+
+
+def blocks(*parts: str) -> tuple[int, ...]:
+    return prompt_blocks("".join(parts).encode())
+
+
+SYSTEM = "s" * CHUNK * 4  # four coarse blocks, 512 tokens
+
+
+def test_the_deepest_block_sent_to_a_node_is_its_match(node: MakeNode) -> None:
+    a, b = node("a"), node("b")
+    index = PrefixIndex()
+    index.record(a, blocks(SYSTEM, "x" * CHUNK * 2), 1)
+    index.record(b, blocks(SYSTEM[: CHUNK * 2]), 2)
+    assert index.matches(blocks(SYSTEM, "y" * CHUNK), [a, b], 3) == {"a": 4, "b": 2}
+    assert index.matches(blocks("t" * CHUNK * 3), [a, b], 3) == {}
+    assert index.matches(blocks(SYSTEM), [b], 3) == {"b": 2}  # only the candidates asked about
+
+
+def test_entries_age_out_and_the_memory_is_bounded(node: MakeNode) -> None:
+    a = node("a")
+    index = PrefixIndex(capacity=16, ttl=10)
+    index.record(a, blocks("o" * CHUNK * 3), 1)
+    assert index.matches(blocks("o" * CHUNK * 3), [a], 11) == {"a": 3}
+    assert index.matches(blocks("o" * CHUNK * 3), [a], 12) == {}  # not sent for over ttl
+    for i in range(40):
+        index.record(a, blocks(f"{i:04d}" * (CHUNK // 4)), 20 + i)
+    assert len(index) == 16  # least recently sent first out
+    assert index.matches(blocks(f"{39:04d}" * (CHUNK // 4)), [a], 60) == {"a": 1}
+
+
+def test_a_full_node_caps_its_entries_and_a_restart_empties_them(node: MakeNode) -> None:
+    index = PrefixIndex(capacity=1000)
+
+    def send(view: NodeView, first: int, last: int) -> None:
+        for i in range(first, last):
+            index.record(view, blocks(f"{i:04d}" * (CHUNK // 4)), i)
+
+    send(node("a", running=1, kv_cache=0.5), 0, 40)
+    send(node("a", seq=2, running=1, kv_cache=0.5), 40, 70)  # our 40 are half: room for 80
+    assert len(index) == 70
+    send(node("a", seq=3, running=1, kv_cache=1.0), 70, 170)  # full: it evicts, and so do we
+    assert len(index) == 70
+    send(node("a", seq=1, boot="new", running=0, kv_cache=0.0), 200, 201)  # restarted
+    assert len(index) == 1
+
+
+def test_the_index_bound_at_a_thousand_nodes() -> None:
+    """The figure the docs state: entries are capped per node, whatever the traffic."""
+    index = PrefixIndex(capacity=64)
+    rng = random.Random(1)
+    views = [NodeView(name=f"n{i}", url="") for i in range(1000)]
+    for t in range(20_000):
+        index.record(views[rng.randrange(1000)], blocks(f"{t:08d}" * (CHUNK // 8)), t)
+    assert len(index) <= 64 * 1000
+
+
+def warm(strategy: Predictive, views: list[NodeView], prefill_s_per_token: float) -> None:
+    """Each node learns: a 0.1 s head plus prefill per uncached token, 10 ms a token out."""
+    rng = random.Random(7)
+    for view in views:
+        for _ in range(12):
+            tokens = rng.randint(50, 3000)
+            req = RouteRequest(model="m", input_tokens=tokens, max_tokens=20, stream=True)
+            head = 0.1 + prefill_s_per_token * tokens
+            strategy.observe(req, view, head + 0.2, head, 0)
+
+
+def chat(history: str, tokens: int = 0) -> RouteRequest:
+    text = history + "q" * tokens * BYTES_PER_TOKEN
+    return RouteRequest(
+        model="m",
+        input_tokens=len(text) // BYTES_PER_TOKEN,
+        max_tokens=20,
+        stream=True,
+        blocks=prompt_blocks(text.encode()),
+    )
+
+
+def test_a_held_prefix_wins_by_the_prefill_it_saves(node: MakeNode) -> None:
+    views = [node(n, running=0) for n in "abc"]
+    strategy = Predictive(PowerOfTwoChoices())
+    warm(strategy, views, 0.001)  # 1 ms a token: a 2,048-token history is 2 s to prefill
+    rng = random.Random(1)
+    history = "h" * CHUNK * 16
+    first = strategy.pick(chat(history, 10), views, rng)
+    got = Counter(strategy.pick(chat(history, 10 + i), views, rng).name for i in range(50))
+    assert got[first.name] >= 49
+
+
+def test_guard_a_hot_prefix_does_not_pile_onto_its_node(node: MakeNode) -> None:
+    """SGLang #14305: the node holding a hot prefix is taken while its queue costs less than
+    the prefill the others would pay, and no longer."""
+    strategy = Predictive(PowerOfTwoChoices())
+    views = [node(n, running=2, waiting=0) for n in "abc"]  # slots learnt: 2 running, 0 waiting
+    warm(strategy, views, 0.0005)
+    hot = "p" * CHUNK * 8  # 1,024 tokens: 0.5 s of prefill on a node without it
+    rng = random.Random(2)
+    holder = strategy.pick(chat(hot, 5), views, rng)
+    busy = node(holder.name, seq=2, running=2, waiting=8)  # its queue is now 8 deep
+    crowded = [busy if v.name == holder.name else v for v in views]
+    got = Counter(strategy.pick(chat(hot, 5 + i), crowded, rng).name for i in range(40))
+    assert got[holder.name] <= 4  # seconds of wait against 0.5 s of prefill: the others
+
+
+def test_guard_cold_prefixes_spread_at_low_concurrency(node: MakeNode) -> None:
+    """SGLang #32983: with every cache empty and every node idle, new prefixes do not all go
+    to the same node: each goes where rendezvous hashing of its first block says."""
+    strategy = Predictive(PowerOfTwoChoices())
+    views = [node(n, running=0) for n in "abcd"]
+    warm(strategy, views, 0.0005)
+    rng = random.Random(3)
+    got = Counter(strategy.pick(chat(f"{i:06d}" * CHUNK, 5), views, rng).name for i in range(80))
+    assert len(got) == 4 and min(got.values()) >= 10
+
+
+def test_guard_uneven_load_keeps_affinity_where_it_pays(node: MakeNode) -> None:
+    """SGLang #32195: affinity is not dropped wholesale when load is uneven; each request
+    weighs its own prefill saving against the extra wait."""
+    strategy = Predictive(PowerOfTwoChoices())
+    views = [node(n, running=2, waiting=0) for n in "ab"]
+    warm(strategy, views, 0.001)
+    rng = random.Random(4)
+    long_history = "l" * CHUNK * 48  # 6,144 tokens: 6 s to prefill elsewhere
+    holder = strategy.pick(chat(long_history, 5), views, rng)
+    other = next(v for v in views if v.name != holder.name)
+    uneven = [node(holder.name, seq=2, running=2, waiting=2), other]  # one request ahead
+    follows = Counter(strategy.pick(chat(long_history, 5 + i), uneven, rng).name for i in range(30))
+    assert follows[holder.name] >= 28
+    fresh = Counter(strategy.pick(chat("", 200 + i), uneven, rng).name for i in range(30))
+    assert fresh[other.name] >= 25  # no prefix to keep: the idle node
+
+
+def test_guard_blocks_are_hashed_over_the_prompt_not_its_json() -> None:
+    """GIE #2330: the same conversation serialised differently is the same prefix."""
+    config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    messages = [{"role": "system", "content": "c" * 3000}, {"role": "user", "content": "hi"}]
+    compact = json.loads(json.dumps({"model": "m", "messages": messages}, separators=(",", ":")))
+    spaced = {"messages": [dict(reversed(list(m.items()))) for m in messages], "model": "m"}
+    one = reader.build("/v1/chat/completions", compact).route.blocks
+    two = reader.build("/v1/chat/completions", spaced).route.blocks
+    assert one == two and len(one) >= 5
+
+
+def test_independent_replicas_send_a_new_prefix_to_the_same_node(node: MakeNode) -> None:
+    views = [node(n, running=0) for n in "abcdefgh"]
+    replicas = [Predictive(PowerOfTwoChoices()) for _ in range(5)]
+    for r in replicas:
+        warm(r, views, 0.0005)
+    for i in range(20):
+        req = chat(f"tenant-{i:03d}-" * CHUNK, 5)
+        chosen = {
+            r.pick(req, views, random.Random(i * 10 + k)).name for k, r in enumerate(replicas)
+        }
+        assert chosen == {first_choice(req.blocks[0], views).name}
+
+
+async def test_a_conversations_next_turns_reach_the_node_that_holds_it(
+    cluster: MakeCluster,
+) -> None:
+    """Through the official openai client and a real gateway: once the nodes are learnt, each
+    conversation's later turns go where its first one went, and there they hit the cache."""
+    node_flags = ("--ttft-ms", "5", "--prefill-tokens-per-s", "20000", "--tokens-per-s", "2000")
+    c = cluster({n: node_flags for n in "abc"}, "strategy = 'predictive'\n")
+    api = c.client()
+
+    async def ask(messages: Messages) -> str:
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m",
+            messages=messages,
+            max_tokens=4,
+            stream=True,
+        )
+        async for _chunk in raw.parse():
+            pass
+        return raw.headers["x-promptlb-node"]
+
+    rng = random.Random(5)
+    for i in range(30):  # warm-up: every node learns its prefill rate from misses of all sizes
+        await ask([{"role": "user", "content": f"{i} " + "w" * rng.randint(100, 16000)}])
+    followed = 0
+    for conv in range(6):
+        messages: Messages = [{"role": "system", "content": f"tenant {conv}: " + "rules " * 2000}]
+        messages.append({"role": "user", "content": "first question"})
+        first = await ask(messages)
+        for turn in range(3):
+            messages += [
+                {"role": "assistant", "content": "an answer"},
+                {"role": "user", "content": f"follow-up {turn}"},
+            ]
+            followed += await ask(messages) == first
+    assert followed >= 16  # of 18 later turns
+    hits = 0
+    async with aiohttp.ClientSession() as http:
+        for node in c.nodes.values():
+            async with http.get(node.model.url + "/_emulator/stats") as response:
+                hits += (await response.json())["prefix_cache_hit_tokens"]
+    assert hits > 16 * 2000  # each followed turn found its 12,000-byte history cached
