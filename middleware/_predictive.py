@@ -286,13 +286,17 @@ class Predictive:
         if index is None or not request.blocks:
             return self._pick(request, candidates, rng, None)
         self._tick += 1
-        held = index.matches(request.blocks, candidates, self._tick)
+        held: dict[str, int] = {}
         chosen = self._pick(request, candidates, rng, held)
+        depth = held.get(chosen.name)
+        if depth is None:  # not among those looked at (a cold start's pick): asked before the
+            # record below, which would make every prompt look cached where it was just sent
+            depth = index.matches(request.blocks, (chosen,), self._tick).get(chosen.name, 0)
         index.record(chosen, request.blocks, self._tick)
         uncached = self._uncached
         if len(uncached) > 4096:
             uncached.clear()  # answers that never came (failed tries): let them go
-        uncached[id(request)] = self._prefill(request, held.get(chosen.name, 0))
+        uncached[id(request)] = self._prefill(request, depth)
         return chosen
 
     @staticmethod
@@ -307,6 +311,7 @@ class Predictive:
         rng: random.Random,
         held: dict[str, int] | None,
     ) -> NodeView:
+        """``held``, when given, is filled with the index's matches among the nodes looked at."""
         n = len(candidates)
         if n <= 1:
             return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
@@ -320,6 +325,8 @@ class Predictive:
         # Probes are requests of no more than the usual length: a long one sent blind to a slow
         # node would be the run's worst latency.
         self._mean_out = out if mean_out == 0.0 else mean_out + 0.02 * (out - mean_out)
+        if held is not None and self.index is not None:
+            held.update(self.index.matches(request.blocks, looked, self._tick))
         best = second = math.inf
         first_node = second_node = looked[0]
         probes: list[NodeView] = []

@@ -2,26 +2,27 @@
 strategy can tell how much of a prompt a node most likely holds in its KV cache.
 
 The prompt is hashed by the engine's own rule (`promptlb.shared._kv`: the chat template's
-rendering, chained block hashes), coarsened to one hash per ``INDEX_BLOCKS`` engine blocks (128
+rendering, chained block hashes), coarsened to one hash per ``INDEX_BLOCKS`` engine blocks (256
 tokens): the hash at a coarse block names the whole prefix up to it, so a node's match is the
-deepest coarse block it was sent, and an 8,000-token prompt costs 62 hashes, not 500.
+deepest coarse block it was sent, and an 8,000-token prompt costs 31 hashes, not 500 (a match
+is then short by up to 255 tokens, a small error against prompts long enough to matter).
 
 What it holds, and how it forgets (the guards that keep it close to the node's real cache):
-- per node, the coarse blocks sent there, least recently used first; a node holds at most
-  ``capacity`` of them (the configured bound), and, once its snapshots show its KV use, about
-  as many as fit: our blocks over its KV use is its capacity as far as our traffic goes, so
-  when its cache is full, ours is trimmed to what it can hold;
-- entries not used for ``ttl`` seconds do not match (an engine's LRU has let them go);
+- per node, the coarse blocks sent there and when; a node holds at most ``capacity`` of them
+  (the configured bound), the least recently sent going first, and, once its snapshots show
+  its KV use, about as many as fit: our blocks over its KV use is its capacity as far as our
+  traffic goes, so when its cache is full, ours is trimmed to what it can hold;
+- entries not sent again for ``ttl`` (in the caller's clock) do not match;
 - a node that restarts (a new ``boot`` in its snapshot) starts empty.
-Memory: one dict entry per coarse block and node, ~200 bytes: at the default bound (8,192 per
-node) 1.6 MB a node, a bound the config can lower for 1,000 nodes.
+Memory: two dict entries per coarse block and node (see `bench/pick_bench.py` for the bytes);
+``capacity`` bounds it per node.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import count, repeat
 
 from promptlb.shared import BLOCK_TOKENS, block_hashes
 
@@ -29,8 +30,9 @@ from ._view import NodeView
 
 __all__ = ["INDEX_BLOCKS", "INDEX_TOKENS", "PrefixIndex", "prompt_blocks"]
 
-INDEX_BLOCKS = 8  # engine blocks per coarse block
+INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
+_DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
 
 
 def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
@@ -51,47 +53,58 @@ def first_choice(first_block: int, candidates: Sequence[NodeView]) -> NodeView:
 
 
 class _Node:
-    __slots__ = ("boot", "cap", "lru", "seen")
+    __slots__ = ("boot", "cap", "seen", "sent")
 
     def __init__(self, cap: int) -> None:
-        self.lru: OrderedDict[int, float] = OrderedDict()  # block -> last sent, oldest first
+        self.sent: dict[int, float] = {}  # block -> when it was last sent here
         self.cap = cap
         self.boot: str | None = None
         self.seen: object = None  # the snapshot the cap was last set from
 
 
 class PrefixIndex:
-    def __init__(self, *, capacity: int = 8192, ttl: float = 600.0) -> None:
+    """Blocks per node, stored as (block, node) pairs so that recording a prompt is one dict
+    update in C, and a node's match is a binary search down the prompt's chain."""
+
+    def __init__(self, *, capacity: int = 8192, ttl: float = 1e18) -> None:
         self.capacity = capacity
         self.ttl = ttl
-        self._holders: dict[int, dict[str, float]] = {}  # block -> node -> last sent
+        self._pairs: dict[tuple[int, str], float] = {}
         self._nodes: dict[str, _Node] = {}
 
     def __len__(self) -> int:
         """Entries held, over all nodes: what the memory bound counts."""
-        return sum(len(n.lru) for n in self._nodes.values())
+        return len(self._pairs)
 
     def matches(
         self, blocks: Sequence[int], candidates: Sequence[NodeView], now: float
     ) -> dict[str, int]:
         """Per candidate that holds any of it, how many of ``blocks`` lead the prompt there.
-        Walks from the deepest block up, so a prefix every node holds costs one visit per node,
-        not one per node and block."""
+
+        A chain is held from its start (what evicts a block evicts the deeper ones with it, as
+        far as this index can tell), so the deepest held block is found by bisection: a few
+        lookups a node, whatever the prompt's length."""
         if not blocks:
             return {}
-        wanted = {c.name for c in candidates}
+        pairs = self._pairs
+        get = pairs.get
+        oldest = now - self.ttl - 0.5  # half a tick: the depth offsets stay inside it
         found: dict[str, int] = {}
-        holders = self._holders
-        oldest = now - self.ttl
-        for depth in range(len(blocks), 0, -1):
-            held = holders.get(blocks[depth - 1])
-            if not held:
+        first = blocks[0]
+        for node in candidates:
+            name = node.name
+            sent = get((first, name))
+            if sent is None or sent < oldest:
                 continue
-            for name, sent in held.items():
-                if sent >= oldest and name in wanted and name not in found:
-                    found[name] = depth
-            if len(found) == len(wanted):
-                break
+            low, high = 1, len(blocks)  # blocks[:low] held; is blocks[:high]?
+            while low < high:
+                mid = (low + high + 1) // 2
+                sent = get((blocks[mid - 1], name))
+                if sent is not None and sent >= oldest:
+                    low = mid
+                else:
+                    high = mid - 1
+            found[name] = low
         return found
 
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
@@ -99,16 +112,14 @@ class PrefixIndex:
         if not blocks:
             return
         state = self._state(node)
-        lru, holders, name = state.lru, self._holders, node.name
-        for block in blocks:
-            lru[block] = now
-            lru.move_to_end(block)
-            held = holders.get(block)
-            if held is None:
-                holders[block] = {name: now}
-            else:
-                held[name] = now
-        self._trim(state, name)
+        name = node.name
+        # A chain's deeper blocks count as a hair older, so that trimming eats a chain from its
+        # tail: the head alone is still a usable prefix, the tail alone matches nothing.
+        self._pairs.update(zip(zip(blocks, repeat(name)), count(now, -_DEPTH)))
+        sent = state.sent
+        sent.update(zip(blocks, count(now, -_DEPTH)))
+        if len(sent) > state.cap + (state.cap >> 3):
+            self._forget(state, name, state.cap)
 
     def _state(self, node: NodeView) -> _Node:
         state = self._nodes.get(node.name)
@@ -121,27 +132,27 @@ class PrefixIndex:
                 self._forget(state, node.name, 0)  # restarted: its cache is gone
             state.boot = snap.boot
             kv = snap.engine.kv_cache if snap.engine is not None else None
-            if kv is not None and state.lru:
+            if kv is not None and state.sent:
                 # Our blocks fill ``kv`` of the node as far as our traffic goes, so it holds
                 # about len / kv of ours. Below full that is room to grow into; once full, the
                 # engine evicts, and so do we, never growing on a full node.
-                estimate = max(16, int(len(state.lru) / max(kv, 0.05)))
+                estimate = max(16, int(len(state.sent) / max(kv, 0.05)))
                 cap = estimate if kv < 0.9 else min(state.cap, estimate)
                 state.cap = min(self.capacity, cap)
+                if len(state.sent) > state.cap:
+                    self._forget(state, node.name, state.cap)
         return state
 
-    def _trim(self, state: _Node, name: str) -> None:
-        self._forget(state, name, state.cap)
-
     def _forget(self, state: _Node, name: str, keep: int) -> None:
-        lru, holders = state.lru, self._holders
-        while len(lru) > keep:
-            block, _ = lru.popitem(last=False)
-            held = holders.get(block)
-            if held is not None:
-                held.pop(name, None)
-                if not held:
-                    del holders[block]
+        """Down to ``keep`` blocks, the least recently sent first (sorted here, not kept in
+        order per record: the index lets a node run an eighth over before it trims)."""
+        sent, pairs = state.sent, self._pairs
+        if len(sent) <= keep:
+            return
+        by_age = sorted(sent, key=sent.__getitem__)
+        for block in by_age[: len(sent) - keep]:
+            del sent[block]
+            pairs.pop((block, name), None)
 
     def forget_node(self, name: str) -> None:
         state = self._nodes.pop(name, None)

@@ -62,9 +62,10 @@ def block_hashes(data: bytes, every: int = 1, limit: int | None = None) -> list[
         count = min(count, limit)
     view = memoryview(data)
     out: list[int] = []
+    append = out.append
     h = 0
     crc = zlib.crc32
-    for i in range(count):
-        h = crc(view[i * step : (i + 1) * step], h)
-        out.append(h)
+    for start in range(0, count * step, step):
+        h = crc(view[start : start + step], h)
+        append(h)
     return out

@@ -48,7 +48,7 @@ def test_entries_age_out_and_the_memory_is_bounded(node: MakeNode) -> None:
     assert index.matches(blocks("o" * CHUNK * 3), [a], 12) == {}  # not sent for over ttl
     for i in range(40):
         index.record(a, blocks(f"{i:04d}" * (CHUNK // 4)), 20 + i)
-    assert len(index) == 16  # least recently sent first out
+    assert 16 <= len(index) <= 18  # least recently sent first out, an eighth of slack
     assert index.matches(blocks(f"{39:04d}" * (CHUNK // 4)), [a], 60) == {"a": 1}
 
 
@@ -63,7 +63,7 @@ def test_a_full_node_caps_its_entries_and_a_restart_empties_them(node: MakeNode)
     send(node("a", seq=2, running=1, kv_cache=0.5), 40, 70)  # our 40 are half: room for 80
     assert len(index) == 70
     send(node("a", seq=3, running=1, kv_cache=1.0), 70, 170)  # full: it evicts, and so do we
-    assert len(index) == 70
+    assert 70 <= len(index) <= 70 + 70 // 8
     send(node("a", seq=1, boot="new", running=0, kv_cache=0.0), 200, 201)  # restarted
     assert len(index) == 1
 
@@ -75,7 +75,7 @@ def test_the_index_bound_at_a_thousand_nodes() -> None:
     views = [NodeView(name=f"n{i}", url="") for i in range(1000)]
     for t in range(20_000):
         index.record(views[rng.randrange(1000)], blocks(f"{t:08d}" * (CHUNK // 8)), t)
-    assert len(index) <= 64 * 1000
+    assert len(index) <= (64 + 8) * 1000
 
 
 def warm(strategy: Predictive, views: list[NodeView], prefill_s_per_token: float) -> None:
@@ -158,7 +158,7 @@ def test_guard_blocks_are_hashed_over_the_prompt_not_its_json() -> None:
     """GIE #2330: the same conversation serialised differently is the same prefix."""
     config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
     reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
-    messages = [{"role": "system", "content": "c" * 3000}, {"role": "user", "content": "hi"}]
+    messages = [{"role": "system", "content": "c" * 6000}, {"role": "user", "content": "hi"}]
     compact = json.loads(json.dumps({"model": "m", "messages": messages}, separators=(",", ":")))
     spaced = {"messages": [dict(reversed(list(m.items()))) for m in messages], "model": "m"}
     one = reader.build("/v1/chat/completions", compact).route.blocks
@@ -220,3 +220,26 @@ async def test_a_conversations_next_turns_reach_the_node_that_holds_it(
             async with http.get(node.model.url + "/_emulator/stats") as response:
                 hits += (await response.json())["prefix_cache_hit_tokens"]
     assert hits > 16 * 2000  # each followed turn found its 12,000-byte history cached
+
+
+def test_trimming_eats_a_chain_from_its_tail(node: MakeNode) -> None:
+    a = node("a")
+    index = PrefixIndex(capacity=16)
+    chain = blocks("c" * CHUNK * 10)
+    index.record(a, chain, 1)
+    for i in range(12):  # newer prompts push the chain over the bound
+        index.record(a, blocks(f"{i:04d}" * (CHUNK // 4)), 2 + i)
+    assert 1 <= index.matches(chain, [a], 20)["a"] < 10  # its head survives, not its tail
+
+
+def test_the_model_learns_prefill_from_what_was_not_cached(node: MakeNode) -> None:
+    """The tokens the model is taught with are those the chosen node lacked when it was picked,
+    even on a pick the inner strategy made (a cold start), not what it holds after the send."""
+    strategy = Predictive(PowerOfTwoChoices())
+    a = node("a")
+    req = chat("f" * CHUNK * 6, 10)  # cold: the inner strategy picks, alone
+    assert strategy.pick(req, [a], random.Random(1)) is a
+    assert strategy._uncached[id(req)] == req.input_tokens  # nothing was held before
+    again = chat("f" * CHUNK * 6, 20)
+    strategy.pick(again, [a], random.Random(1))
+    assert strategy._uncached[id(again)] == again.input_tokens - 6 * INDEX_TOKENS
