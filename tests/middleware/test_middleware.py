@@ -182,7 +182,7 @@ async def test_admin_endpoints_are_closed_unless_configured(
             body = (await http.get("/_promptlb/status", headers=headers)).json()
             assert body["nodes"][0]["name"] == "a"
             metrics = (await http.get("/_promptlb/metrics", headers=headers)).text
-            assert "promptlb_in_flight" in metrics
+            assert "promptlb_in_flight_requests{" in metrics
 
 
 def test_the_status_page_scores_with_the_configured_options_through_affinity() -> None:
