@@ -198,8 +198,8 @@ async def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:
         assert (await http.get("/_promptlb/metrics")).status_code == 401
         good = {"Authorization": "Bearer s3cret-admin"}
         assert (await http.get("/_promptlb/metrics", headers=good)).status_code == 200
+    both = config(admin_token="x", admin_token_file=str(token))
     with pytest.raises(ConfigError, match="admin_token_file"):
-        both = config(admin_token="x", admin_token_file=str(token))
         PromptLBMiddleware(recorder_app, config=both)  # type: ignore[arg-type]
 
 
