@@ -67,6 +67,9 @@ class _LiveMetrics(Collector):
             yield from gauge(
                 "engine_kv_cache_usage_ratio", "Engine KV-cache use, 0..1.", engine.kv_cache
             )
+            yield from gauge(
+                "engine_generation_tokens_per_second", "Tokens the engine generates.", engine.tps
+            )
         yield from gauge("model_rss_bytes", "Model-server resident memory.", live.rss)
         yield from gauge(
             "model_rss_slope_bytes_per_second", "Trend of that memory.", live.rss_slope
