@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, sidecar_args
 from tests.ops.conftest import EXAMPLES, Prometheus, StartPrometheus
 
 ALERTS = EXAMPLES / "prometheus" / "alerts.yml"
@@ -129,18 +129,7 @@ def test_a_real_prometheus_scrapes_the_gateway_and_sidecars(
     big = launch("emulator", "--model", "big", *FAST)
     small = launch("emulator", "--model", "small", "--slots", "1", *FAST)
     sidecars = {
-        name: launch(
-            "sidecar",
-            "--model-url",
-            model.url,
-            "--node-name",
-            name,
-            "--sample-interval",
-            "100ms",
-            "--no-warmup-required",
-            "--log-level",
-            "WARNING",
-        )
+        name: launch("sidecar", *sidecar_args(model.url, name))
         for name, model in (("node-big", big), ("node-small", small))
     }
     token = tmp_path / "admin-token"
