@@ -264,11 +264,15 @@ class Balancer:
             aborted = False
             try:
                 yield upstream
+            except UpstreamError:
+                # The caller judged the node's own answer a failure (a final 5xx or 429 with a
+                # fallback hop onward, no first byte in time, a broken body): the node's outcome.
+                raise
             except BaseException:
                 aborted = True  # the caller gave up (client gone, deadline): not the node's fault
                 raise
             finally:
-                if aborted:
+                if aborted or upstream.failed:
                     upstream.response.close()  # the node sees the disconnect and stops working
                 else:
                     upstream.response.release()

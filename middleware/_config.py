@@ -235,6 +235,7 @@ class Config:
     sidecar_token_file: str | None = None  # bearer token for sidecars with --protect-reads
     slow_start: float = field(default=30.0, metadata=DURATION)  # 0 disables
     admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None  # the admin token from a file (a mounted Secret)
     admin_local_only: bool = False
     admin_prefix: str = "/_promptlb"
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
@@ -269,6 +270,8 @@ class Config:
         positive("slow_start", self.slow_start, zero=True)
         if self.gossip_concurrency < 1:
             raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ConfigError("admin_token_file", self.admin_token_file, "no admin_token beside it")
         if not self.admin_prefix.startswith("/") or self.admin_prefix.endswith("/"):
             raise ConfigError("admin_prefix", self.admin_prefix, "a path like /_promptlb")
         chained: set[str] = set()
@@ -288,14 +291,20 @@ class Config:
             raise ConfigError("sign_key_file", self.sign_key_file, str(exc)) from None
 
     def sidecar_token(self) -> str | None:
-        if self.sidecar_token_file is None:
-            return None
-        try:
-            return Path(self.sidecar_token_file).read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            raise ConfigError(
-                "sidecar_token_file", self.sidecar_token_file, f"a readable file ({exc})"
-            ) from None
+        return _read_token("sidecar_token_file", self.sidecar_token_file)
+
+    def admin_secret(self) -> str | None:
+        """``admin_token``, or the contents of ``admin_token_file``."""
+        return self.admin_token or _read_token("admin_token_file", self.admin_token_file)
+
+
+def _read_token(key: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        raise ConfigError(key, path, f"a readable file ({exc})") from None
 
 
 T = TypeVar("T")

@@ -13,7 +13,11 @@ from ._nodes import NodeTable
 
 __all__ = ["Metrics", "NodeMetrics"]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# LLM answers: milliseconds (a cached or tiny answer) to minutes (a long generation behind a
+# queue). Doubling from 1 s keeps P99 readable where SLOs sit; the last bound is 10 minutes.
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600
+)  # fmt: skip
 
 
 class _Live(Collector):
@@ -27,12 +31,14 @@ class _Live(Collector):
         if table is None:
             return
         in_flight = GaugeMetricFamily(
-            "promptlb_in_flight", "Requests open on a node.", labels=["node"]
+            "promptlb_in_flight_requests", "Requests open on a node.", labels=["node"]
         )
         ready = GaugeMetricFamily(
             "promptlb_node_ready", "1 when a node takes requests.", labels=["node"]
         )
-        ramp = GaugeMetricFamily("promptlb_node_ramp", "Slow-start share, 0..1.", labels=["node"])
+        ramp = GaugeMetricFamily(
+            "promptlb_node_ramp_ratio", "Slow-start share, 0..1.", labels=["node"]
+        )
         for name, node in table.nodes.items():
             in_flight.add_metric([name], node.view.in_flight)
             ready.add_metric([name], 1.0 if table.state_of(node) == "ready" else 0.0)

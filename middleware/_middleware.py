@@ -42,7 +42,7 @@ class PromptLBMiddleware:
         self._models_route = self.config.models_route
         prefix = self.config.admin_prefix
         self._admin = {prefix + "/status": "status", prefix + "/metrics": "metrics"}
-        token = self.config.admin_token
+        token = self.config.admin_secret()
         self._admin_token = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -89,7 +89,7 @@ class PromptLBMiddleware:
             await json_error(
                 send,
                 403 if self._admin_token is None else 401,
-                "admin endpoints need admin_token or admin_local_only",
+                "admin endpoints need admin_token(_file) or admin_local_only",
                 "permission_error",
             )
             return

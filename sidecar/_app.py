@@ -9,6 +9,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
+import psutil
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -32,6 +33,7 @@ LIVE = web.AppKey("promptlb_sidecar_live", Live)
 _SESSION = web.AppKey("promptlb_sidecar_session", aiohttp.ClientSession)
 _REGISTRY = web.AppKey("promptlb_sidecar_registry", CollectorRegistry)
 _COUNTS = web.AppKey("promptlb_sidecar_counts", dict[str, Counter])
+_MiB = 1024 * 1024
 _WARMUP_LOCK = web.AppKey("promptlb_sidecar_warmup_lock", asyncio.Lock)
 
 
@@ -41,6 +43,7 @@ class _LiveMetrics(Collector):
 
     def __init__(self, live: Live) -> None:
         self._live = live
+        self._memory_total = float(psutil.virtual_memory().total)
 
     def collect(self) -> Iterator[Metric]:
         live = self._live
@@ -51,23 +54,44 @@ class _LiveMetrics(Collector):
 
         yield from gauge("ready", "1 when the model server answers and is warm.", float(live.ready))
         yield from gauge("draining", "1 while draining.", float(live.draining))
-        yield from gauge("cpu_utilization", "Host CPU use, 0..1.", live.host and live.host[0])
-        yield from gauge("memory_utilization", "Host memory use, 0..1.", live.host and live.host[1])
+        host = live.host
+        yield from gauge("cpu_utilization_ratio", "Host CPU use, 0..1.", host and host[0])
+        yield from gauge("memory_utilization_ratio", "Host memory use, 0..1.", host and host[1])
+        yield from gauge("memory_total_bytes", "Host memory.", self._memory_total)
         if live.engine is not None:
-            yield from gauge("engine_running", "Requests the engine runs.", live.engine.running)
-            yield from gauge("engine_waiting", "Requests the engine queues.", live.engine.waiting)
-            yield from gauge("engine_kv_cache", "Engine KV-cache use, 0..1.", live.engine.kv_cache)
+            engine = live.engine
+            yield from gauge("engine_running_requests", "Requests the engine runs.", engine.running)
+            yield from gauge(
+                "engine_waiting_requests", "Requests the engine queues.", engine.waiting
+            )
+            yield from gauge(
+                "engine_kv_cache_usage_ratio", "Engine KV-cache use, 0..1.", engine.kv_cache
+            )
+            yield from gauge(
+                "engine_generation_tokens_per_second", "Tokens the engine generates.", engine.tps
+            )
         yield from gauge("model_rss_bytes", "Model-server resident memory.", live.rss)
         yield from gauge(
             "model_rss_slope_bytes_per_second", "Trend of that memory.", live.rss_slope
         )
         if live.gpus:
             util = GaugeMetricFamily(
-                "promptlb_sidecar_gpu_utilization", "GPU use, 0..1.", labels=["gpu"]
+                "promptlb_sidecar_gpu_utilization_ratio", "GPU use, 0..1.", labels=["gpu"]
+            )
+            used = GaugeMetricFamily(
+                "promptlb_sidecar_gpu_memory_used_bytes", "GPU memory in use.", labels=["gpu"]
+            )
+            total = GaugeMetricFamily(
+                "promptlb_sidecar_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"]
             )
             for g in live.gpus:
-                util.add_metric([str(g.i)], g.util)
+                i = str(g.i)
+                util.add_metric([i], g.util)
+                used.add_metric([i], g.mem_used * _MiB)
+                total.add_metric([i], g.mem_total * _MiB)
             yield util
+            yield used
+            yield total
 
 
 def _json_error(status: int, message: str) -> web.Response:

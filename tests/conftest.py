@@ -18,7 +18,24 @@ from promptlb.emulator import Service, start_service
 Launcher = Callable[..., Service]
 Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
 
-__all__ = ["Launcher", "RedisServer", "Serve", "Service"]
+__all__ = ["Launcher", "RedisServer", "Serve", "Service", "sidecar_args"]
+
+
+def sidecar_args(model_url: str, name: str, *extra: str) -> tuple[str, ...]:
+    """A test sidecar's flags: beside ``model_url`` as node ``name``, sampling every 100 ms,
+    ready without a warmup, quiet."""
+    return (
+        "--model-url",
+        model_url,
+        "--node-name",
+        name,
+        "--sample-interval",
+        "100ms",
+        "--no-warmup-required",
+        "--log-level",
+        "WARNING",
+        *extra,
+    )
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from promptlb.emulator import Service, start_command, start_service
 from promptlb.middleware._view import NodeView
 from promptlb.shared import EngineSample, GpuSample, Snapshot
 
-from tests.conftest import Serve
+from tests.conftest import Serve, sidecar_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,19 +138,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             started.append(model)
             sidecar = None
             if with_sidecar:
-                sidecar = start_service(
-                    "sidecar",
-                    "--model-url",
-                    model.url,
-                    "--node-name",
-                    name,
-                    "--sample-interval",
-                    "100ms",
-                    "--no-warmup-required",
-                    "--log-level",
-                    "WARNING",
-                    *sidecar_flags,
-                )
+                sidecar = start_service("sidecar", *sidecar_args(model.url, name, *sidecar_flags))
                 started.append(sidecar)
             made[name] = Node(name, model, sidecar, flags)
             table = f"[[nodes]]\nname = '{name}'\nurl = '{model.url}'\nmodels = {models!r}\n"

@@ -101,6 +101,30 @@ async def test_a_slow_primary_falls_back_to_the_light_model_within_ttft(
     assert (await emulator_stats(c.nodes["big"].model.url))["cancelled"] == 2
 
 
+async def test_a_5xx_that_sends_a_request_down_its_chain_counts_against_the_node(
+    cluster: MakeCluster, fast: Flags, chat_body: ChatBody
+) -> None:
+    """The node answered 500: its failure (metrics, outlier detection), not a client abort."""
+    config = "[retry]\nattempts = 1\n[[fallback]]\nmodel = 'big'\nthen = ['small']\n"
+    c = cluster(
+        {
+            "big": ("--model", "big", "--error-rate", "1", *fast),
+            "small": ("--model", "small", *fast),
+        },
+        config,
+    )
+    for _ in range(3):
+        status, headers, _, _ = await post(c.app.url, chat_body(model="big"))
+        assert (status, headers["x-promptlb-node"]) == (200, "small")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(c.app.url + "/_promptlb/metrics") as response,
+    ):
+        metrics = await response.text()
+    assert 'promptlb_requests_total{node="big",outcome="500"} 3.0' in metrics
+    assert 'outcome="aborted"' not in metrics
+
+
 async def test_clients_may_opt_out_of_fallback_only_where_allowed(
     cluster: MakeCluster, fast: Flags, chat_body: ChatBody
 ) -> None:

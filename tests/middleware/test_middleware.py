@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -182,7 +183,24 @@ async def test_admin_endpoints_are_closed_unless_configured(
             body = (await http.get("/_promptlb/status", headers=headers)).json()
             assert body["nodes"][0]["name"] == "a"
             metrics = (await http.get("/_promptlb/metrics", headers=headers)).text
-            assert "promptlb_in_flight" in metrics
+            assert "promptlb_in_flight_requests{" in metrics
+
+
+async def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:
+    """A Kubernetes Secret mounts as a file: the token need not sit in the config."""
+    token = tmp_path / "admin-token"
+    token.write_text("s3cret-admin\n")
+    from_file = config(admin_token_file=str(token))
+    app = PromptLBMiddleware(recorder_app, config=from_file)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        assert (await http.get("/_promptlb/metrics")).status_code == 401
+        good = {"Authorization": "Bearer s3cret-admin"}
+        assert (await http.get("/_promptlb/metrics", headers=good)).status_code == 200
+    both = config(admin_token="x", admin_token_file=str(token))
+    with pytest.raises(ConfigError, match="admin_token_file"):
+        PromptLBMiddleware(recorder_app, config=both)  # type: ignore[arg-type]
 
 
 def test_the_status_page_scores_with_the_configured_options_through_affinity() -> None:

@@ -201,8 +201,8 @@ async def test_protected_reads_and_prometheus_metrics(launch: Launcher, tmp_path
         async with http.get(sidecar.url + "/metrics", headers=auth) as response:
             assert response.status == 200
             text = await response.text()
-    assert "promptlb_sidecar_cpu_utilization" in text
-    assert "promptlb_sidecar_engine_running" in text
+    assert "promptlb_sidecar_cpu_utilization_ratio" in text
+    assert "promptlb_sidecar_engine_running_requests" in text
 
 
 async def test_without_a_token_the_control_endpoints_are_closed(launch: Launcher) -> None:

@@ -1,0 +1,192 @@
+"""The Kubernetes examples: valid against the schemas (offline), and consistent with each other,
+with the gateway's config loader and with the metrics the sidecar exports."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from promptlb.middleware import load_config
+
+from tests.ops.conftest import EXAMPLES, ROOT, load_yaml_documents
+
+K8S = EXAMPLES / "k8s"
+KUBERNETES = "1.30"
+FILES = sorted(K8S.glob("*.yaml"))
+
+
+def _all() -> list[dict[str, Any]]:
+    return [doc for path in FILES for doc in load_yaml_documents(path)]
+
+
+def _one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in _all() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+
+
+def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == name)
+
+
+def _flags(container: dict[str, Any]) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_manifest_is_valid_against_the_kubernetes_schemas(path: Path) -> None:
+    docs = load_yaml_documents(path)
+    assert docs
+    for doc in docs:
+        # strict: an unknown or misspelt field is an error, not silently ignored
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_the_validator_works_offline_and_catches_a_typo() -> None:
+    service = _one("Service", "promptlb-model")
+    broken = {**service, "spec": {**service["spec"], "clusterIp": "None"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES, strict=True)
+
+
+def test_one_namespace_and_unique_names() -> None:
+    docs = _all()
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    # the adapter's rules live with prometheus-adapter, wherever that is installed
+    assert namespaces - {"monitoring"} == {_one("Namespace", "promptlb")["metadata"]["name"]}
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("name", ["promptlb-model", "promptlb-gateway"])
+def test_selectors_match_the_pods_and_services_reach_named_ports(name: str) -> None:
+    deployment = _one("Deployment", name)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+    service = _one("Service", name)
+    assert service["spec"]["selector"].items() <= labels.items()
+    pdb = _one("PodDisruptionBudget", name)
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = {
+        p["name"]: p["containerPort"]
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in ports, port
+    # annotated for scraping on a port the pod has
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) in ports.values()
+
+
+def test_the_model_pod_runs_the_sidecar_beside_the_model_server() -> None:
+    deployment = _one("Deployment", "promptlb-model")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True  # the sidecar reads the model server's RSS
+    model, sidecar = _container(deployment, "model"), _container(deployment, "sidecar")
+    model_port = next(p["containerPort"] for p in model["ports"] if p["name"] == "http")
+    sidecar_port = next(p["containerPort"] for p in sidecar["ports"] if p["name"] == "sidecar")
+    flags = _flags(sidecar)
+    assert flags["model-url"] == f"http://127.0.0.1:{model_port}"
+    assert int(flags["port"]) == sidecar_port and flags["host"] == "0.0.0.0"
+    # ready when the sidecar's /health is 200 (model up, warm, not draining)
+    probe = sidecar["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health" and probe["port"] == "sidecar"
+    # the token and the signing key come from the Secret, mounted where the flags point
+    secret = _one("Secret", "promptlb-secrets")
+    volume = next(v for v in pod["volumes"] if v["name"] == "secrets")
+    assert volume["secret"]["secretName"] == "promptlb-secrets"
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "secrets")["mountPath"]
+    for flag, key in (("token-file", "sidecar-token"), ("sign-key-file", "sign-key")):
+        assert flags[flag] == f"{mount}/{key}"
+        assert key in secret["stringData"]
+        assert key in {item["key"] for item in volume["secret"]["items"]}
+    kid, _, key = secret["stringData"]["sign-key"].partition(":")
+    assert kid and len(key) >= 16
+    # preStop drains through the sidecar with the token, then waits for in-flight answers;
+    # the model keeps serving at least as long, and the grace period covers both.
+    drain = " ".join(sidecar["lifecycle"]["preStop"]["exec"]["command"])
+    assert f"http://127.0.0.1:{sidecar_port}/drain" in drain and "method='POST'" in drain
+    assert f"{mount}/sidecar-token" in drain and "Bearer" in drain
+    sidecar_wait = int(re.findall(r"sleep (\d+)", drain)[-1])
+    model_wait = int(model["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert model_wait >= sidecar_wait
+    assert pod["terminationGracePeriodSeconds"] > model_wait
+
+
+def test_the_gateway_config_loads_and_points_at_the_headless_service(tmp_path: Path) -> None:
+    configmap = _one("ConfigMap", "promptlb-gateway-config")
+    deployment = _one("Deployment", "promptlb-gateway")
+    gateway = _container(deployment, "gateway")
+    flags = _flags(gateway)
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "promptlb-gateway-config"
+    assert volumes["secrets"]["secret"]["secretName"] == "promptlb-secrets"
+    [(filename, toml)] = configmap["data"].items()
+    assert flags["config"] == f"{mounts['config']}/{filename}"
+    port = next(p["containerPort"] for p in gateway["ports"] if p["name"] == "http")
+    assert int(flags["port"]) == port
+
+    (tmp_path / filename).write_text(toml)
+    config = load_config(tmp_path / filename)  # builds and validates; resolves nothing
+    service = _one("Service", "promptlb-model")
+    assert service["spec"]["clusterIP"] == "None"  # headless: one A record per ready pod
+    disc = config.discovery
+    assert disc.mode == "dns"
+    namespace = service["metadata"]["namespace"]
+    assert disc.name == f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    service_ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert (disc.port, disc.sidecar_port) == (service_ports["http"], service_ports["sidecar"])
+    model = _container(_one("Deployment", "promptlb-model"), "sidecar")
+    assert list(disc.models) == _flags(model)["models"].split(",")
+    # every secret the config reads is a key of the Secret, in the mounted folder
+    secret = _one("Secret", "promptlb-secrets")
+    for path in (config.admin_token_file, config.sign_key_file, config.sidecar_token_file):
+        assert path is not None
+        folder, _, key = path.rpartition("/")
+        assert folder == mounts["secrets"] and key in secret["stringData"]
+    assert config.admin_token is None  # no secret in the ConfigMap
+
+
+def test_the_autoscaler_reads_the_sidecars_own_metrics_through_the_adapter() -> None:
+    hpa = _one("HorizontalPodAutoscaler", "promptlb-model")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "promptlb-model")
+    wanted = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
+    assert wanted["promptlb_gpu_utilization_ratio"]["averageValue"] == "700m"  # 70%
+    assert "promptlb_engine_waiting_requests" in wanted
+    # one HPA per Deployment: two would fight over its replicas
+    assert len([d for d in _all() if d["kind"] == "HorizontalPodAutoscaler"]) == 1
+
+    adapter = _one("ConfigMap", "promptlb-adapter-config")
+    rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    served = {}
+    for rule in rules:
+        found = re.match(r"(\w+)\{", rule["seriesQuery"])
+        assert found is not None
+        as_ = rule["name"]["as"].replace("${1}", r"\1")
+        served[re.sub(rule["name"]["matches"], as_, found[1])] = found[1]
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    assert set(wanted) <= set(served)
+    # the adapter's series are what the sidecar exports
+    source = (ROOT / "sidecar" / "_app.py").read_text()
+    for name in served.values():
+        assert f'"{name.removeprefix("promptlb_sidecar_")}"' in source or name in source
+
+
+def test_the_command_lines_are_ones_promptlb_accepts() -> None:
+    from promptlb.sidecar._cli import _parser
+
+    sidecar = _container(_one("Deployment", "promptlb-model"), "sidecar")
+    assert sidecar["command"] == ["promptlb-sidecar"]
+    args = _parser().parse_args([a.replace("$(POD_NAME)", "model-0") for a in sidecar["args"]])
+    assert args.node_name == "model-0"
+    gateway = _container(_one("Deployment", "promptlb-gateway"), "gateway")
+    assert gateway["command"] == ["promptlb-gateway"]
