@@ -192,7 +192,8 @@ class Balancer:
         assert session is not None
         cfg = self.config.retry
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (total if total is not None else cfg.total_timeout)
+        whole = total if total is not None else cfg.total_timeout  # seconds for the answer
+        deadline = loop.time() + whole
         try_by = deadline if first_deadline is None else min(deadline, first_deadline)
         route = request.route
         budget = self._budget
@@ -320,12 +321,13 @@ class Balancer:
                 upstream.node.view.in_flight -= 1
                 if self.admission.enabled:
                     self.admission.wake()
-                self._settle(upstream, route, aborted)
+                self._settle(upstream, route, aborted, whole)
         finally:
             budget.active -= 1
 
-    def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool) -> None:
-        """Record how the passed-on try ended, and teach the strategy from a real answer."""
+    def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
+        """Record how the passed-on try ended, and teach the strategy from a real answer;
+        ``whole`` is the seconds the answer was given."""
         node = upstream.node
         if upstream.request_fault:
             self._finish(node, ok=None, started=upstream.started, ttft=None)
@@ -333,11 +335,7 @@ class Balancer:
             self._finish(node, ok=False, started=upstream.started, ttft=None, outcome="timeout")
         elif aborted:
             self.metrics.node(node.name).outcome("aborted").inc()
-        elif (
-            upstream.failed
-            and upstream.overran
-            and self._needs_longer(node, route, upstream.deadline - upstream.started)
-        ):
+        elif upstream.failed and upstream.overran and self._needs_longer(node, route, whole):
             # The stream ran out of time generating what it asked for: its size, not the node.
             self._finish(node, ok=None, started=upstream.started, ttft=None)
         else:

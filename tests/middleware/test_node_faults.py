@@ -30,6 +30,20 @@ async def post(
         return response.status, await response.json(), response.headers
 
 
+async def nodes_answering(
+    http: aiohttp.ClientSession, url: str, hello: Messages, n: int
+) -> set[str]:
+    """The nodes that answered ``n`` short chats, every one of which must succeed."""
+    seen = set()
+    for _ in range(n):
+        status, _, headers = await post(
+            http, url, {"model": "m", "messages": hello, "max_tokens": 2}
+        )
+        assert status == 200
+        seen.add(headers["x-promptlb-node"])
+    return seen
+
+
 async def emulator_requests(http: aiohttp.ClientSession, url: str) -> int:
     async with http.get(url + "/_emulator/stats") as response:
         stats: dict[str, Any] = await response.json()
@@ -76,14 +90,7 @@ async def test_the_issue_probes_eject_no_node(
         assert sum(n["request_faults"] for n in nodes) == 16
         assert all(n["error_rate"] == 0 for n in nodes)
         # The healthy requests still go everywhere.
-        seen = set()
-        for _ in range(6):
-            status, _, headers = await post(
-                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 2}
-            )
-            assert status == 200
-            seen.add(headers["x-promptlb-node"])
-        assert seen == {"a", "b", "c"}
+        assert await nodes_answering(http, c.app.url, hello, 6) == {"a", "b", "c"}
 
 
 async def test_a_broken_node_still_counts_when_the_request_succeeds_elsewhere(
@@ -109,7 +116,7 @@ async def test_a_timeout_explained_by_max_tokens_is_not_the_nodes(
 ) -> None:
     # 50 tokens a second: 2,000 tokens take 40 s, and a try is given 500 ms.
     slow = ("nosidecar", "--ttft-ms", "10", "--tokens-per-s", "50")
-    config = TOUCHY + "[retry]\nper_try_timeout = '500ms'\n"
+    config = TOUCHY + "[retry]\nper_try_timeout = '500ms'\ntotal_timeout = '1s'\n"
     c = cluster({"a": slow, "b": slow}, config)
     async with aiohttp.ClientSession() as http:
         for _ in range(4):
@@ -121,6 +128,12 @@ async def test_a_timeout_explained_by_max_tokens_is_not_the_nodes(
             assert time.monotonic() - started < 2  # not retried: no node is faster
             assert headers["x-promptlb-attempts"] == "1"
             assert "max_tokens 2000" in body["error"]["message"]
+        # A stream cut at its deadline (1 s) while generating what it asked for: its size.
+        body = {"model": "m", "messages": hello, "max_tokens": 2000, "stream": True}
+        async with http.post(c.app.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            events = (await response.read()).decode()
+        assert "upstream stream ran past its deadline" in events
         # A short request that times out is the node's: 4 tokens take 80 ms at 50/s.
         async with http.post(
             c.nodes["a"].model.url + "/_emulator/faults", json={"hang": True}
@@ -134,7 +147,7 @@ async def test_a_timeout_explained_by_max_tokens_is_not_the_nodes(
     nodes = {n["name"]: n for n in (await c.status())["nodes"]}
     assert nodes["b"]["failures"] == 0
     assert nodes["a"]["times_ejected"] == 1  # the hang, not the long requests
-    assert nodes["a"]["request_faults"] + nodes["b"]["request_faults"] == 4
+    assert nodes["a"]["request_faults"] + nodes["b"]["request_faults"] == 5
 
 
 async def test_losing_every_sidecar_degrades_routing_never_availability(
@@ -146,14 +159,7 @@ async def test_losing_every_sidecar_degrades_routing_never_availability(
             assert node.sidecar is not None
             node.sidecar.stop()
         await asyncio.sleep(2.0)  # six health rounds, and every snapshot stale (5 s) soon after
-        seen = set()
-        for _ in range(10):
-            status, _, headers = await post(
-                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 2}
-            )
-            assert status == 200
-            seen.add(headers["x-promptlb-node"])
-        assert seen == {"a", "b"}
+        assert await nodes_answering(http, c.app.url, hello, 10) == {"a", "b"}
         states = [n["state"] for n in (await c.status())["nodes"]]
         assert states == ["ready", "ready"]
         # Its model server gone too, a node leaves: the direct check is a real check.
