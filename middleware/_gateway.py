@@ -65,9 +65,14 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
 
         def _too_slow(self) -> None:
             self._header_timer = None
-            if not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            # A pipelined request behind an answer still being written: a 408 would land in
+            # the middle of that answer, so the connection just closes.
+            if cycle is None or cycle.response_complete:
                 self.transport.write(_TIMED_OUT)
-                self.transport.close()
+            self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
