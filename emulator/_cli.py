@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from promptlb.shared._serve import config_or_exit, serve
 
-from ._app import create_app
+from ._app import STATE, create_app
 from ._config import EmulatorConfig
+from ._faults import guard_poison
 
 __all__ = ["main"]
 
@@ -96,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         default=d.leak_mb_per_req,
         help="memory held for good by every request",
     )
+    faults.add_argument(
+        "--poison",
+        default="",
+        help="a request whose body holds this text is answered 500 (a request that breaks "
+        "every node alike); empty: off",
+    )
     p.add_argument("--seed", type=int, default=None, help="makes faults and lengths repeatable")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -132,4 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
 
     config = config_or_exit(parser, build)
-    serve(create_app(config), config.host, config.port, "promptlb-emulator")
+    app = create_app(config)
+    faults = app[STATE].faults
+    faults.poison = args.poison
+    guard_poison(app, faults)
+    serve(app, config.host, config.port, "promptlb-emulator")

@@ -8,7 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Faults", "check_faults"]
+from aiohttp import web
+
+__all__ = ["Faults", "check_faults", "guard_poison"]
 
 _MiB = 1024 * 1024
 
@@ -22,6 +24,9 @@ class Faults:
     slow_factor: float = 1.0
     leak_mb_per_req: float = 0.0
     error_rate: float = 0.0
+    # A request whose body holds this text is answered 500, on every node alike: a request
+    # that breaks the model server (a tokenizer crash), not a broken node. "" is off.
+    poison: str = ""
     # Set while the node is hung: requests wait on it, then go on once the hang is lifted, as
     # the work queued on a stalled server does when it recovers.
     running: asyncio.Event = field(default_factory=asyncio.Event)
@@ -39,6 +44,7 @@ class Faults:
             "hang": self.hang,
             "leak_mb_per_req": self.leak_mb_per_req,
             "error_rate": self.error_rate,
+            "poison": self.poison,
         }
 
     def leak(self, into: list[bytearray]) -> None:
@@ -56,6 +62,8 @@ class Faults:
             self.leak_mb_per_req = float(body["leak_mb_per_req"])
         if "error_rate" in body:
             self.error_rate = float(body["error_rate"])
+        if "poison" in body:
+            self.poison = body["poison"]
         if "hang" in body:
             if body["hang"]:
                 self.running.clear()
@@ -71,7 +79,7 @@ def _number(value: object) -> float | None:
 
 def check_faults(body: dict[str, Any]) -> str | None:
     """What is wrong with a faults update, or None."""
-    known = ("slow_factor", "hang", "leak_mb_per_req", "error_rate", "free_leaked")
+    known = ("slow_factor", "hang", "leak_mb_per_req", "error_rate", "poison", "free_leaked")
     for key in body:
         if key not in known:
             return f"unknown key `{key}`; expected some of {', '.join(known)}"
@@ -90,4 +98,25 @@ def check_faults(body: dict[str, Any]) -> str | None:
         value = _number(body["error_rate"])
         if value is None or not 0 <= value <= 1:
             return "`error_rate` must be a probability in 0..1"
+    if "poison" in body and not isinstance(body["poison"], str):
+        return "`poison` must be a string (empty: off)"
     return None
+
+
+def guard_poison(app: web.Application, faults: Faults) -> None:
+    """Answer 500 to a generation request whose body holds ``faults.poison``, in front of the
+    handlers (an aiohttp middleware, added before the app is served): kept apart from the
+    request handlers, which read the prompt for the capacity model."""
+
+    @web.middleware
+    async def poison(request: web.Request, handler: Any) -> web.StreamResponse:
+        marker = faults.poison
+        generating = request.method == "POST" and request.path.startswith("/v1/")
+        # read() keeps the body, so the handler's json() still finds it.
+        if marker and generating and marker.encode() in await request.read():
+            error = {"message": "emulated crash on a poison request", "code": 500}
+            return web.json_response({"error": error}, status=500)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app.middlewares.append(poison)

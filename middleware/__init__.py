@@ -7,6 +7,7 @@ from ._config import (
     HealthConfig,
     NodeConfig,
     OutlierConfig,
+    RequestsConfig,
     RetryConfig,
     load_config,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "PromptLBClient",
     "PromptLBError",
     "PromptLBMiddleware",
+    "RequestsConfig",
     "RetryConfig",
     "RouteRequest",
     "load_config",

@@ -138,22 +138,21 @@ class Evidence:
     async def _check(self, node: Node) -> None:
         health = self._config.health
         sidecar = node.config.sidecar if health.use_sidecar else None
-        url = f"{sidecar}/health" if sidecar else f"{node.config.url}{health.path}"
-        headers = self._sidecar_headers if sidecar else {}
-        try:
-            async with (
-                self._gate,
-                self._session.get(
-                    url,
-                    timeout=aiohttp.ClientTimeout(total=health.timeout),
-                    headers=headers,
-                ) as response,
-            ):
-                await response.read()
-                ok = health.expected(response.status)
-                detail = f"{url} answered {response.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ok, detail = False, f"{url}: {type(exc).__name__}: {exc}"
+        verdict = None
+        if sidecar:
+            verdict = await self._probe(f"{sidecar}/health", self._sidecar_headers, sidecar=True)
+            # The sidecar is evidence, not the gatekeeper: when it cannot say (down, or answering
+            # what its /health never answers), the model server is asked directly, and the node
+            # serves on that and on what the balancer sees of its answers.
+            self._problem(
+                node,
+                "sidecar",
+                None if verdict is not None else "cannot say; checking the model server directly",
+            )
+        if verdict is None:
+            verdict = await self._probe(f"{node.config.url}{health.path}", {}, sidecar=False)
+        assert verdict is not None
+        ok, detail = verdict
         was = node.health_ok
         self._table.record_health(node, ok, detail, time.monotonic())
         if node.health_ok != was:
@@ -164,6 +163,30 @@ class Evidence:
                 "healthy" if node.health_ok else "unhealthy",
                 detail,
             )
+
+    async def _probe(
+        self, url: str, headers: dict[str, str], *, sidecar: bool
+    ) -> tuple[bool, str] | None:
+        """``(healthy, detail)`` from one health endpoint. A sidecar's answer is a verdict
+        only when it is one of its own (a pass, or 503 with reasons): None otherwise, and when
+        it cannot be reached."""
+        health = self._config.health
+        try:
+            async with (
+                self._gate,
+                self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=health.timeout), headers=headers
+                ) as response,
+            ):
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if sidecar:
+                return None
+            return False, f"{url}: {type(exc).__name__}: {exc}"
+        ok = health.expected(response.status)
+        if sidecar and not ok and response.status != 503:
+            return None
+        return ok, f"{url} answered {response.status}"
 
     # -- DNS discovery ---------------------------------------------------------------------
     async def discover(self) -> None:

@@ -25,7 +25,7 @@ from ._rules import RetryBudget
 from ._shedding import Admission
 from ._strategies import make_strategy
 from ._strategy import Strategy
-from ._view import NodeView
+from ._view import NodeView, RouteRequest
 
 if TYPE_CHECKING:
     from ._request import Request
@@ -49,6 +49,11 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# The client's alone, never a node's business: its cookies (for the app in front) and, unless
+# configured, its claims about its own address.
+_CLIENT_ONLY = frozenset({"cookie"})
+_CLIENT_ADDRESS = frozenset({"x-forwarded-for", "forwarded", "x-real-ip"})
+_OURS = "x-promptlb-"  # promptlb's control headers: for the gateway (a priority token is a secret)
 
 
 @dataclass(slots=True)
@@ -64,6 +69,8 @@ class Upstream:
     failed: bool = False  # the caller saw the stream break
     timed_out: bool = False  # the caller gave up on the node's first byte (a missed ttft)
     queued: int = 0  # the node's effective queue when it was picked, for learning strategies
+    request_fault: bool = False  # a second node failed it the same way: the request's fault
+    overran: bool = False  # the stream ran past its deadline (it may have asked for that much)
 
 
 class _PassThrough(aiohttp.ClientRequest):
@@ -98,6 +105,13 @@ class Balancer:
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
         self._starting: asyncio.Lock | None = None
+        dropped = HOP_BY_HOP | _CLIENT_ONLY
+        if not config.forward_authorization:
+            dropped |= {"authorization"}
+        if not config.forward_client_address:
+            dropped |= _CLIENT_ADDRESS
+        self._dropped = dropped
+        self._assumed_rate = config.outlier.assumed_tokens_per_s
         self._api_headers = {
             name: ("authorization", f"Bearer {n.api_key}")
             for name, n in ((n.name, n) for n in config.nodes)
@@ -136,14 +150,14 @@ class Balancer:
     def forward_headers(
         self, node: Node, headers: Iterable[tuple[bytes, bytes]]
     ) -> list[tuple[str, str]]:
-        keep_auth = self.config.forward_authorization
+        dropped = self._dropped
         out = []
         listed: set[str] = set()  # headers the Connection header names are hop-by-hop too
         for raw_name, raw_value in headers:
             name = raw_name.decode("latin-1").lower()
             if name == "connection":
                 listed.update(t.strip().lower() for t in raw_value.decode("latin-1").split(","))
-            if name in HOP_BY_HOP or (name == "authorization" and not keep_auth):
+            if name in dropped or name.startswith(_OURS):
                 continue
             out.append((name, raw_value.decode("latin-1")))
         if listed:
@@ -178,7 +192,8 @@ class Balancer:
         assert session is not None
         cfg = self.config.retry
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (total if total is not None else cfg.total_timeout)
+        whole = total if total is not None else cfg.total_timeout  # seconds for the answer
+        deadline = loop.time() + whole
         try_by = deadline if first_deadline is None else min(deadline, first_deadline)
         route = request.route
         budget = self._budget
@@ -189,76 +204,107 @@ class Balancer:
         upstream: Upstream | None = None
         last = "no try made"
         status = 502
+        # A 5xx not judged yet: the node's fault, or the request's? A second node failing the
+        # request the same way says the request's; any other outcome says the node's.
+        suspect: tuple[Node, float, int] | None = None
         try:
-            while len(tried) < cfg.attempts:
-                candidates = self.table.candidates(route.model)
-                if candidates is None:
-                    raise UnknownModel(route.model)
-                if avoid:
-                    candidates = [c for c in candidates if c.name not in avoid]
-                if tried:
-                    if not candidates:
+            try:
+                while len(tried) < cfg.attempts:
+                    candidates = self.table.candidates(route.model)
+                    if candidates is None:
+                        raise UnknownModel(route.model)
+                    if avoid:
+                        candidates = [c for c in candidates if c.name not in avoid]
+                    if tried:
+                        if not candidates:
+                            break
+                        if not budget.allow():
+                            self.metrics.retry_budget_exhausted.inc()
+                            break
+                    elif not candidates:
+                        self.metrics.unavailable.labels(route.model).inc()
+                        raise NoNodeAvailable(route.model)
+                    remaining = try_by - loop.time()
+                    if remaining <= 0:
+                        status, last = 504, "deadline passed before a try could start"
                         break
-                    if not budget.allow():
-                        self.metrics.retry_budget_exhausted.inc()
+                    if admit is not None:
+                        candidates = [c for c in candidates if admit(c)] or candidates
+                    view = self.strategy.pick(route, candidates, self.rng)
+                    node = self.table.nodes[view.name]
+                    self.metrics.node(node.name).picks.inc()
+                    if tried:
+                        self.metrics.retries.labels(tried[-1]).inc()
+                        budget.retrying += 1
+                    tried.append(node.name)
+                    avoid.add(node.name)
+                    queued = view.effective_queue
+                    view.in_flight += 1
+                    started = time.monotonic()
+                    given = min(cfg.per_try_timeout, remaining)
+                    try:
+                        async with asyncio.timeout(given):
+                            response = await session.post(
+                                node.config.url + request.target,
+                                data=request.raw,
+                                headers=self.forward_headers(node, request.headers),
+                            )
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        view.in_flight -= 1
+                        # The detail names the node's address: for the log, not the client.
+                        _log.debug("try on node %s failed: %r", node.name, exc)
+                        if not isinstance(exc, TimeoutError):
+                            status, last = 502, "could not reach a node"
+                        elif not route.stream and self._needs_longer(node, route, given):
+                            # A non-streamed answer comes whole: at the node's speed this one
+                            # could not have come in time, and would not elsewhere either.
+                            status = 504
+                            last = (
+                                f"max_tokens {route.max_tokens} takes longer than the {given:g}s"
+                                " a try is given; stream it, or ask for fewer tokens"
+                            )
+                            self._finish(node, ok=None, started=started, ttft=None)
+                            break
+                        else:
+                            status, last = 504, "timed out"
+                        self._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                        continue
+                    except BaseException:
+                        # Cancelled before the headers (a hedge's loser, a client gone): the
+                        # try holds no place on the node any more.
+                        view.in_flight -= 1
+                        raise
+                    finally:
+                        if len(tried) > 1:
+                            budget.retrying -= 1
+                    code = response.status
+                    if code >= 500 and suspect is not None and suspect[2] == code:
+                        # Two nodes failed this request the same way: it is the request (a
+                        # poison prompt), not either node. No third try, no failure counted.
+                        self._finish(suspect[0], ok=None, started=suspect[1], ttft=None)
+                        suspect = None
+                        upstream = Upstream(node, response, len(tried), started, deadline)
+                        upstream.request_fault = True
                         break
-                elif not candidates:
-                    self.metrics.unavailable.labels(route.model).inc()
-                    raise NoNodeAvailable(route.model)
-                remaining = try_by - loop.time()
-                if remaining <= 0:
-                    status, last = 504, "deadline passed before a try could start"
+                    retryable = code >= 500 or code == 429
+                    if retryable and len(tried) < cfg.attempts and self._more(route.model, avoid):
+                        response.release()
+                        view.in_flight -= 1
+                        last = f"a node answered {code}"
+                        if code == 429:
+                            self._finish(node, ok=False, started=started, ttft=None, outcome="429")
+                        else:
+                            if suspect is not None:
+                                self._fault(suspect)
+                            suspect = (node, started, code)
+                        continue
+                    upstream = Upstream(
+                        node, response, len(tried), started, deadline, queued=queued
+                    )
                     break
-                if admit is not None:
-                    candidates = [c for c in candidates if admit(c)] or candidates
-                view = self.strategy.pick(route, candidates, self.rng)
-                node = self.table.nodes[view.name]
-                self.metrics.node(node.name).picks.inc()
-                if tried:
-                    self.metrics.retries.labels(tried[-1]).inc()
-                    budget.retrying += 1
-                tried.append(node.name)
-                avoid.add(node.name)
-                queued = view.effective_queue
-                view.in_flight += 1
-                started = time.monotonic()
-                try:
-                    async with asyncio.timeout(min(cfg.per_try_timeout, remaining)):
-                        response = await session.post(
-                            node.config.url + request.target,
-                            data=request.raw,
-                            headers=self.forward_headers(node, request.headers),
-                        )
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    view.in_flight -= 1
-                    timed_out = isinstance(exc, TimeoutError)
-                    status = 504 if timed_out else 502
-                    last = (
-                        f"{node.name}: timed out"
-                        if timed_out
-                        else f"{node.name}: {type(exc).__name__}: {exc}"
-                    )
-                    self._finish(node, ok=False, started=started, ttft=None, outcome="error")
-                    continue
-                except BaseException:
-                    # Cancelled before the headers (a hedge's loser, a client gone): the try
-                    # holds no place on the node any more.
-                    view.in_flight -= 1
-                    raise
-                finally:
-                    if len(tried) > 1:
-                        budget.retrying -= 1
-                retryable = response.status >= 500 or response.status == 429
-                if retryable and len(tried) < cfg.attempts and self._more(route.model, avoid):
-                    response.release()
-                    view.in_flight -= 1
-                    last = f"{node.name}: answered {response.status}"
-                    self._finish(
-                        node, ok=False, started=started, ttft=None, outcome=str(response.status)
-                    )
-                    continue
-                upstream = Upstream(node, response, len(tried), started, deadline, queued=queued)
-                break
+            finally:
+                if suspect is not None:  # no second node failed it alike: the node's fault
+                    self._fault(suspect)
             if upstream is None:
                 raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
             aborted = False
@@ -279,56 +325,82 @@ class Balancer:
                 upstream.node.view.in_flight -= 1
                 if self.admission.enabled:
                     self.admission.wake()
-                if upstream.timed_out:
-                    self._finish(
-                        upstream.node,
-                        ok=False,
-                        started=upstream.started,
-                        ttft=None,
-                        outcome="timeout",
-                    )
-                elif aborted:
-                    self.metrics.node(upstream.node.name).outcome("aborted").inc()
-                else:
-                    code = upstream.response.status
-                    ttft = (
-                        upstream.first_byte_at - upstream.started
-                        if upstream.first_byte_at is not None
-                        else None
-                    )
-                    ok = code < 500 and code != 429 and not upstream.failed
-                    latency = self._finish(
-                        upstream.node,
-                        ok=ok,
-                        started=upstream.started,
-                        ttft=ttft,
-                        outcome="broken" if upstream.failed else str(code),
-                    )
-                    # Only real answers teach a learning strategy: a node that answers 4xx at
-                    # once must not look like the fastest node there is.
-                    if ok and 200 <= code < 300:
-                        try:
-                            self.strategy.observe(
-                                route, upstream.node.view, latency, ttft, upstream.queued
-                            )
-                        except Exception:  # learning must never break a request
-                            _log.exception("strategy %s failed to observe", self.config.strategy)
+                self._settle(upstream, route, aborted, whole)
         finally:
             budget.active -= 1
+
+    def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
+        """Record how the passed-on try ended, and teach the strategy from a real answer;
+        ``whole`` is the seconds the answer was given."""
+        node = upstream.node
+        if upstream.request_fault:
+            self._finish(node, ok=None, started=upstream.started, ttft=None)
+        elif upstream.timed_out:
+            self._finish(node, ok=False, started=upstream.started, ttft=None, outcome="timeout")
+        elif aborted:
+            self.metrics.node(node.name).outcome("aborted").inc()
+        elif upstream.failed and upstream.overran and self._needs_longer(node, route, whole):
+            # The stream ran out of time generating what it asked for: its size, not the node.
+            self._finish(node, ok=None, started=upstream.started, ttft=None)
+        else:
+            code = upstream.response.status
+            ttft = (
+                upstream.first_byte_at - upstream.started
+                if upstream.first_byte_at is not None
+                else None
+            )
+            ok = code < 500 and code != 429 and not upstream.failed
+            latency = self._finish(
+                node,
+                ok=ok,
+                started=upstream.started,
+                ttft=ttft,
+                outcome="broken" if upstream.failed else str(code),
+            )
+            # Only real answers teach a learning strategy: a node that answers 4xx at once
+            # must not look like the fastest node there is.
+            if ok and 200 <= code < 300:
+                try:
+                    self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
+                except Exception:  # learning must never break a request
+                    _log.exception("strategy %s failed to observe", self.config.strategy)
+
+    def _needs_longer(self, node: Node, route: RouteRequest, given: float) -> bool:
+        """Whether generating the request's ``max_tokens`` at the node's decode rate takes
+        longer than the ``given`` seconds: then running out of them is the request's doing.
+        Without a ``max_tokens`` nothing says so, and the node answers for the time."""
+        asked = route.max_tokens
+        if asked is None:
+            return False
+        return asked / (node.decode_rate or self._assumed_rate) > given
+
+    def _fault(self, suspect: tuple[Node, float, int]) -> None:
+        node, started, code = suspect
+        self._finish(node, ok=False, started=started, ttft=None, outcome=str(code))
 
     def _more(self, model: str, tried: set[str]) -> bool:
         candidates = self.table.candidates(model) or ()
         return any(c.name not in tried for c in candidates)
 
     def _finish(
-        self, node: Node, *, ok: bool, started: float, ttft: float | None, outcome: str
+        self,
+        node: Node,
+        *,
+        ok: bool | None,
+        started: float,
+        ttft: float | None,
+        outcome: str = "request_fault",
     ) -> float:
-        """Record a finished try; returns its latency."""
+        """Record a finished try (``ok`` None: the request's fault, not the node's, so it
+        counts neither way); returns its latency."""
         now = time.monotonic()
         latency = now - started
-        self.table.record_result(node, ok, latency if ok else None, ttft, now)
         metrics = self.metrics.node(node.name)
         metrics.outcome(outcome).inc()
+        if ok is None:
+            self.table.record_request_fault(node)
+            return latency
+        self.table.record_result(node, ok, latency if ok else None, ttft, now)
         if ok:
             metrics.latency.observe(latency)
             if ttft is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable
 from typing import Any
 
@@ -18,6 +19,8 @@ from ._refusals import Refusal
 from ._request import Request
 
 __all__ = ["respond", "unless_gone", "upstream"]
+
+_log = logging.getLogger("promptlb.middleware")
 
 
 def upstream(dispatch: Dispatcher, request: Request) -> Fetch:
@@ -50,8 +53,13 @@ async def _read(answer: Answer) -> Reply:
                 data = answer.first + await up.response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             up.failed = True
-            code = 504 if isinstance(exc, TimeoutError) else 502
-            return fail(code, f"upstream answer broke: {exc!r}", "upstream_error", *headers)
+            timed_out = isinstance(exc, TimeoutError)
+            # The detail may name the node's address: for the log, not the caller.
+            _log.debug("answer of node %s broke: %r", up.node.name, exc)
+            why = "ran past its deadline" if timed_out else "broke"
+            return fail(
+                504 if timed_out else 502, f"upstream answer {why}", "upstream_error", *headers
+            )
     try:
         parsed = json.loads(data)
     except ValueError:

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_duration
 
-from ._config_base import DURATION, check_url, positive
+from ._config_base import DURATION, check_url, positive, whole_number
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 from ._strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -31,6 +31,7 @@ __all__ = [
     "HealthConfig",
     "NodeConfig",
     "OutlierConfig",
+    "RequestsConfig",
     "RetryConfig",
     "SheddingConfig",
     "load_config",
@@ -163,6 +164,10 @@ class OutlierConfig:
     base_ejection_time: float = field(default=30.0, metadata=DURATION)
     max_ejection_time: float = field(default=300.0, metadata=DURATION)
     max_ejection_percent: float = 50.0
+    # A non-streamed try that times out is the request's doing, not the node's, when its
+    # max_tokens needs longer than the try was given at the node's decode rate: the rate its
+    # sidecar last showed per running request, or this one when it has shown none.
+    assumed_tokens_per_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.consecutive_failures < 1:
@@ -171,6 +176,7 @@ class OutlierConfig:
         positive("max_ejection_time", self.max_ejection_time)
         if not 0 <= self.max_ejection_percent <= 100:
             raise ConfigError("max_ejection_percent", self.max_ejection_percent, "0..100")
+        positive("assumed_tokens_per_s", self.assumed_tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,6 +199,30 @@ class RetryConfig:
             raise ConfigError("budget_percent", self.budget_percent, "0..100")
         if self.min_concurrent < 0:
             raise ConfigError("min_concurrent", self.min_concurrent, ">= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestsConfig:
+    """What a request must be before any node sees it (a 400 otherwise), and how long its
+    client may take to send it. What a node would fail on anyway is refused here, so that a
+    bad request costs no node a failure (see design.md, "What counts as a node fault")."""
+
+    max_tokens: int = 10_000_000  # above any context window: a larger value is not a length
+    context: Mapping[str, int] = field(default_factory=dict)  # model -> its context, in tokens
+    max_json_depth: int = 64  # tool schemas nest a dozen levels; a thousand is an attack
+    body_timeout: float = field(default=10.0, metadata=DURATION)  # the whole body, once begun
+
+    def __post_init__(self) -> None:
+        whole_number("max_tokens", self.max_tokens, 1)
+        whole_number("max_json_depth", self.max_json_depth, 2)
+        for model, tokens in self.context.items():
+            whole_number(f"context.{model}", tokens, 1)
+        positive("body_timeout", self.body_timeout)
+
+    def token_limit(self, model: str) -> int:
+        """The largest ``max_tokens`` a request for ``model`` may ask."""
+        context = self.context.get(model)
+        return self.max_tokens if context is None else min(context, self.max_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,6 +257,9 @@ class Config:
     models_route: str | None = "/v1/models"  # aggregated from the ready nodes
     max_body_bytes: int = 4 * 1024 * 1024
     forward_authorization: bool = False
+    # The client's X-Forwarded-For / Forwarded / X-Real-IP reach the nodes only when set: they
+    # are the client's claims, and a node that logs or trusts them would be told lies.
+    forward_client_address: bool = False
     gossip_interval: float = field(default=1.0, metadata=DURATION)
     gossip_timeout: float = field(default=0.5, metadata=DURATION)
     gossip_concurrency: int = 32
@@ -242,6 +275,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    requests: RequestsConfig = field(default_factory=RequestsConfig)
     fallback: tuple[FallbackConfig, ...] = ()
     cache: CacheConfig | None = None  # no response cache unless configured
     shedding: SheddingConfig = field(default_factory=SheddingConfig)

@@ -8,6 +8,7 @@ over, the caller streams it and nothing is retried or degraded any more.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from ._sse import replayable
 __all__ = ["Dispatcher"]
 
 _HopError = (NoNodeAvailable, UnknownModel, UpstreamError)
+_log = logging.getLogger("promptlb.middleware")
 
 
 class Dispatcher:
@@ -253,7 +255,7 @@ class Dispatcher:
         try:
             status = up.response.status
             if onward and (status >= 500 or status == 429):
-                raise UpstreamError(status, f"{up.node.name}: answered {status}", up.attempts)
+                raise UpstreamError(status, f"a node answered {status}", up.attempts)
             by = up.deadline if first_deadline is None else min(up.deadline, first_deadline)
             content = up.response.content
             try:
@@ -264,12 +266,12 @@ class Dispatcher:
                         first = await content.readany()
             except TimeoutError:
                 up.timed_out = True
-                raise UpstreamError(
-                    504, f"{up.node.name}: no first byte in time", up.attempts
-                ) from None
+                raise UpstreamError(504, "no first byte in time", up.attempts) from None
             except (OSError, ValueError) as exc:  # aiohttp's payload errors are both
                 up.failed = True
-                raise UpstreamError(502, f"{up.node.name}: broke: {exc!r}", up.attempts) from None
+                # The detail may name the node's address: for the log, not the client.
+                _log.debug("answer of node %s broke: %r", up.node.name, exc)
+                raise UpstreamError(502, "the answer broke off", up.attempts) from None
             up.first_byte_at = time.monotonic()
             return Answer(request.model, upstream=up, first=first, attempts=up.attempts, held=held)
         except BaseException as exc:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import uvicorn
 import uvloop
-from promptlb.shared import ConfigError
+from promptlb.shared import ConfigError, parse_duration
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._asgi import ASGIApp, Receive, Scope, Send, json_error
 from ._middleware import PromptLBMiddleware
@@ -35,6 +36,63 @@ async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
         await json_error(send, 404, f"no route {scope['path']}", "not_found")
 
 
+HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answer) to headers
+
+_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a deadline on a request's headers.
+
+    uvicorn has no header-read timeout (``timeout_keep_alive`` only runs between requests, and
+    any byte disarms it; nothing runs before the first request), so a client sending a header
+    line every few seconds holds its connection for as long as it likes (slowloris). Here a
+    request's headers must be complete ``header_timeout`` after the connection opened or the
+    previous answer ended; otherwise the client gets a 408 and the connection is closed.
+    Bodies are the middleware's to time (``requests.body_timeout``): it is what reads them."""
+
+    class Guarded(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            # A pipelined request behind an answer still being written: a 408 would land in
+            # the middle of that answer, so the connection just closes.
+            if cycle is None or cycle.response_complete:
+                self.transport.write(_TIMED_OUT)
+            self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
 def serve(
     app: ASGIApp,
     host: str,
@@ -43,14 +101,21 @@ def serve(
     name: str = "promptlb-gateway",
     log_level: str = "info",
     forwarded_allow_ips: str | None = None,
+    header_timeout: float = HEADER_TIMEOUT,
 ) -> None:
     """Serve an ASGI app with uvicorn on uvloop; prints ``NAME listening on http://…`` once
     bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly."""
-    uvloop.run(_serve(server_config(app, host, port, log_level, forwarded_allow_ips), name))
+    config = server_config(app, host, port, log_level, forwarded_allow_ips, header_timeout)
+    uvloop.run(_serve(config, name))
 
 
 def server_config(
-    app: ASGIApp, host: str, port: int, log_level: str, forwarded_allow_ips: str | None = None
+    app: ASGIApp,
+    host: str,
+    port: int,
+    log_level: str,
+    forwarded_allow_ips: str | None = None,
+    header_timeout: float = HEADER_TIMEOUT,
 ) -> uvicorn.Config:
     """uvicorn's settings for promptlb's servers (the gateway, the example app, the bench's
     floor): the same stack for all, so that their numbers compare.
@@ -68,8 +133,9 @@ def server_config(
         access_log=False,
         loop="none",
         # The C parser, named rather than left to "auto": auto quietly takes h11 when httptools
-        # is missing, and the hop then costs half again as much CPU.
-        http="httptools",
+        # is missing, and the hop then costs half again as much CPU. Guarded: headers must
+        # arrive within ``header_timeout``.
+        http=_guarded(header_timeout),
         proxy_headers=forwarded_allow_ips is not None,
         forwarded_allow_ips=forwarded_allow_ips,
         timeout_graceful_shutdown=5,
@@ -119,9 +185,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="proxies whose X-Forwarded-For is believed (comma-separated, or '*'); default none",
     )
+    parser.add_argument(
+        "--header-timeout",
+        default=f"{HEADER_TIMEOUT:g}s",
+        help="a request's headers must be in this long after the connection opened or the "
+        "last answer ended (else 408 and the connection closes); bodies: requests.body_timeout",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")
+    try:
+        header_timeout = parse_duration("--header-timeout", args.header_timeout)
+    except ConfigError as exc:
+        parser.error(f"argument {exc}")
+    if header_timeout <= 0:
+        parser.error(f"argument --header-timeout: got {args.header_timeout}, expected > 0")
     try:
         app = PromptLBMiddleware(_not_found, config=args.config)
     except ConfigError as exc:
@@ -133,4 +211,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.port,
         log_level=args.log_level,
         forwarded_allow_ips=args.forwarded_allow_ips,
+        header_timeout=header_timeout,
     )

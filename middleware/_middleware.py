@@ -43,7 +43,7 @@ class PromptLBMiddleware:
         prefix = self.config.admin_prefix
         self._admin = {prefix + "/status": "status", prefix + "/metrics": "metrics"}
         token = self.config.admin_secret()
-        self._admin_token = f"Bearer {token}".encode() if token else None
+        self._admin_token = token.encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -113,7 +113,11 @@ class PromptLBMiddleware:
         if self._admin_token is not None:
             for name, value in scope["headers"]:
                 if name == b"authorization":
-                    return hmac.compare_digest(value, self._admin_token)
+                    # RFC 9110 11.1: the scheme is case-insensitive (the sidecar agrees).
+                    scheme, _, given = value.strip().partition(b" ")
+                    return scheme.lower() == b"bearer" and hmac.compare_digest(
+                        given.strip(), self._admin_token
+                    )
         if self.config.admin_local_only:
             client = scope.get("client")
             return client is not None and client[0] in _LOCAL

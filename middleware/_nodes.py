@@ -6,6 +6,7 @@ State changes (a health result, a snapshot, an ejection) mark the table dirty; t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from ._view import NodeView
 __all__ = ["Node", "NodeTable"]
 
 _EWMA = 0.2  # weight of the newest latency/TTFT/error observation
+
+log = logging.getLogger("promptlb.middleware")
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +42,11 @@ class Node:
     ready_since: float | None = None
     requests: int = 0
     failures: int = 0
+    request_faults: int = 0  # tries that failed through the request's fault: not counted above
+    # Tokens a second for one running request, as the sidecar last showed it generating (its
+    # engine's rate over its running count); None: never shown. A stalled engine (nothing
+    # generated) leaves it as it was: a hung node must not look as if it were merely slow.
+    decode_rate: float | None = None
     picks: int = 0
     learnt_models: frozenset[str] = field(default_factory=frozenset)
 
@@ -134,6 +142,7 @@ class NodeTable:
                     # Envoy's successful_active_health_check_uneject_host: a node that was
                     # ejected, went unhealthy and passes its checks again is back.
                     node.ejected_until = 0.0
+                    log.info("node %s: back from ejection (its health checks pass)", node.name)
         node.health_detail = detail
         if node.health_ok and node.ready_since is None:
             node.ready_since = now if self.settled else now - self._config.slow_start
@@ -155,6 +164,10 @@ class NodeTable:
         if snapshot.tags and not node.config.tags:
             node.view.tags = frozenset(snapshot.tags)
         node.view.tier = snapshot.tier
+        engine = snapshot.engine
+        if engine is not None and engine.running and engine.tps:
+            rate = engine.tps / engine.running
+            node.decode_rate = _ewma(node.decode_rate, rate)
         serving = snapshot.ready and snapshot.warm and not snapshot.draining
         if serving and not was_serving and held is not None:
             node.ready_since = now  # it just finished warming: ramp up from here
@@ -180,12 +193,25 @@ class NodeTable:
         outlier = self._config.outlier
         if node.consecutive_failures >= outlier.consecutive_failures and self._may_eject(node, now):
             node.times_ejected += 1
-            node.ejected_until = now + ejection_time(
+            seconds = ejection_time(
                 node.times_ejected, outlier.base_ejection_time, outlier.max_ejection_time
+            )
+            node.ejected_until = now + seconds
+            log.warning(
+                "node %s: ejected for %gs after %d failures in a row (ejection %d)",
+                node.name,
+                seconds,
+                node.consecutive_failures,
+                node.times_ejected,
             )
             node.consecutive_failures = 0
             node.ready_since = None
             self._dirty = True
+
+    def record_request_fault(self, node: Node) -> None:
+        """A try that failed through the request itself: neither a success nor a failure of
+        the node's, so its error rate and failure streak stay as they were."""
+        node.request_faults += 1
 
     def _may_eject(self, node: Node, now: float) -> bool:
         pool = [n for n in self.nodes.values() if n.models & node.models]
@@ -208,6 +234,7 @@ class NodeTable:
                 node.ejected_until = 0.0
                 node.ready_since = now
                 self._dirty = True
+                log.info("node %s: back from ejection, ramping up", node.name)
             since = node.ready_since
             view.ramp = 1.0 if since is None else ramp(now - since, slow_start)
         if self._dirty:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
@@ -27,6 +28,7 @@ __all__ = ["Proxy", "models_response"]
 # the node's Date and Server, which the server in front writes for the gateway (Date is a
 # singleton field: two of them are a malformed answer).
 _DROPPED = (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
+_log = logging.getLogger("promptlb.middleware")
 
 
 class Proxy:
@@ -155,12 +157,16 @@ class Proxy:
                         recorder.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
-            # After the first byte nothing is retried: end the stream, say why.
+            # After the first byte nothing is retried: end the stream, say why (not how: the
+            # exception may name the node's address, which is for the log).
             up.failed = True
+            up.overran = isinstance(exc, TimeoutError)
+            _log.debug("stream from node %s broke: %r", up.node.name, exc)
             if sse:
+                why = "ran past its deadline" if up.overran else "broke"
                 event = {
                     "error": {
-                        "message": f"upstream stream broke: {exc!r}",
+                        "message": f"upstream stream {why}",
                         "type": "upstream_error",
                         "code": 502,
                     }

@@ -4,7 +4,9 @@ A `Refusal` knows its status, its OpenAI-shaped error body and its headers, so t
 embedding batcher and the in-app client answer one refusal alike: there is one mapping from a
 failure to a response, and it is here. Strategies raise `NoNodeAvailable`, the balancer
 `UnknownModel` and `UpstreamError`, admission `Shed`, the fallback chain `Exhausted`, and the
-request reader `BadRequest`; nothing else turns an exception into a status.
+request reader `BadRequest` (and `TooLarge`, `SlowBody`); nothing else turns an exception into a
+status. Messages name no node: under DNS discovery a node's name is its address, and what a
+client is told must not map the inside of the cluster (the log has the detail).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ __all__ = [
     "NoNodeAvailable",
     "Refusal",
     "Shed",
+    "SlowBody",
     "TooLarge",
     "UnknownModel",
     "UpstreamError",
@@ -40,6 +43,7 @@ class Refusal(Exception):
     # The client may come back after the health checks had a round (503s); None: no hint.
     retry_after: int | None = None
     later = False
+    close = False  # the connection is not to be reused (its client is not to be trusted)
 
     def error(self) -> dict[str, Any]:
         return error_body(self.status, str(self), self.kind, self.param)
@@ -54,6 +58,8 @@ class Refusal(Exception):
             out.append((b"retry-after", str(self.retry_after).encode()))
         elif self.later:
             out.append((b"retry-after", retry_after))
+        if self.close:
+            out.append((b"connection", b"close"))
         return out
 
 
@@ -73,6 +79,17 @@ class TooLarge(BadRequest):
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body over {limit} bytes")
+
+
+class SlowBody(BadRequest):
+    """The client did not send its body within ``requests.body_timeout``: a slow client holds a
+    connection and a task for as long as it likes otherwise (slowloris)."""
+
+    status = 408
+    close = True  # what is left of its body would be read as the next request
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"request body not received within {timeout:g}s")
 
 
 class UnknownModel(Refusal, LookupError):

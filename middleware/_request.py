@@ -7,7 +7,9 @@ connection, the in-app client builds it from a body, and both get the same `Requ
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,9 +19,9 @@ from promptlb.shared import prompt_bytes
 from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
 from ._classify import Classifier, load_classifier
-from ._config import Config
+from ._config import Config, RequestsConfig
 from ._prefix import prompt_blocks
-from ._refusals import BadRequest, TooLarge
+from ._refusals import BadRequest, SlowBody, TooLarge
 from ._shedding import Admission
 from ._view import Priority, RouteRequest
 
@@ -29,6 +31,8 @@ Headers = list[tuple[bytes, bytes]]
 
 _MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
 _YES = (b"1", b"true", b"yes")
+# Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(slots=True)
@@ -111,6 +115,7 @@ class RequestReader:
 
     def __init__(self, config: Config, admission: Admission) -> None:
         self.limit = config.max_body_bytes
+        self.checks = config.requests
         header = config.class_header
         self._class_header = header.lower().encode() if header else None
         # Classes cost a scan of the prompt: only when something routes by them.
@@ -141,23 +146,28 @@ class RequestReader:
                     no_fallback = value.strip() in _YES
             if name == class_header:
                 asked_class = value.decode("latin-1").strip()
+        timeout = self.checks.body_timeout
         try:
-            raw = await _read_body(receive, self.limit)
+            async with asyncio.timeout(timeout):
+                raw = await _read_body(receive, self.limit)
         except _ClientGone:
             return None
+        except TimeoutError:
+            raise SlowBody(timeout) from None
         rank: Priority = "standard"
         if priority is not None:
             rank = self._admission.priority(priority, token, scope.get("client"))
         query = scope.get("query_string")
         path = scope["path"]
         target = path + "?" + query.decode("latin-1") if query else path
-        return self._build(path, target, raw, _parse(raw), headers, rank, asked_class, no_fallback)
+        body = _parse(raw, self.checks)
+        return self._build(path, target, raw, body, headers, rank, asked_class, no_fallback)
 
     def build(self, path: str, body: Mapping[str, Any], headers: Headers | None = None) -> Request:
         """The in-app client's request: ``body`` as it would arrive over HTTP."""
         raw = json.dumps(body).encode()
         sent = headers if headers is not None else [(b"content-type", b"application/json")]
-        return self._build(path, path, raw, _parse(raw), sent, "standard", None, False)
+        return self._build(path, path, raw, _parse(raw, self.checks), sent, "standard", None, False)
 
     def _build(
         self,
@@ -193,7 +203,8 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
+def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
+    """The body, if it is one no node should fail on: `BadRequest` otherwise."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -204,4 +215,48 @@ def _parse(raw: bytes) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required", param="model")
+    limit = checks.token_limit(model)
+    for key in ("max_tokens", "max_completion_tokens"):
+        asked = body.get(key)
+        # A length no context holds only ties a node up until the try times out.
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > limit:
+            raise BadRequest(f"`{key}` is {asked}; at most {limit} for this model", param=key)
+    depth = checks.max_json_depth
+    # The walk visits every value, so it runs only when it can find something: a body with
+    # fewer brackets than the depth limit is not too deep, and one without a \ud escape holds
+    # no lone surrogate (raw UTF-8 cannot encode one; json.loads refused such bytes above).
+    deep = raw.count(b"[") + raw.count(b"{") > depth
+    escaped = b"\\ud" in raw or b"\\uD" in raw
+    if deep or escaped:
+        _walk(body, depth if deep else None, escaped)
     return body
+
+
+def _walk(body: dict[str, Any], max_depth: int | None, surrogates: bool) -> None:
+    """Raise `BadRequest` for nesting deeper than ``max_depth`` or a string (key or value)
+    with an unpaired surrogate. Iterative: the body may be as deep as json.loads allows."""
+    stack: list[tuple[object, int, str]] = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            if surrogates and _SURROGATE.search(value):
+                raise BadRequest(
+                    "text with an unpaired UTF-16 surrogate cannot be encoded",
+                    param=where or None,
+                )
+            continue
+        if isinstance(value, dict):
+            if max_depth is not None and depth > max_depth:
+                raise BadRequest(f"request body nests deeper than {max_depth} levels")
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else key
+                if surrogates and _SURROGATE.search(key):
+                    raise BadRequest(
+                        "text with an unpaired UTF-16 surrogate cannot be encoded",
+                        param=where or None,
+                    )
+                stack.append((item, depth + 1, path))
+        elif isinstance(value, list):
+            if max_depth is not None and depth > max_depth:
+                raise BadRequest(f"request body nests deeper than {max_depth} levels")
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value))

@@ -50,6 +50,7 @@ def status_json(lb: Balancer) -> dict[str, Any]:
                 "error_rate": round(view.error_rate, 4),
                 "requests": node.requests,
                 "failures": node.failures,
+                "request_faults": node.request_faults,
                 "ejected_for_s": round(node.ejected_until - now, 1)
                 if node.ejected_until > now
                 else 0,

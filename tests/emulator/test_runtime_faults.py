@@ -55,7 +55,13 @@ async def test_get_shows_the_cli_flags_as_the_starting_state(
     ):
         assert resp.status == 200
         state = await resp.json()
-    assert state == {"slow_factor": 1.5, "hang": False, "leak_mb_per_req": 0.5, "error_rate": 0.0}
+    assert state == {
+        "slow_factor": 1.5,
+        "hang": False,
+        "leak_mb_per_req": 0.5,
+        "error_rate": 0.0,
+        "poison": "",
+    }
 
 
 async def test_slow_factor_applies_to_the_next_requests(start_emulator: StartEmulator) -> None:

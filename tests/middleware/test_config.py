@@ -77,6 +77,13 @@ tags = ["code"]
         ("", "nodes", "at least one"),
         (NODE + NODE, "nodes", "unique"),
         ("max_body_bytes = 10\n" + NODE, "max_body_bytes", ">= 1024"),
+        ("[requests]\nmax_tokens = 0\n" + NODE, "requests.max_tokens", ">= 1"),
+        ("[requests]\ncontext = { big = -1 }\n" + NODE, "requests.context.big", ">= 1"),
+        ("[requests]\ncontext = { big = 'lots' }\n" + NODE, "requests.context.big", "integer"),
+        ("[requests]\nmax_json_depth = 1\n" + NODE, "requests.max_json_depth", ">= 2"),
+        ("[requests]\nbody_timeout = 0\n" + NODE, "requests.body_timeout", "> 0"),
+        ("[outlier]\nassumed_tokens_per_s = 0\n" + NODE, "outlier.assumed_tokens_per_s", "> 0"),
+        ("forward_client_address = 'yes'\n" + NODE, "forward_client_address", "true or false"),
         ("[discovery]\nmode = 'dns'\n", "discovery.name", "DNS name"),
     ],
 )

@@ -166,6 +166,11 @@ async def test_the_in_app_client_is_on_request_state() -> None:
         ({"admin_token": "s3cret-admin"}, {}, 401),
         ({"admin_token": "s3cret-admin"}, {"Authorization": "Bearer wrong"}, 401),
         ({"admin_token": "s3cret-admin"}, {"Authorization": "Bearer s3cret-admin"}, 200),
+        # RFC 9110: the scheme is case-insensitive, as the sidecar has it
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "bearer s3cret-admin"}, 200),
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "BEARER  s3cret-admin"}, 200),
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "Basic s3cret-admin"}, 401),
+        ({"admin_token": "s3cret-admin"}, {"Authorization": "s3cret-admin"}, 401),
         ({"admin_local_only": True}, {}, 200),  # httpx's ASGI client is 127.0.0.1
     ],
 )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._config import HealthConfig, OutlierConfig
 from promptlb.middleware._nodes import NodeTable
@@ -69,6 +72,44 @@ def test_consecutive_failures_eject_for_base_time_times_ejections_within_the_cap
     t.record_result(n0, False, None, None, 12.0)
     t.record_result(n0, False, None, None, 12.0)
     assert n0.ejected_until == 32.0  # ejected a second time: twice as long
+
+
+def test_an_ejection_and_the_return_each_log_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    t = table(2, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=10))
+    n0 = t.nodes["n0"]
+    with caplog.at_level(logging.INFO, logger="promptlb.middleware"):
+        for _ in range(2):
+            t.record_result(n0, False, None, None, 1.0)
+        t.tick(5.0)
+        t.tick(11.0)
+        t.tick(12.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "node n0: ejected for 10s after 2 failures in a row (ejection 1)",
+        "node n0: back from ejection, ramping up",
+    ]
+
+
+def test_a_request_fault_counts_neither_way() -> None:
+    t = table(outlier=OutlierConfig(consecutive_failures=2))
+    n0 = t.nodes["n0"]
+    t.record_result(n0, False, None, None, 1.0)
+    for _ in range(10):
+        t.record_request_fault(n0)
+    assert (n0.consecutive_failures, n0.failures, n0.request_faults) == (1, 1, 10)
+    assert n0.view.error_rate == pytest.approx(0.2)
+    assert "n0" in names(t)
+
+
+def test_the_decode_rate_follows_snapshots_and_survives_a_stall(snap: MakeSnapshot) -> None:
+    t = table()
+    n0 = t.nodes["n0"]
+    assert n0.decode_rate is None
+    t.record_snapshot(n0, snap("n0", 1, running=4, tps=200.0), 1.0)
+    assert n0.decode_rate == 50.0  # per running request
+    t.record_snapshot(n0, snap("n0", 2, running=4, tps=0.0), 1.1)  # hung: generates nothing
+    t.record_snapshot(n0, snap("n0", 3, running=0, tps=None), 1.2)  # idle
+    assert n0.decode_rate == 50.0
 
 
 def test_a_success_resets_the_failure_count() -> None:

@@ -1,0 +1,274 @@
+"""What counts against a node and what does not, on real processes: emulators, sidecars and the
+middleware on uvicorn (the example app, and the gateway for the slow clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import Launcher
+from tests.middleware.conftest import Flags, MakeCluster, Messages
+
+HEALTH = "[health]\ninterval = '300ms'\ninterval_jitter = '50ms'\ntimeout = '300ms'\n"
+# Two failures in a row eject: what the old rules did to a node for a poison request or two.
+TOUCHY = "strategy = 'round_robin'\n[outlier]\nconsecutive_failures = 2\n"
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], Mapping[str, str]]:
+    async with http.post(url + "/v1/chat/completions", json=body) as response:
+        return response.status, await response.json(), response.headers
+
+
+async def nodes_answering(
+    http: aiohttp.ClientSession, url: str, hello: Messages, n: int
+) -> set[str]:
+    """The nodes that answered ``n`` short chats, every one of which must succeed."""
+    seen = set()
+    for _ in range(n):
+        status, _, headers = await post(
+            http, url, {"model": "m", "messages": hello, "max_tokens": 2}
+        )
+        assert status == 200
+        seen.add(headers["x-promptlb-node"])
+    return seen
+
+
+async def emulator_requests(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url + "/_emulator/stats") as response:
+        stats: dict[str, Any] = await response.json()
+        return int(stats["requests"])
+
+
+async def test_the_issue_probes_eject_no_node(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    poison = ("nosidecar", "--poison", "POISON", *fast)
+    c = cluster({"a": poison, "b": poison, "c": poison}, TOUCHY)
+    async with aiohttp.ClientSession() as http:
+        # A lone surrogate and an absurd max_tokens are refused before any node sees them.
+        lone = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'
+        for _ in range(6):
+            async with http.post(
+                c.app.url + "/v1/chat/completions",
+                data=lone,
+                headers={"content-type": "application/json"},
+            ) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["param"] == "messages[0].content"
+            status, body, _ = await post(
+                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 10**12}
+            )
+            assert (status, body["error"]["param"]) == (400, "max_tokens")
+        for node in c.nodes.values():
+            assert await emulator_requests(http, node.model.url) == 0
+        # A request every node fails alike (500) is the request's fault: two tries, no more,
+        # and no node is blamed for it.
+        for _ in range(8):
+            status, body, headers = await post(
+                http,
+                c.app.url,
+                {"model": "m", "messages": [{"role": "user", "content": "POISON"}]},
+            )
+            assert status == 500
+            assert body["error"]["message"] == "emulated crash on a poison request"
+            assert headers["x-promptlb-attempts"] == "2"
+        nodes = (await c.status())["nodes"]
+        assert [n["state"] for n in nodes] == ["ready"] * 3
+        assert [n["failures"] for n in nodes] == [0, 0, 0]
+        assert [n["times_ejected"] for n in nodes] == [0, 0, 0]
+        assert sum(n["request_faults"] for n in nodes) == 16
+        assert all(n["error_rate"] == 0 for n in nodes)
+        # The healthy requests still go everywhere.
+        assert await nodes_answering(http, c.app.url, hello, 6) == {"a", "b", "c"}
+
+
+async def test_a_broken_node_still_counts_when_the_request_succeeds_elsewhere(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    c = cluster(
+        {"bad": ("nosidecar", "--error-rate", "1", *fast), "good": ("nosidecar", *fast)},
+        TOUCHY,
+    )
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            status, _, headers = await post(
+                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 2}
+            )
+            assert (status, headers["x-promptlb-node"]) == (200, "good")
+    bad = next(n for n in (await c.status())["nodes"] if n["name"] == "bad")
+    assert bad["times_ejected"] == 1  # its 500s were its own: the next node answered
+    assert bad["request_faults"] == 0
+
+
+async def test_a_timeout_explained_by_max_tokens_is_not_the_nodes(
+    cluster: MakeCluster, hello: Messages
+) -> None:
+    # 50 tokens a second: 2,000 tokens take 40 s, and a try is given 500 ms.
+    slow = ("nosidecar", "--ttft-ms", "10", "--tokens-per-s", "50")
+    config = TOUCHY + "[retry]\nper_try_timeout = '500ms'\ntotal_timeout = '1s'\n"
+    c = cluster({"a": slow, "b": slow}, config)
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            started = time.monotonic()
+            status, body, headers = await post(
+                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 2000}
+            )
+            assert status == 504
+            assert time.monotonic() - started < 2  # not retried: no node is faster
+            assert headers["x-promptlb-attempts"] == "1"
+            assert "max_tokens 2000" in body["error"]["message"]
+        # A stream cut at its deadline (1 s) while generating what it asked for: its size.
+        body = {"model": "m", "messages": hello, "max_tokens": 2000, "stream": True}
+        async with http.post(c.app.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            events = (await response.read()).decode()
+        assert "upstream stream ran past its deadline" in events
+        # A short request that times out is the node's: 4 tokens take 80 ms at 50/s.
+        async with http.post(
+            c.nodes["a"].model.url + "/_emulator/faults", json={"hang": True}
+        ) as response:
+            assert response.status == 200
+        for _ in range(4):
+            status, _, headers = await post(
+                http, c.app.url, {"model": "m", "messages": hello, "max_tokens": 4}
+            )
+            assert (status, headers["x-promptlb-node"]) == (200, "b")
+    nodes = {n["name"]: n for n in (await c.status())["nodes"]}
+    assert nodes["b"]["failures"] == 0
+    assert nodes["a"]["times_ejected"] == 1  # the hang, not the long requests
+    assert nodes["a"]["request_faults"] + nodes["b"]["request_faults"] == 5
+
+
+async def test_losing_every_sidecar_degrades_routing_never_availability(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    c = cluster({"a": fast, "b": fast}, "strategy = 'round_robin'\n" + HEALTH)
+    async with aiohttp.ClientSession() as http:
+        for node in c.nodes.values():
+            assert node.sidecar is not None
+            node.sidecar.stop()
+        await asyncio.sleep(2.0)  # six health rounds, and every snapshot stale (5 s) soon after
+        assert await nodes_answering(http, c.app.url, hello, 10) == {"a", "b"}
+        states = [n["state"] for n in (await c.status())["nodes"]]
+        assert states == ["ready", "ready"]
+        # Its model server gone too, a node leaves: the direct check is a real check.
+        c.nodes["a"].model.stop()
+        await asyncio.sleep(1.5)
+        states = [n["state"] for n in (await c.status())["nodes"]]
+        assert states == ["unhealthy", "ready"]
+
+
+def _gateway_config(tmp_path: Path, model_url: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        "[requests]\nbody_timeout = '1s'\n"
+        f"[[nodes]]\nname = 'a'\nurl = '{model_url}'\nmodels = ['m']\n"
+    )
+    return path
+
+
+def _slow_client(port: int, head: bytes, drip: bytes) -> tuple[float, bytes]:
+    """Sends ``head``, then ``drip`` every 0.5 s until answered; the seconds until the server
+    answered or closed, and what it answered. Blocking: run it in a thread."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(head)
+        sock.settimeout(0.5)
+        answer = b""
+        for _ in range(40):
+            try:
+                answer = sock.recv(65536)
+                break  # an answer, or b"": the server closed the connection
+            except TimeoutError:
+                pass
+            try:
+                sock.sendall(drip)
+            except OSError:
+                break
+        took = time.monotonic() - started
+        sock.settimeout(5)
+        while answer:
+            try:
+                more = sock.recv(65536)
+            except OSError:
+                break
+            if not more:
+                break
+            answer += more
+        return took, answer
+
+
+SLOW_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"  # never the blank line
+SLOW_BODY = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"content-length: 100\r\n\r\n{"
+)
+
+
+async def test_slow_clients_are_cut_off_while_others_are_served(
+    launch: Launcher, tmp_path: Path, fast: Flags, hello: Messages
+) -> None:
+    model = launch("emulator", "--model", "m", *fast)
+    config = _gateway_config(tmp_path, model.url)
+    gateway = launch("middleware", "--config", str(config), "--header-timeout", "1s")
+    port = gateway.port
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=15)  # every slow client at once
+
+    def start(head: bytes, drip: bytes) -> asyncio.Future[tuple[float, bytes]]:
+        return loop.run_in_executor(pool, _slow_client, port, head, drip)
+
+    slow = [start(SLOW_HEADERS, b"x-slow: 1\r\n") for _ in range(10)]
+    slow_bodies = [start(SLOW_BODY, b" ") for _ in range(5)]
+    served = 0
+    async with aiohttp.ClientSession() as http:
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:
+            status, _, _ = await post(
+                http, gateway.url, {"model": "m", "messages": hello, "max_tokens": 2}
+            )
+            assert status == 200
+            served += 1
+    header_results = await asyncio.gather(*slow)
+    body_results = await asyncio.gather(*slow_bodies)
+    pool.shutdown()
+    assert served > 5
+    # Cut off at the deadline (1 s), although each sent something every 0.5 s.
+    for took, answer in header_results:
+        assert 0.9 < took < 2.5, took
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    for took, answer in body_results:
+        assert 0.9 < took < 2.5, took
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == 408
+
+
+async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_path: Path) -> None:
+    model = launch("emulator", "--model", "m")
+    config = _gateway_config(tmp_path, model.url)
+    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as idle:
+        started = time.monotonic()
+        assert idle.recv(1024).startswith(b"HTTP/1.1 408")
+        assert idle.recv(1024) == b""
+        assert time.monotonic() - started < 2
+
+
+def test_the_gateway_refuses_a_bad_header_timeout() -> None:
+    from promptlb.middleware._gateway import main
+
+    with pytest.raises(SystemExit):
+        main(["--config", "x.toml", "--header-timeout", "soon"])

@@ -1,0 +1,177 @@
+"""What the gateway refuses before any node sees it, and what it passes on: in process, against a
+capturing upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from promptlb.middleware import PromptLBMiddleware
+
+from tests.conftest import Serve
+
+Seen = list[dict[str, str]]
+
+
+@pytest.fixture
+async def upstream(serve: Serve) -> AsyncIterator[tuple[str, Seen]]:
+    """A node that answers every chat 200 and keeps the headers it was sent."""
+    seen: Seen = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response({"choices": []})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_get("/health", health)
+    async with serve(app) as url:
+        yield url, seen
+
+
+async def noop(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the app is not reached for balanced routes")
+
+
+def gateway(url: str, **extra: Any) -> PromptLBMiddleware:
+    return PromptLBMiddleware(
+        noop, config={"nodes": [{"name": "a", "url": url, "models": ["m", "small"]}], **extra}
+    )
+
+
+async def post_raw(
+    app: PromptLBMiddleware, body: bytes, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        sent = {"content-type": "application/json", **(headers or {})}
+        return await http.post("/v1/chat/completions", content=body, headers=sent)
+
+
+def chat(content: str = "hi", **fields: Any) -> bytes:
+    # json.dumps writes a lone surrogate as the escape \ud800, as any client would send it.
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
+    ).encode()
+
+
+NESTED = b'{"model": "m", "x": ' + b"[" * 100 + b"]" * 100 + b"}"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (chat("\ud800"), "messages[0].content", "unpaired UTF-16 surrogate"),  # the probe
+        (chat("tail \udfff"), "messages[0].content", "unpaired UTF-16 surrogate"),
+        (chat(max_tokens=1_000_000_000_000), "max_tokens", "at most 10000000"),  # the probe
+        (chat(max_completion_tokens=10_000_001), "max_completion_tokens", "at most 10000000"),
+        (json.dumps({"model": "small", "max_tokens": 5000}).encode(), "max_tokens", "4096"),
+        (NESTED, None, "nests deeper than 64 levels"),
+        (b"[" * 1000, None, "not valid JSON"),  # the probe: 2 KB of brackets, once a 500
+        (b"[" * 100_000 + b"]" * 100_000, None, "not valid JSON"),  # a RecursionError
+    ],
+)
+async def test_what_no_node_should_see_is_a_400_in_the_openai_shape(
+    upstream: tuple[str, Seen], body: bytes, param: str | None, message: str
+) -> None:
+    url, seen = upstream
+    app = gateway(url, requests={"context": {"small": 4096}})
+    response = await post_raw(app, body)
+    await app.balancer.stop()
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == 400
+    assert error["param"] == param
+    assert message in error["message"]
+    assert seen == []  # no node saw it, so no node can be blamed for it
+
+
+async def test_what_is_well_formed_passes(upstream: tuple[str, Seen]) -> None:
+    url, seen = upstream
+    app = gateway(url, requests={"context": {"small": 4096}})
+    ok = [
+        chat("\U0001f600"),  # written by json.dumps as a paired escape, \ud83d\ude00
+        chat(r"a backslash, then ud800: \ud800".replace("\\", "\\\\")),
+        chat(max_tokens=10_000_000),
+        json.dumps({"model": "small", "max_tokens": 4096}).encode(),
+        b'{"model": "m", "x": ' + b"[" * 60 + b"]" * 60 + b"}",
+    ]
+    for body in ok:
+        assert (await post_raw(app, body)).status_code == 200, body[:80]
+    await app.balancer.stop()
+    assert len(seen) == len(ok)
+
+
+async def test_client_only_headers_do_not_reach_the_node(upstream: tuple[str, Seen]) -> None:
+    url, seen = upstream
+    client = {
+        "Cookie": "session=abc",
+        "x-promptlb-priority": "sheddable",
+        "x-promptlb-priority-token": "a-secret",
+        "x-promptlb-no-fallback": "1",
+        "X-Forwarded-For": "10.0.0.5",
+        "Forwarded": "for=10.0.0.5",
+        "X-Real-IP": "10.0.0.5",
+        "X-Trace": "t1",
+    }
+    plain = gateway(url)
+    behind = gateway(url, forward_client_address=True)
+    for app in (plain, behind):
+        assert (await post_raw(app, chat(), client)).status_code == 200
+        await app.balancer.stop()
+    first, second = seen
+    assert first["x-trace"] == "t1"
+    for name in ("cookie", "x-forwarded-for", "forwarded", "x-real-ip"):
+        assert name not in first, name
+    assert not any(name.startswith("x-promptlb-") for name in first)
+    # configured: the client's address claims pass on (a proxy in front vouches for them)
+    assert second["x-forwarded-for"] == "10.0.0.5"
+    assert second["forwarded"] == "for=10.0.0.5"
+    assert "cookie" not in second
+
+
+async def test_an_error_body_names_no_node_address() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens here once closed
+    app = gateway(f"http://127.0.0.1:{port}", health={"enabled": False})
+    response = await post_raw(app, chat())
+    await app.balancer.stop()
+    assert response.status_code == 502
+    text = response.text
+    assert "127.0.0.1" not in text and str(port) not in text
+    assert "could not reach a node" in response.json()["error"]["message"]
+
+
+async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(
+    upstream: tuple[str, Seen],
+) -> None:
+    url, seen = upstream
+    app = gateway(url, requests={"body_timeout": "200ms"})
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"model": "m",'
+        await asyncio.sleep(3600)  # the next byte never comes
+        yield b"}"
+
+    async with (
+        asyncio.timeout(5),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http,
+    ):
+        response = await http.post("/v1/chat/completions", content=body())
+    await app.balancer.stop()
+    assert response.status_code == 408
+    assert response.headers["connection"] == "close"
+    assert "not received within 0.2s" in response.json()["error"]["message"]
+    assert seen == []
