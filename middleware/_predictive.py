@@ -41,6 +41,7 @@ from promptlb.shared import ConfigError, Snapshot
 
 from ._config_base import whole_number
 from ._prefix import INDEX_TOKENS, PrefixIndex, first_choice
+from ._simple import LeastConn
 from ._strategy import FORGET_SPAN, Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
@@ -213,6 +214,7 @@ class Predictive:
         self.forget = _real("forget", forget, 0.5, 1.0)
         self.default_output_tokens = whole_number("default_output_tokens", default_output_tokens, 1)
         self.inner = inner  # picks until the nodes are learnt (p2c, as the registry builds it)
+        self._spread = LeastConn(sample=self.sample)
         self.scoring: Scoring | None = inner.scoring
         self._models: dict[str, ServiceModel] = {}
         self._old_models: dict[str, ServiceModel] = {}
@@ -330,10 +332,13 @@ class Predictive:
         best = second = math.inf
         first_node = second_node = looked[0]
         probes: list[NodeView] = []
+        learning = False
         times: dict[str, float] = {}
         for node in looked:
             uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
             t = self.expected_time(request, node, out, uncached)
+            if node.in_flight and not self._model(node.name).count:
+                learning = True  # requests out, none answered: its estimate is a guess yet
             if t is None:
                 # A cold node is learnt one request at a time: it may get this one if it has
                 # none of ours in flight, else it sits out until its first answers are in.
@@ -346,10 +351,16 @@ class Predictive:
                 best, first_node = t, node
             elif t < second:
                 second, second_node = t, node
-        if best == math.inf:  # no node warm yet: a true cold start
-            return self.inner.pick(request, candidates, rng)
         if probes:
             return probes[rng.randrange(len(probes))] if len(probes) > 1 else probes[0]
+        if learning:
+            # Requests are out on a node that has answered none: neither a model nor a
+            # snapshot's estimate may take everything meanwhile, nor p2c's resource score,
+            # which the hosts' CPU can outweigh (a burst on a fresh gateway sent 382 of 500
+            # streams to one node). Spread by queue until each has answered.
+            return self._spread.pick(request, looked, rng)
+        if best == math.inf:  # no node warm yet and none busy: a true cold start
+            return self.inner.pick(request, candidates, rng)
         if held is not None and not held and self.cold_slack:
             # A prefix nobody holds: where rendezvous hashing of its first block says, unless
             # that node is much worse, so that replicas that do not share an index agree.

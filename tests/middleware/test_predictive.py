@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from typing import Any
 
+import aiohttp
 import pytest
 from promptlb.middleware._predictive import Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
+from promptlb.middleware._simple import LeastConn
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
@@ -92,15 +95,24 @@ def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait
     assert busy is not None and quiet is not None and busy > quiet + 1.0
 
 
-def test_a_cold_start_behaves_as_p2c(node: MakeNode) -> None:
+def test_a_cold_start_behaves_as_p2c_until_requests_are_out(node: MakeNode) -> None:
     views = [node(f"n{i}", running=i) for i in range(6)]
-    for v in views:
-        v.in_flight = 1  # every cold node already has a probe out
     ours, p2c = Predictive(PowerOfTwoChoices()), PowerOfTwoChoices()
+    long_one = request(out=5000)  # too long to probe with: nothing else to go by
+    ours.pick(request(), views[:2], random.Random(0))  # sets the usual length
+    for seed in range(50):
+        assert (
+            ours.pick(long_one, views, random.Random(seed)).name
+            == p2c.pick(long_one, views, random.Random(seed)).name
+        )
+    for v in views:
+        v.in_flight = 1  # every cold node has a probe out and has answered none
+    spread = LeastConn()
     for seed in range(50):
         assert (
             ours.pick(request(), views, random.Random(seed)).name
-            == p2c.pick(request(), views, random.Random(seed)).name
+            == spread.pick(request(), views, random.Random(seed)).name
+            == "n0"  # the shortest queue: p2c's resource score may prefer another
         )
 
 
@@ -288,3 +300,29 @@ def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches(node: MakeNode) 
     for _ in range(20):
         strategy.observe(request(0, cls="qa"), view, 1.0, 0.2, 0)
     assert strategy.expected_output(request(None, cls="qa")) >= 1.0
+
+
+async def test_a_burst_on_a_fresh_gateway_spreads_within_half_again_the_even_share(
+    cluster: MakeCluster,
+) -> None:
+    """300 streams at once before any node is learnt: none gets over 1.5x its even share."""
+    flags = ("--ttft-ms", "200", "--tokens-per-s", "50", "--slots", "64")
+    c = cluster({n: flags for n in "abc"}, "strategy = 'predictive'\n")
+    body = {
+        "model": "m",
+        "max_tokens": 20,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    got: Counter[str] = Counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def one() -> None:
+            async with http.post(c.app.url + "/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                got[response.headers["x-promptlb-node"]] += 1
+                await response.read()
+
+        await asyncio.gather(*(one() for _ in range(300)))
+    assert sum(got.values()) == 300
+    assert max(got.values()) <= 150, got
