@@ -22,6 +22,7 @@ __all__ = [
     "ResponseCache",
     "cache_key",
     "open_cache",
+    "sampled",
 ]
 
 # Fields that change how an answer is delivered or billed, not what it says.
@@ -67,28 +68,14 @@ class CacheEntry:
         return cls(body, model, float(created), kind)
 
 
-def cache_key(
-    path: str,
-    body: Mapping[str, Any],
-    model_key: str,
-    *,
-    cache_sampled: bool,
-    default_temperature: float = 1.0,
-) -> str | None:
-    """A hash of what decides the answer, or ``None`` when the answer is not repeatable."""
+def cache_key(path: str, body: Mapping[str, Any], model_key: str) -> str | None:
+    """A hash of what decides the answer (the temperature included, so a sampled request
+    matches only its twin), or ``None`` for a body with no prompt or an unusable temperature."""
     if not any(f in body for f in _PROMPT_FIELDS):
         return None
-    if not path.endswith("/embeddings") and not cache_sampled:
-        temperature = body.get("temperature", default_temperature)
-        if temperature is None:
-            temperature = default_temperature
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, int | float)
-            or not math.isfinite(temperature)
-            or temperature > 0
-        ):
-            return None
+    temperature = body.get("temperature")
+    if temperature is not None and not _finite(temperature):
+        return None
     shape = {k: v for k, v in body.items() if k not in _IGNORED}
     if isinstance(shape.get("temperature"), int | float):
         shape["temperature"] = float(shape["temperature"])  # 0 and 0.0 ask the same
@@ -99,6 +86,21 @@ def cache_key(
     except (TypeError, ValueError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sampled(path: str, body: Mapping[str, Any], default_temperature: float = 1.0) -> bool:
+    """Whether the answer is a sample (temperature above 0, OpenAI's default being 1): another
+    asking would get another answer, so a stored one stands in for it only when degraded."""
+    if path.endswith("/embeddings"):
+        return False
+    temperature = body.get("temperature", default_temperature)
+    if temperature is None:
+        temperature = default_temperature
+    return not _finite(temperature) or temperature > 0
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 class ResponseCache(Protocol):

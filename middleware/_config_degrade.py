@@ -57,9 +57,11 @@ class FallbackConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
-    """Complete, successful answers, kept for ``stale_ttl``. A ``cache`` hop (and a total
-    outage) may serve any answer that old; with ``serve_fresh`` answers up to ``ttl`` old are
-    served before routing at all. ``backend``: ``"memory"`` (per process, LRU bounded by
+    """Complete, successful answers, kept for ``stale_ttl``, whatever their temperature. A
+    ``cache`` hop (and a total outage) may serve any answer that old, to a sampled request too
+    unless ``degraded_sampled`` is off (marked degraded: better than a 503); with ``serve_fresh``
+    answers up to ``ttl`` old are served before routing at all, to deterministic requests only
+    unless ``cache_sampled``. ``backend``: ``"memory"`` (per process, LRU bounded by
     ``max_bytes``) or a ``redis://`` URL shared by every replica."""
 
     backend: str = "memory"
@@ -67,7 +69,8 @@ class CacheConfig:
     stale_ttl: float = field(default=86400.0, metadata=DURATION)
     serve_fresh: bool = False
     on_outage: bool = True  # when every hop failed, a cached answer before a 503
-    cache_sampled: bool = False  # cache requests with temperature > 0 too
+    cache_sampled: bool = False  # serve_fresh answers requests with temperature > 0 too
+    degraded_sampled: bool = True  # the cache hop and an outage answer sampled requests too
     default_temperature: float = 1.0  # what a request without `temperature` samples at
     families: Mapping[str, str] = field(default_factory=dict)  # model -> key shared by models
     max_bytes: int = 64 * 1024 * 1024

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._answer import Answer
 from ._balancer import Balancer
-from ._cache import CacheEntry, ResponseCache, cache_key, open_cache
+from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
 from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Shed, UnknownModel, UpstreamError
 from ._request import Request
@@ -75,13 +75,7 @@ class Dispatcher:
         cfg = self.cache_config
         if cfg is None:
             return None
-        return cache_key(
-            path,
-            body,
-            self._families.get(model, model),
-            cache_sampled=cfg.cache_sampled,
-            default_temperature=cfg.default_temperature,
-        )
+        return cache_key(path, body, self._families.get(model, model))
 
     @asynccontextmanager
     async def answer(self, request: Request) -> AsyncIterator[Answer]:
@@ -131,8 +125,10 @@ class Dispatcher:
                 keys[model] = self.key(path, request.body, model)
             return keys[model]
 
+        # A sampled request's twin answer stands in for it only when asked (fresh) or degraded.
+        is_sampled = cfg is not None and sampled(path, request.body, cfg.default_temperature)
         if cache is not None and cfg is not None and cfg.serve_fresh:
-            key = key_of(request.model)
+            key = key_of(request.model) if cfg.cache_sampled or not is_sampled else None
             if key is not None:
                 entry = usable(await cache.get(key))
                 if entry is not None and entry.age(time.time()) <= cfg.ttl:
@@ -148,11 +144,12 @@ class Dispatcher:
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
-        outage_cache = cache is not None and cfg is not None and cfg.on_outage
+        stale_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
+        outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         for i in range(first, len(hops)):
             hop = hops[i]
             if hop == CACHE_HOP:
-                entry = usable(await self._cached(hops[:i], key_of))
+                entry = usable(await self._cached(hops[:i], key_of)) if stale_ok else None
                 if entry is not None:
                     return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
                 failures.append("cache: no answer")

@@ -16,6 +16,7 @@ from promptlb.middleware._cache import (
     MemoryCache,
     RedisCache,
     cache_key,
+    sampled,
 )
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
@@ -26,8 +27,8 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
 
-def key(body: dict[str, Any], model: str = "big", **kw: Any) -> str | None:
-    return cache_key(CHAT, body, model, cache_sampled=kw.pop("cache_sampled", False), **kw)
+def key(body: dict[str, Any], model: str = "big") -> str | None:
+    return cache_key(CHAT, body, model)
 
 
 def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
@@ -37,16 +38,23 @@ def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
     assert key({**BODY, "messages": [{"role": "user", "content": "ho"}]}) != base
     assert key({**BODY, "max_tokens": 9}) != base
     assert key(BODY, model="small") != base
-    assert cache_key("/v1/completions", BODY, "big", cache_sampled=False) != base
-    # Sampled answers are not repeatable: cached only when the config says so.
-    assert key({**BODY, "temperature": 0.7}) is None
-    assert key({**BODY, "temperature": 0.7}, cache_sampled=True) is not None
-    no_temp = {k: v for k, v in BODY.items() if k != "temperature"}
-    assert key(no_temp) is None
-    assert key(no_temp, default_temperature=0.0) is not None
+    assert cache_key("/v1/completions", BODY, "big") != base
+    # Sampled answers are stored too (under their own temperature): only a twin matches.
+    warm = key({**BODY, "temperature": 0.7})
+    assert warm is not None and warm != base
     assert key({"model": "big"}) is None
     embed = {"model": "e", "input": ["x"], "temperature": 1}
-    assert cache_key("/v1/embeddings", embed, "e", cache_sampled=False) is not None
+    assert cache_key("/v1/embeddings", embed, "e") is not None
+
+
+def test_a_sample_is_told_from_a_deterministic_answer() -> None:
+    no_temp = {k: v for k, v in BODY.items() if k != "temperature"}
+    assert not sampled(CHAT, BODY)
+    assert sampled(CHAT, {**BODY, "temperature": 0.7})
+    assert sampled(CHAT, no_temp)  # OpenAI's default temperature is 1
+    assert not sampled(CHAT, no_temp, default_temperature=0.0)
+    assert sampled(CHAT, {**BODY, "temperature": "hot"})
+    assert not sampled("/v1/embeddings", {"model": "e", "input": ["x"], "temperature": 1})
 
 
 def entry(text: str = "x" * 100, created: float = 0.0) -> CacheEntry:

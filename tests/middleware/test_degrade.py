@@ -171,9 +171,12 @@ async def test_everything_down_serves_the_shared_redis_cache_from_another_replic
     other = c.another_app()
     code, headers, shared, _ = await post(other.url, chat_body())
     assert code == 200 and headers["x-promptlb-degraded"] == "cache" and shared == fresh
-    # Not cached (sampled, temperature > 0) and nothing else up: a quick 503 with Retry-After.
-    code, headers, body, elapsed = await post(c.app.url, chat_body(temperature=0.7, max_tokens=3))
+    # A sampled answer (temperature > 0) stands in for its twin only now, degraded.
+    code, headers, _, _ = await post(c.app.url, chat_body(temperature=0.7, max_tokens=3))
     assert sampled == 200
+    assert code == 200 and headers["x-promptlb-degraded"] == "cache"
+    # Never answered and nothing up: a quick 503 with Retry-After.
+    code, headers, body, elapsed = await post(c.app.url, chat_body(max_tokens=4))
     assert code == 503 and headers["retry-after"].isdigit(), body
     assert b'"error"' in body
     assert elapsed < 0.25, elapsed  # the 50 ms goal is measured in bench/degrade_bench.py
@@ -302,3 +305,30 @@ async def test_a_hedge_wins_and_the_loser_is_cancelled_upstream(
     )
     # Every hedge's loser was cancelled on the slow node (its sidecar's warmup may still run).
     assert slow["cancelled"] == sent >= 1
+
+
+@pytest.mark.parametrize("degraded_sampled", [True, False])
+async def test_a_sampled_request_gets_a_stored_answer_only_when_every_node_is_down(
+    cluster: MakeCluster, fast: Flags, hello: Messages, degraded_sampled: bool
+) -> None:
+    """OpenAI's default temperature is 1 and most clients send none: such answers are stored
+    too, never served fresh in place of a new sample, and served (marked degraded) when the
+    alternative is a 503, unless `degraded_sampled` is off."""
+    options = f"serve_fresh = true\ndegraded_sampled = {str(degraded_sampled).lower()}\n"
+    c = cluster({"a": fast}, HEALTH + "[cache]\n" + options)
+    body = {"model": "m", "messages": hello, "max_tokens": 6}  # no temperature: a sample
+    status, headers, first, _ = await post(c.app.url, body)
+    assert (status, headers["x-promptlb-node"]) == (200, "a")
+    await asyncio.sleep(0.2)  # the store is written in the background
+    status, headers, second, _ = await post(c.app.url, body)
+    assert (status, headers["x-promptlb-node"]) == (200, "a")  # fresh, yet a new sample
+    assert second != first
+    await asyncio.sleep(0.2)
+    kill(c, "a")
+    await wait_down(c, "a")
+    status, headers, data, _ = await post(c.app.url, body)
+    if degraded_sampled:
+        assert (status, headers["x-promptlb-degraded"]) == (200, "cache")
+        assert data == second  # the latest stored
+    else:
+        assert status == 503

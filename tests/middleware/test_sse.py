@@ -19,8 +19,8 @@ COMPLETIONS = "/v1/completions"
 
 def test_models_of_one_family_share_a_key() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-    a = cache_key(CHAT, {**body, "model": "llama-8b-a"}, "llama-8b", cache_sampled=False)
-    b = cache_key(CHAT, {**body, "model": "llama-8b-b"}, "llama-8b", cache_sampled=False)
+    a = cache_key(CHAT, {**body, "model": "llama-8b-a"}, "llama-8b")
+    b = cache_key(CHAT, {**body, "model": "llama-8b-b"}, "llama-8b")
     assert a is not None and a == b
 
 
@@ -134,10 +134,8 @@ def test_answers_that_carry_more_than_text_are_not_replayed() -> None:
 
 def test_zero_temperatures_share_a_key_and_nan_is_not_cached() -> None:
     body = {"messages": [{"role": "user", "content": "q"}]}
-    zero = cache_key("/v1/chat/completions", {**body, "temperature": 0}, "m", cache_sampled=False)
+    zero = cache_key("/v1/chat/completions", {**body, "temperature": 0}, "m")
     assert zero is not None
-    assert zero == cache_key(
-        "/v1/chat/completions", {**body, "temperature": 0.0}, "m", cache_sampled=False
-    )
+    assert zero == cache_key("/v1/chat/completions", {**body, "temperature": 0.0}, "m")
     nan = {**body, "temperature": float("nan")}
-    assert cache_key("/v1/chat/completions", nan, "m", cache_sampled=False) is None
+    assert cache_key("/v1/chat/completions", nan, "m") is None
