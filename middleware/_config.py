@@ -168,6 +168,10 @@ class OutlierConfig:
     # max_tokens needs longer than the try was given at the node's decode rate: the rate its
     # sidecar last showed per running request, or this one when it has shown none.
     assumed_tokens_per_s: float = 20.0
+    # A node whose sidecar projects its model server out of memory (RSS growing, at its slope,
+    # into the memory left) within this long is drained: no new requests, in-flight ones
+    # finish, until a snapshot projects no OOM (a clean restart). 0 disables.
+    drain_before_oom: float = field(default=300.0, metadata=DURATION)
 
     def __post_init__(self) -> None:
         if self.consecutive_failures < 1:
@@ -177,6 +181,7 @@ class OutlierConfig:
         if not 0 <= self.max_ejection_percent <= 100:
             raise ConfigError("max_ejection_percent", self.max_ejection_percent, "0..100")
         positive("assumed_tokens_per_s", self.assumed_tokens_per_s)
+        positive("drain_before_oom", self.drain_before_oom, zero=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,15 +36,23 @@ class _Live(Collector):
         ready = GaugeMetricFamily(
             "promptlb_node_ready", "1 when a node takes requests.", labels=["node"]
         )
+        leaking = GaugeMetricFamily(
+            "promptlb_node_leaking",
+            "1 while a node is drained: its sidecar projects its model server out of memory.",
+            labels=["node"],
+        )
         ramp = GaugeMetricFamily(
             "promptlb_node_ramp_ratio", "Slow-start share, 0..1.", labels=["node"]
         )
         for name, node in table.nodes.items():
             in_flight.add_metric([name], node.view.in_flight)
-            ready.add_metric([name], 1.0 if table.state_of(node) == "ready" else 0.0)
+            state = table.state_of(node)
+            ready.add_metric([name], 1.0 if state == "ready" else 0.0)
+            leaking.add_metric([name], 1.0 if state == "leaking" else 0.0)
             ramp.add_metric([name], node.view.ramp)
         yield in_flight
         yield ready
+        yield leaking
         yield ramp
 
 

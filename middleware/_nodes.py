@@ -58,7 +58,7 @@ class Node:
     def models(self) -> frozenset[str]:
         return frozenset(self.config.models) or self.learnt_models
 
-    def state(self, now: float, stale_after: float) -> str:
+    def state(self, now: float, stale_after: float, oom_within: float = 0.0) -> str:
         snap = self.snapshot if now - self.snapshot_at <= stale_after else None
         if now < self.ejected_until:
             return "ejected"
@@ -70,6 +70,8 @@ class Node:
             return "draining"
         if snap is not None and not (snap.ready and snap.warm):
             return "warming"
+        if snap is not None and _leaking(snap, oom_within):
+            return "leaking"
         return "ready"
 
 
@@ -156,6 +158,18 @@ class NodeTable:
         if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
             return False
         was_serving = held is not None and held.ready and held.warm and not held.draining
+        oom_within = self._config.outlier.drain_before_oom
+        was_leaking = held is not None and _leaking(held, oom_within)
+        if _leaking(snapshot, oom_within) != was_leaking:
+            if was_leaking:
+                log.info("node %s: no longer projected out of memory, back in", node.name)
+            else:
+                log.warning(
+                    "node %s: draining, its model server runs out of memory in %.0fs at %.1f MB/s",
+                    node.name,
+                    snapshot.seconds_to_oom() or 0.0,
+                    (snapshot.rss_slope or 0.0) / 2**20,
+                )
         node.snapshot, node.snapshot_at = snapshot, now
         node.view.in_flight_at_snapshot = node.view.in_flight
         if snapshot.models and not node.config.models:
@@ -242,6 +256,8 @@ class NodeTable:
 
     def _rebuild(self, now: float) -> None:
         stale_after = self._config.stale_after
+        oom_within = self._config.outlier.drain_before_oom
+        leaking: list[Node] = []
         candidates: dict[str, list[NodeView]] = {}
         known: set[str] = set()
         # A node that names no model (none configured, none learnt yet) takes any model.
@@ -250,13 +266,23 @@ class NodeTable:
         for node in self.nodes.values():
             known.update(node.models)
             self._any_wildcard |= not node.models
-            if node.state(now, stale_after) == "ready":
+            state = node.state(now, stale_after, oom_within)
+            if state == "leaking":
+                leaking.append(node)
+            elif state == "ready":
                 for model in node.models:
                     candidates.setdefault(model, []).append(node.view)
                 if not node.models:
                     wildcard.append(node.view)
         for views in candidates.values():
             views.extend(wildcard)
+        if leaking and not wildcard:
+            # Drained while others serve its models; a model with no other node keeps its
+            # leaking ones: a node near its OOM beats none.
+            bare = {m for node in leaking for m in node.models if not candidates.get(m)}
+            for node in leaking:
+                for model in node.models & bare:
+                    candidates.setdefault(model, []).append(node.view)
         self._candidates = candidates
         self._wildcard = wildcard
         self._known_models = known
@@ -274,7 +300,8 @@ class NodeTable:
         return () if model in self._known_models else None
 
     def state_of(self, node: Node) -> str:
-        return node.state(self._clock(), self._config.stale_after)
+        oom_within = self._config.outlier.drain_before_oom
+        return node.state(self._clock(), self._config.stale_after, oom_within)
 
     def ready_models(self) -> list[str]:
         if self._dirty:
@@ -284,3 +311,8 @@ class NodeTable:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + _EWMA * (new - old)
+
+
+def _leaking(snapshot: Snapshot, oom_within: float) -> bool:
+    left = snapshot.seconds_to_oom()
+    return left is not None and left < oom_within

@@ -243,6 +243,9 @@ class Snapshot:
     engine: EngineSample | None = None
     rss: int | None = None
     rss_slope: float | None = None
+    # Bytes the model server may still take before its limit (its cgroup's, else the host's
+    # available memory): with ``rss_slope``, the time left before a leak kills it.
+    mem_free: int | None = None
     kid: str | None = None
     sig: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -282,6 +285,10 @@ class Snapshot:
             and (mem is None or (type(mem) is float and 0.0 <= mem <= 1.0))
             and (self.rss is None or (type(self.rss) is int and 0 <= self.rss <= MAX_COUNT))
             and (slope is None or (type(slope) is float and math.isfinite(slope)))
+            and (
+                self.mem_free is None
+                or (type(self.mem_free) is int and 0 <= self.mem_free <= MAX_COUNT)
+            )
             and (self.kid is None or (type(self.kid) is str and 0 < len(self.kid) <= _MAX_LABEL))
             and (self.sig is None or (type(self.sig) is bytes and len(self.sig) == SIG_BYTES))
         ):
@@ -307,10 +314,20 @@ class Snapshot:
             _int("rss", self.rss)
         if self.rss_slope is not None:
             put(self, "rss_slope", float(_float("rss_slope", self.rss_slope)))
+        if self.mem_free is not None:
+            _int("mem_free", self.mem_free)
         if self.kid is not None:
             _str("kid", self.kid, _MAX_LABEL, empty=False)
         if self.sig is not None and (type(self.sig) is not bytes or len(self.sig) != SIG_BYTES):
             raise _bad("sig", self.sig, f"{SIG_BYTES} bytes")
+
+    def seconds_to_oom(self) -> float | None:
+        """At the current slope, seconds until the model server has no memory left; None
+        when it is not growing or either reading is missing."""
+        slope, free = self.rss_slope, self.mem_free
+        if slope is None or free is None or slope <= 0.0:
+            return None
+        return free / slope
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack map, without ``sig``."""
@@ -340,6 +357,8 @@ class Snapshot:
             wire["rss"] = self.rss
         if self.rss_slope is not None:
             wire["rss_slope"] = self.rss_slope
+        if self.mem_free is not None:
+            wire["mem_free"] = self.mem_free
         if self.kid is not None:
             wire["kid"] = self.kid
         if self.gpus:

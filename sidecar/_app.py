@@ -23,7 +23,7 @@ from ._gpu import GpuCollector
 from ._host import HostCollector, HostSample
 from ._live import Live, Problem
 from ._model_server import WarmupReport, list_models, probe, warmup
-from ._process import ProcessCollector
+from ._process import ProcessCollector, memory_free
 
 __all__ = ["LIVE", "create_app"]
 
@@ -174,9 +174,14 @@ class _Collectors:
         self.live.host, self.live.gpus = await asyncio.to_thread(self._host_and_gpus)
         self.live.changed()
 
+    def _process_and_memory(self) -> tuple[int | None, float | None, int | None]:
+        rss, slope = self.process.sample()
+        return rss, slope, memory_free(rss, self.config.memory_limit)
+
     async def sample_process(self) -> None:
         # psutil's port lookup walks /proc: keep it off the event loop.
-        self.live.rss, self.live.rss_slope = await asyncio.to_thread(self.process.sample)
+        live = self.live
+        live.rss, live.rss_slope, live.mem_free = await asyncio.to_thread(self._process_and_memory)
         if self.process.reason:
             self.process_problem.report(self.process.reason)
         else:

@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         help="model-server pid for RSS; default: whoever listens on its port",
     )
     p.add_argument("--rss-window", default="60s", help="window of the RSS slope")
+    p.add_argument(
+        "--memory-limit-mb",
+        type=int,
+        default=None,
+        help="the model server's memory limit; default: its cgroup's, else the host's free memory",
+    )
     p.add_argument("--no-gpu", action="store_true", help="do not read NVML")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -167,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             probe_timeout_s=parse_duration("probe_timeout", args.probe_timeout),
             model_pid=args.model_pid,
             rss_window_s=parse_duration("rss_window", args.rss_window),
+            memory_limit=None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20,
             gpu=not args.no_gpu,
             **extra,
         )

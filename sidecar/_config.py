@@ -55,6 +55,9 @@ class SidecarConfig:
     probe_timeout_s: float = 1.0
     model_pid: int | None = None
     rss_window_s: float = 60.0
+    # The model server's memory limit in bytes, for the time it has left before a leak kills it;
+    # None: its cgroup's limit when it has one, else the host's available memory.
+    memory_limit: int | None = None
     gpu: bool = True
 
     def __post_init__(self) -> None:
@@ -111,6 +114,12 @@ class SidecarConfig:
         _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)
         _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
         _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
+        if self.memory_limit is not None and (
+            isinstance(self.memory_limit, bool)
+            or not isinstance(self.memory_limit, int)
+            or self.memory_limit < 1
+        ):
+            raise ConfigError("memory_limit", self.memory_limit, "a number of bytes >= 1")
         if self.model_pid is not None and (
             isinstance(self.model_pid, bool)
             or not isinstance(self.model_pid, int)

@@ -50,6 +50,7 @@ class Live:
     engine: EngineSample | None = None
     rss: int | None = None
     rss_slope: float | None = None
+    mem_free: int | None = None
     server_ok: bool = False
     server_reason: str = "model server not probed yet"
     models: tuple[str, ...] = ()
@@ -102,6 +103,7 @@ class Live:
             engine=self.engine,
             rss=self.rss,
             rss_slope=self.rss_slope,
+            mem_free=self.mem_free,
         )
 
     def encoded(self) -> bytes:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from pathlib import Path
 
 import psutil
 
-__all__ = ["ProcessCollector", "find_listener"]
+__all__ = ["ProcessCollector", "find_listener", "memory_free"]
 
 
 def find_listener(port: int) -> int | None:
@@ -21,6 +22,26 @@ def find_listener(port: int) -> int | None:
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
             return int(conn.pid) if conn.pid is not None else None
     return None
+
+
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def memory_free(rss: int | None, limit: int | None = None) -> int | None:
+    """Bytes the model server may still take: under a configured ``limit``, that less its RSS;
+    else under this cgroup's limit (v2 ``memory.max``), that less the cgroup's use; else the
+    host's available memory. The sidecar runs in the model server's pod or host, whose limit
+    an OOM kill enforces."""
+    if limit is not None:
+        return None if rss is None else max(0, limit - rss)
+    try:
+        cap = (_CGROUP / "memory.max").read_text().strip()
+        if cap != "max":
+            used = int((_CGROUP / "memory.current").read_text())
+            return max(0, int(cap) - used)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here: the host's
+    return int(psutil.virtual_memory().available)
 
 
 class ProcessCollector:

@@ -222,3 +222,36 @@ async def test_a_client_that_leaves_mid_stream_cancels_upstream(
             assert time.monotonic() < deadline, node
             await asyncio.sleep(0.05)
     assert node["failures"] == 0  # a client leaving is not the node's fault
+
+
+async def test_a_leaking_node_is_drained_before_it_runs_out_of_memory(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    """The sidecar projects the leak into the memory left (its limit, set small here); the
+    gateway stops sending new requests there while the other node serves."""
+    c = cluster(
+        {"leaky": ("--leak-mb-per-req", "8", *fast), "sound": fast},
+        "[outlier]\ndrain_before_oom = '300s'\n",
+        sidecar_flags=("--memory-limit-mb", "4000", "--rss-window", "2s"),
+    )
+    api = c.client()
+    served: list[str] = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m", messages=hello, max_tokens=2
+        )
+        served.append(raw.headers["x-promptlb-node"])
+        states = {n["name"]: n["state"] for n in (await c.status())["nodes"]}
+        if states["leaky"] == "leaking":
+            break
+        await asyncio.sleep(0.02)
+    assert states["leaky"] == "leaking", states
+    after = []
+    for _ in range(10):
+        raw = await api.chat.completions.with_raw_response.create(
+            model="m", messages=hello, max_tokens=2
+        )
+        after.append(raw.headers["x-promptlb-node"])
+    assert after == ["sound"] * 10
+    assert "leaky" in served

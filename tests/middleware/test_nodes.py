@@ -205,3 +205,37 @@ def test_a_node_added_without_health_checks_is_ready_on_the_tables_clock() -> No
     nodes = (NodeConfig(name="a", url="http://127.0.0.1:9000"),)
     t = NodeTable(Config(nodes=nodes, health=HealthConfig(enabled=False)), clock=clock)
     assert t.nodes["a"].ready_since == 1234.5
+
+
+def test_a_node_projected_out_of_memory_is_drained_and_back_after_a_clean_restart(
+    snap: MakeSnapshot, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dataclasses import replace
+
+    t = table(outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
+    assert growing.seconds_to_oom() == pytest.approx(100.0)  # 1,000 MB left at 10 MB/s
+    with caplog.at_level("INFO", logger="promptlb.middleware"):
+        t.record_snapshot(n0, growing, 1.0)
+        assert t.state_of(n0) == "leaking"
+        assert names(t, 1.0) == {"n1", "n2"}  # new requests elsewhere
+        slow = replace(snap("n0", 2), rss=2**30, rss_slope=2**20, mem_free=1000 * 2**20)
+        t.record_snapshot(n0, slow, 1.5)  # 1,000 s left: not within 300 s
+        assert names(t, 1.5) == {"n0", "n1", "n2"}
+        t.record_snapshot(n0, replace(growing, seq=3), 2.0)
+        restarted = replace(snap("n0", 1, boot="fresh"), rss=2**28, rss_slope=0.0, mem_free=2**33)
+        t.record_snapshot(n0, restarted, 3.0)
+        assert t.state_of(n0) == "ready" and "n0" in names(t, 3.0)
+    lines = [r.getMessage() for r in caplog.records if "memory" in r.getMessage()]
+    assert len(lines) == 4 and "draining" in lines[0] and "100s" in lines[0]
+
+
+def test_leaking_nodes_still_serve_a_model_nothing_else_serves(snap: MakeSnapshot) -> None:
+    from dataclasses import replace
+
+    t = table(2)
+    for name in ("n0", "n1"):
+        leak = replace(snap(name, 1), rss=2**30, rss_slope=2**20, mem_free=2**20)
+        t.record_snapshot(t.nodes[name], leak, 1.0)
+    assert names(t, 1.0) == {"n0", "n1"}  # a node near its OOM beats none

@@ -55,6 +55,7 @@ KNOWN_KEYS = frozenset(
         "engine",
         "rss",
         "rss_slope",
+        "mem_free",
         "kid",
         "sig",
     }
@@ -154,6 +155,7 @@ snapshots = st.builds(
     engine=st.none() | engines,
     rss=st.none() | counts,
     rss_slope=st.none() | finite,
+    mem_free=st.none() | counts,
     kid=st.none() | st.text(min_size=1, max_size=128),
 )
 
@@ -288,7 +290,7 @@ def test_minimal_map_takes_defaults() -> None:
     assert decoded.v == SCHEMA_VERSION == 1
     assert (decoded.ready, decoded.warm, decoded.draining) == (False, False, False)
     assert (decoded.models, decoded.tags, decoded.tier, decoded.gpus) == ((), (), "", ())
-    for name in ("cpu", "mem", "engine", "rss", "rss_slope", "kid", "sig"):
+    for name in ("cpu", "mem", "engine", "rss", "rss_slope", "mem_free", "kid", "sig"):
         assert getattr(decoded, name) is None, name
 
 
@@ -886,3 +888,13 @@ def test_huge_int_float_field_raises_snapshot_error(field: str) -> None:
 def test_engine_tps_too_large_for_msgpack_fails_as_snapshot_error(tps: int) -> None:
     with pytest.raises(SnapshotError):
         encode(snap(engine=EngineSample(running=0, waiting=0, tps=tps)))
+
+
+def test_the_time_to_oom_is_the_memory_left_over_the_slope() -> None:
+    leaking = Snapshot(**BASE, rss=2**30, rss_slope=float(2**20), mem_free=300 * 2**20)
+    assert leaking.seconds_to_oom() == 300.0
+    assert decode(encode(leaking)).seconds_to_oom() == 300.0
+    assert Snapshot(**BASE, rss_slope=-5.0, mem_free=10).seconds_to_oom() is None  # shrinking
+    assert Snapshot(**BASE, rss_slope=5.0).seconds_to_oom() is None  # no limit known
+    with pytest.raises(SnapshotError, match="mem_free"):
+        Snapshot(**BASE, mem_free=-1)

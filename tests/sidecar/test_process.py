@@ -8,7 +8,7 @@ import sys
 
 import psutil
 import pytest
-from promptlb.sidecar._process import ProcessCollector, find_listener
+from promptlb.sidecar._process import ProcessCollector, find_listener, memory_free
 
 
 def test_the_listener_of_a_port_is_found() -> None:
@@ -141,3 +141,11 @@ def test_a_process_replaced_on_the_port_is_flagged_once_as_restarted() -> None:
         _kill_tree(first)
         if second is not None:
             _kill_tree(second)
+
+
+def test_the_memory_left_is_under_the_configured_limit_else_the_hosts() -> None:
+    assert memory_free(300, limit=1000) == 700
+    assert memory_free(2000, limit=1000) == 0
+    assert memory_free(None, limit=1000) is None  # no reading of the process: no projection
+    free = memory_free(100)
+    assert free is not None and 0 < free <= psutil.virtual_memory().total
