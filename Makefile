@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/promptlb-bench sim burst
 	$(BIN)/promptlb-bench sim mixed-class
 	$(BIN)/promptlb-bench cluster uniform-4 --duration 15s --peers none --out bench/results/quick
+	$(BIN)/promptlb-bench faults --quick
 
 # make bench-full: everything, the live cluster runs with the peers (nginx, LiteLLM) that are
 # installed; a missing peer is reported as missing and the rest still runs. About an hour.
@@ -67,6 +68,7 @@ bench-full: $(STAMP)
 	$(BIN)/promptlb-bench cluster seed-3am
 	$(BIN)/promptlb-bench cluster hetero-8
 	$(BIN)/promptlb-bench cluster mixed-class
+	$(BIN)/promptlb-bench faults
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

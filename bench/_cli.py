@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from promptlb.shared import ConfigError
 
@@ -42,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--duration", default=None, help="override the scenario's duration")
     sim.add_argument("--out", default=None, help="results folder (default bench/results)")
 
+    faults = sub.add_parser("faults", help="one fault after another under steady load")
+    faults.add_argument("--quick", action="store_true", help="hold each fault a few seconds")
+    faults.add_argument("--out", default=None, help="results folder (default bench/results)")
+
     endpoint = sub.add_parser("endpoint", help="capacity planning against any OpenAI endpoint")
     endpoint.add_argument("url", help="base URL, e.g. http://127.0.0.1:8000")
     endpoint.add_argument("--model", required=True)
@@ -66,6 +71,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             from ._live import run_cluster
 
             run_cluster(args)
+        elif args.command == "faults":
+            from ._faultsuite import run_faults
+
+            report = run_faults(args.quick, Path(args.out) if args.out else None)
+            for row in report["faults"]:
+                print(
+                    f"{row['fault']:<36} sent {row['sent']:>5}  failed {row['failed']:>3}  "
+                    f"cut streams {row['broken_streams']:>3}  detect {row.get('detect_s')}  "
+                    f"recover {row.get('recover_s')}"
+                )
+            print(f"gateway RSS growth: {100 * report['gateway_rss_growth']:.1f}%")
         elif args.command == "sim":
             from ._sim import run_sim
 

@@ -1,0 +1,260 @@
+"""``promptlb-bench faults``: the faults applied in order under steady load, how each is
+measured, and the report (see `_faults` for the cluster and the load)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from ._faults import BODY, Cluster, Tally, load, node_states, post_fault, rss_mb, until
+from ._report import RESULTS, environment, write_json
+
+__all__ = ["run_faults"]
+
+Step = Callable[[], Awaitable[None]]
+Check = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class Fault:
+    name: str
+    apply: Step
+    revert: Step
+    detect: Check | None  # None: nothing for the gateway to see (it must keep serving)
+    recover: Check
+
+
+async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
+    hold = 5.0 if quick else 10.0
+    rate = 20.0 if quick else 40.0
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    url = cluster.url
+
+    async def state(name: str) -> str:
+        return (await node_states(http, url))[name]
+
+    def is_(name: str, *wanted: str) -> Check:
+        async def check() -> bool:
+            return await state(name) in wanted
+
+        return check
+
+    def all_ready() -> Check:
+        async def check() -> bool:
+            return set((await node_states(http, url)).values()) == {"ready"}
+
+        return check
+
+    async def nothing() -> None:
+        return None
+
+    def kill(service_of: Callable[[], Any]) -> Step:
+        async def step() -> None:
+            service_of().proc.kill()
+            service_of().proc.wait(5)
+
+        return step
+
+    def start(fn: Callable[[], None]) -> Step:
+        async def step() -> None:
+            await asyncio.to_thread(fn)
+
+        return step
+
+    def signal_model(sig: signal.Signals) -> Step:
+        async def step() -> None:
+            os.kill(cluster.models["a"].pid, sig)
+
+        return step
+
+    def model_fault(**faults: Any) -> Step:
+        async def step() -> None:
+            await post_fault(http, cluster.models["a"], **faults)
+
+        return step
+
+    async def kill_sidecars() -> None:
+        for sidecar in cluster.sidecars.values():
+            sidecar.proc.kill()
+            sidecar.proc.wait(5)
+
+    async def start_sidecars() -> None:
+        for name in cluster.sidecars:
+            await asyncio.to_thread(cluster.start_sidecar, name)
+
+    async def kill_redis() -> None:
+        assert cluster.redis is not None
+        cluster.redis.kill()
+        cluster.redis.wait(5)
+
+    async def poison_on() -> None:
+        for model in cluster.models.values():
+            await post_fault(http, model, poison="POISON")
+        poisoned = {**BODY, "messages": [{"role": "user", "content": "POISON"}]}
+        async with http.post(url + "/v1/chat/completions", json=poisoned) as response:
+            await response.read()  # passed through as the nodes answered it, nobody ejected
+
+    async def poison_off() -> None:
+        for model in cluster.models.values():
+            await post_fault(http, model, poison="")
+
+    slow: list[socket.socket] = []
+
+    async def slow_clients() -> None:
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(50 if quick else 150):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            slow.append(s)
+
+    async def slow_clients_gone() -> None:
+        for s in slow:
+            s.close()
+
+    faults = [
+        Fault(
+            "kill a node",
+            kill(lambda: cluster.models["a"]),
+            start(lambda: cluster.start_model("a")),
+            is_("a", "unhealthy", "ejected"),
+            all_ready(),
+        ),
+        Fault(
+            "SIGSTOP a node",
+            signal_model(signal.SIGSTOP),
+            signal_model(signal.SIGCONT),
+            is_("a", "unhealthy", "ejected"),
+            all_ready(),
+        ),
+        Fault(
+            "hang a node",
+            model_fault(hang=True),
+            model_fault(hang=False),
+            is_("a", "unhealthy", "ejected"),
+            all_ready(),
+        ),
+        Fault(
+            "kill a sidecar",
+            kill(lambda: cluster.sidecars["a"]),
+            start(lambda: cluster.start_sidecar("a")),
+            None,
+            all_ready(),
+        ),
+        Fault("kill every sidecar", kill_sidecars, start_sidecars, None, all_ready()),
+        Fault("kill Redis", kill_redis, start(cluster.start_redis), None, all_ready()),
+        Fault(
+            "a leaking node",
+            model_fault(leak_mb_per_req=40),
+            model_fault(leak_mb_per_req=0, free_leaked=True),
+            is_("a", "leaking"),
+            all_ready(),
+        ),
+        Fault("poison requests", poison_on, poison_off, None, all_ready()),
+        Fault("a slow client flood", slow_clients, slow_clients_gone, None, all_ready()),
+    ]
+    assert cluster.gateway is not None
+    tallies = [Tally()]
+    stop = asyncio.Event()
+    loading = asyncio.ensure_future(load(url, rate, stop, tallies))
+    rows: list[dict[str, Any]] = []
+    try:
+        await asyncio.sleep(2.0)  # the load settles, and the gateway is warm
+        rss_before = rss_mb(cluster.gateway.pid)
+        for fault in faults:
+            tallies.append(Tally())
+            started = time.monotonic()
+            await fault.apply()
+            detect = await until(fault.detect, hold) if fault.detect else None
+            await asyncio.sleep(max(0.0, hold - (time.monotonic() - started)))
+            await fault.revert()
+            recover = await until(fault.recover, 30.0)
+            await asyncio.sleep(1.0)  # what the recovery's last requests saw
+            seen = tallies[-1]
+            rows.append(
+                {
+                    "fault": fault.name,
+                    "sent": seen.sent,
+                    "failed": seen.failed,
+                    "broken_streams": seen.broken_streams,
+                    "statuses": seen.statuses,
+                    "detect_s": None if detect is None else round(detect, 2),
+                    "recover_s": None if recover is None else round(recover, 2),
+                }
+            )
+        soak_before = rss_mb(cluster.gateway.pid)
+        rows.append(await _streams(url, 200 if quick else 1000, 5.0 if quick else 600.0))
+        soak_after = rss_mb(cluster.gateway.pid)
+    finally:
+        stop.set()
+        await loading
+        await http.close()
+    rss_after = rss_mb(cluster.gateway.pid)
+    return {
+        "hold_s": hold,
+        "rate_rps": rate,
+        "faults": rows,
+        # warm (after 2 s of load) to the end, and over the streams' soak alone
+        "gateway_rss_mb": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
+        "gateway_rss_growth": round(rss_after / rss_before - 1.0, 3),
+        "soak_rss_growth": round(soak_after / soak_before - 1.0, 3),
+    }
+
+
+async def _streams(url: str, count: int, seconds: float) -> dict[str, Any]:
+    """``count`` concurrent streams, each lasting about ``seconds``."""
+    tally = Tally()
+    body = {**BODY, "max_tokens": max(8, int(400 * seconds)), "stream": True}
+    timeout = aiohttp.ClientTimeout(total=seconds + 60)
+    started = time.monotonic()
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def one() -> None:
+            tally.sent += 1
+            try:
+                async with http.post(url + "/v1/chat/completions", json=body) as response:
+                    data = await response.read()
+                    if response.status != 200:
+                        tally.failed += 1
+                    elif b'"error"' in data or not data.rstrip().endswith(b"[DONE]"):
+                        tally.broken_streams += 1
+            except (aiohttp.ClientError, TimeoutError):
+                tally.failed += 1
+
+        await asyncio.gather(*(one() for _ in range(count)))
+    return {
+        "fault": f"{count} concurrent streams for {seconds:g}s",
+        "sent": tally.sent,
+        "failed": tally.failed,
+        "broken_streams": tally.broken_streams,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def run_faults(quick: bool, out: Path | None) -> dict[str, Any]:
+    redis = shutil.which("redis-server")
+    if redis is None:
+        raise SystemExit("promptlb-bench faults: redis-server is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp), redis)
+        try:
+            cluster.start()
+            report = asyncio.run(_suite(cluster, quick))
+        finally:
+            cluster.stop()
+    result = {"benchmark": "faults", **environment(), "quick": quick, **report}
+    folder = out or (RESULTS / "quick" if quick else RESULTS)
+    write_json(folder / "faults.json", result)
+    return result
