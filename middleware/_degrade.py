@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Mapping
+from types import TracebackType
 from typing import Any
 
 from ._answer import Answer
@@ -77,25 +77,11 @@ class Dispatcher:
             return None
         return cache_key(path, body, self._families.get(model, model))
 
-    @asynccontextmanager
-    async def answer(self, request: Request) -> AsyncIterator[Answer]:
-        """Find the answer (raising a `Refusal` when there is none) and hold its upstream open
-        while the caller passes it on."""
-        try:
-            found = await self._find(request)
-        except Shed:
-            self._lb.metrics.shed.labels(request.route.priority).inc()
-            raise
-        held = found.held
-        if held is None:
-            yield found
-            return
-        try:
-            yield found
-        except BaseException as exc:
-            await held.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        await held.__aexit__(None, None, None)
+    def answer(self, request: Request) -> _Answering:
+        """``async with dispatcher.answer(request) as answer``: find the answer (raising a
+        `Refusal` when there is none) and hold its upstream open while the caller passes it on.
+        A plain class rather than a generator context manager: it is on every request."""
+        return _Answering(self, request)
 
     async def _find(self, request: Request) -> Answer:
         route = request.route
@@ -302,3 +288,28 @@ async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
         if isinstance(result, Answer) and result.held is not None:
             lost = asyncio.CancelledError()
             await result.held.__aexit__(type(lost), lost, None)
+
+
+class _Answering:
+    __slots__ = ("_dispatcher", "_found", "_request")
+
+    def __init__(self, dispatcher: Dispatcher, request: Request) -> None:
+        self._dispatcher = dispatcher
+        self._request = request
+        self._found: Answer | None = None
+
+    async def __aenter__(self) -> Answer:
+        try:
+            found = await self._dispatcher._find(self._request)
+        except Shed:
+            self._dispatcher._lb.metrics.shed.labels(self._request.route.priority).inc()
+            raise
+        self._found = found
+        return found
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        found = self._found
+        if found is not None and found.held is not None:
+            await found.held.__aexit__(kind, exc, tb)

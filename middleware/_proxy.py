@@ -27,7 +27,9 @@ __all__ = ["Proxy", "models_response"]
 # Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), and
 # the node's Date and Server, which the server in front writes for the gateway (Date is a
 # singleton field: two of them are a malformed answer).
-_DROPPED = (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
+_DROPPED = frozenset(
+    name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
+)
 _log = logging.getLogger("promptlb.middleware")
 
 
@@ -114,9 +116,7 @@ class Proxy:
         up = answer.upstream
         assert up is not None
         response = up.response
-        headers = [
-            (k, v) for k, v in response.raw_headers if k.lower().decode("latin-1") not in _DROPPED
-        ]
+        headers = [(k, v) for k, v in response.raw_headers if k.lower() not in _DROPPED]
         headers += answer_headers(answer)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sse = response.headers.get("content-type", "").encode().startswith(SSE)
