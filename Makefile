@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # strict editable installs link each file: a file added or removed needs a reinstall, so the
 # stamp also depends on the list of package files (rewritten only when that list changes).
-LISTING := $(shell find shared sidecar emulator middleware bench -name '*.py' -o -name py.typed | sort | tr '\n' ' ')
+LISTING := $(shell find shared sidecar emulator middleware bench -name '*.py' -o -name py.typed -o -path '*/dashboard/*' | sort | tr '\n' ' ')
 FILES := $(VENV)/.files
 
 $(FILES): FORCE
