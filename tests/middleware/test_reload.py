@@ -36,6 +36,12 @@ def nodes_toml(*nodes: tuple[str, Service, float], model: str = "m") -> str:
     )
 
 
+def mounted(path: Path, text: str) -> PromptLBMiddleware:
+    """The middleware (with no app behind it) on the config ``text``, written to ``path``."""
+    path.write_text(text)
+    return PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+
+
 async def drain(app: PromptLBMiddleware) -> None:
     await app.dispatcher.stop()
 
@@ -60,8 +66,7 @@ async def test_reload_adds_and_removes_nodes_and_changes_weights(
 ) -> None:
     a, b = launch("emulator", *FAST), launch("emulator", *FAST)
     path = tmp_path / "promptlb.toml"
-    path.write_text(BASE + nodes_toml(("a", a, 1)))
-    app = PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+    app = mounted(path, BASE + nodes_toml(("a", a, 1)))
     async with client(app) as http:
         assert await placed(http, 4) == {"a": 4}
         strategy = app.balancer.strategy
@@ -86,8 +91,7 @@ async def test_requests_under_way_finish_where_they_started(
     slow = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "40")
     b = launch("emulator", *FAST)
     path = tmp_path / "promptlb.toml"
-    path.write_text(BASE + nodes_toml(("a", slow, 1)))
-    app = PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+    app = mounted(path, BASE + nodes_toml(("a", slow, 1)))
     async with client(app) as http:
         await placed(http, 1)
         long = {**ASK, "max_tokens": 60, "stream": True}  # 1.5 s at 40 tokens/s
@@ -120,8 +124,7 @@ async def test_a_config_that_does_not_validate_is_refused_and_the_old_one_stays(
 ) -> None:
     a, b = launch("emulator", *FAST), launch("emulator", *FAST)
     path = tmp_path / "promptlb.toml"
-    path.write_text(BASE + nodes_toml(("a", a, 1)))
-    app = PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+    app = mounted(path, BASE + nodes_toml(("a", a, 1)))
     async with client(app) as http:
         await placed(http, 1)
         before = app.config
@@ -148,8 +151,7 @@ async def test_reload_changes_fallback_cache_and_shedding(launch: Launcher, tmp_
         ("small-1", small, 1), model="small"
     )
     path = tmp_path / "promptlb.toml"
-    path.write_text(BASE + nodes)
-    app = PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+    app = mounted(path, BASE + nodes)
     ask_big = {**ASK, "model": "big", "max_tokens": 40, "temperature": 0}  # 2 s at 20 tokens/s
     async with client(app) as http:
         first = await http.post("/v1/chat/completions", json=ask_big)
@@ -207,8 +209,7 @@ async def test_reload_changes_fallback_cache_and_shedding(launch: Launcher, tmp_
 async def test_reload_changes_strategy_and_its_options(launch: Launcher, tmp_path: Path) -> None:
     a = launch("emulator", *FAST)
     path = tmp_path / "promptlb.toml"
-    path.write_text(BASE + nodes_toml(("a", a, 1)))
-    app = PromptLBMiddleware(None, config=path)  # type: ignore[arg-type]
+    app = mounted(path, BASE + nodes_toml(("a", a, 1)))
     async with client(app) as http:
         await placed(http, 2)
         path.write_text(
