@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-full clean FORCE
+.PHONY: demo demo-up screenshot test lint bench bench-full clean FORCE
 
 # strict editable installs link each file: a file added or removed needs a reinstall, so the
 # stamp also depends on the list of package files (rewritten only when that list changes).
-LISTING := $(shell find shared sidecar emulator middleware bench -name '*.py' -o -name py.typed | sort | tr '\n' ' ')
+LISTING := $(shell find shared sidecar emulator middleware bench -name '*.py' -o -name py.typed -o -path '*/dashboard/*' | sort | tr '\n' ' ')
 FILES := $(VENV)/.files
 
 $(FILES): FORCE
@@ -24,6 +24,14 @@ $(STAMP): pyproject.toml $(FILES)
 
 demo: $(STAMP)
 	$(BIN)/python demo/main.py
+
+# the demo, then its cluster stays up with the dashboard open until Ctrl-C
+demo-up: $(STAMP)
+	$(BIN)/python demo/main.py --keep-up
+
+# the dashboard's browser test, keeping its screenshot where the README shows it
+screenshot: $(STAMP)
+	PROMPTLB_SCREENSHOT=docs/dashboard.png $(BIN)/python -m pytest -q tests/ops/test_dashboard.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -13,13 +13,17 @@ Each node is an emulated model server with its sidecar. The example Starlette ap
 middleware; a traffic generator sends the same seeded open-loop traffic three times, with
 `round_robin`, `p2c` and `predictive`, showing a live table; then a model-aware phase sends
 questions, code and poems that the rules-based classifier routes to the nodes tagged for
-them; then a summary. It stops everything it started, also on Ctrl-C.
+them; then a summary. It ends with the cluster up again and the live dashboard's URL and
+admin token printed, for 20 s of traffic (``--keep-up``, or ``make demo-up``: until Ctrl-C).
+It stops everything it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -34,6 +38,7 @@ from promptlb.emulator import Service, start_command, start_service
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASE_S = 15.0
+DASHBOARD_S = 20.0  # the closing dashboard phase, unless --keep-up
 RATE = 7.0  # requests per second, Poisson
 NODES = {
     "node-a": ("--slots", "2", "--tokens-per-s", "40", "--ttft-ms", "250"),
@@ -192,19 +197,7 @@ async def run_phase(
     prompts: list[tuple[str, str]] = DEFAULT_PROMPT,
 ) -> Phase:
     config = workdir / f"{strategy}.toml"
-    config.write_text(
-        f"strategy = '{strategy}'\nadmin_local_only = true\ngossip_interval = '500ms'\n"
-        + (ROUTES if strategy == "model_aware" else "")
-        + "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
-        "[retry]\nper_try_timeout = '20s'\n"
-        "[cache]\nbackend = 'memory'\n"
-        "[[fallback]]\nmodel = 'llama-demo'\nthen = ['llama-mini', 'cache']\nttft = '4s'\n"
-        + "".join(
-            f"[[nodes]]\nname = '{n}'\nurl = '{models[n].url}'\nsidecar = '{sidecars[n].url}'\n"
-            f"tags = {TAGS[n]!r}\n"
-            for n in NODES
-        )
-    )
+    config.write_text(config_text(strategy, models, sidecars))
     app = start_command(
         "example-app", [str(ROOT / "examples" / "app.py"), "--config", str(config), "--port", "0"]
     )
@@ -230,6 +223,25 @@ async def run_phase(
     return phase
 
 
+def config_text(
+    strategy: str, models: dict[str, Service], sidecars: dict[str, Service], head: str = ""
+) -> str:
+    return (
+        head
+        + f"strategy = '{strategy}'\nadmin_local_only = true\ngossip_interval = '500ms'\n"
+        + (ROUTES if strategy == "model_aware" else "")
+        + "[health]\ninterval = '1s'\ntimeout = '500ms'\n"
+        "[retry]\nper_try_timeout = '20s'\n"
+        "[cache]\nbackend = 'memory'\n"
+        "[[fallback]]\nmodel = 'llama-demo'\nthen = ['llama-mini', 'cache']\nttft = '4s'\n"
+        + "".join(
+            f"[[nodes]]\nname = '{n}'\nurl = '{models[n].url}'\nsidecar = '{sidecars[n].url}'\n"
+            f"tags = {TAGS[n]!r}\n"
+            for n in NODES
+        )
+    )
+
+
 def start_model(name: str, port: int = 0) -> Service:
     argv = [
         "-m",
@@ -245,7 +257,35 @@ def start_model(name: str, port: int = 0) -> Service:
     return start_command("emulator", argv)
 
 
-async def main_async(workdir: Path) -> None:
+async def dashboard(
+    models: dict[str, Service], sidecars: dict[str, Service], workdir: Path, keep_up: bool
+) -> None:
+    """The cluster again, with the dashboard open and traffic flowing: DASHBOARD_S seconds,
+    or until Ctrl-C with ``keep_up``."""
+    for name in NODES:
+        if models[name].proc.poll() is not None:
+            models[name] = start_model(name, models[name].port)
+    token = secrets.token_urlsafe(16)
+    config = workdir / "dashboard.toml"
+    config.write_text(config_text("predictive", models, sidecars, f"admin_token = '{token}'\n"))
+    app = start_command(
+        "example-app", [str(ROOT / "examples" / "app.py"), "--config", str(config), "--port", "0"]
+    )
+    until = "Ctrl-C stops it" if keep_up else f"up for {DASHBOARD_S:.0f} s (make demo-up keeps it)"
+    print(
+        f"\n=== the live dashboard: {app.url}/_promptlb/  admin token: {token} ===\n"
+        f"  predictive, with traffic flowing; {until}"
+    )
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            start = time.monotonic()
+            while keep_up or time.monotonic() - start < DASHBOARD_S:
+                await traffic(http, app, Phase("dashboard"), 10.0)
+    finally:
+        app.stop()
+
+
+async def main_async(workdir: Path, keep_up: bool = False) -> None:
     models: dict[str, Service] = {}
     sidecars: dict[str, Service] = {}
     try:
@@ -315,6 +355,7 @@ async def main_async(workdir: Path) -> None:
         for phase in phases:
             for why in phase.why[:3]:
                 print(f"  {phase.strategy} error: {why}")
+        await dashboard(models, sidecars, workdir, keep_up)
     finally:
         for service in [*sidecars.values(), *models.values()]:
             service.stop()
@@ -322,9 +363,14 @@ async def main_async(workdir: Path) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--keep-up", action="store_true", help="keep the cluster and its dashboard up until Ctrl-C"
+    )
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="promptlb-demo-") as workdir:
         try:
-            asyncio.run(main_async(Path(workdir)))
+            asyncio.run(main_async(Path(workdir), args.keep_up))
         except KeyboardInterrupt:
             print("interrupted; everything started was stopped.", file=sys.stderr)
 

@@ -69,6 +69,14 @@ class Evidence:
             asyncio.create_task(self._every(*loop), name=f"promptlb-{loop[0]}") for loop in loops
         ]
 
+    async def check(self, nodes: list[Node]) -> None:
+        """One health check and one gossip of each of ``nodes`` (joining, or about to)."""
+        checks = nodes if self._config.health.enabled else []
+        await asyncio.gather(
+            *(self._check(n) for n in checks),
+            *(self._gossip(n) for n in nodes if n.config.sidecar),
+        )
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -218,7 +226,4 @@ class Evidence:
         if before != after:
             log.info("dns discovery: +%s -%s", sorted(after - before), sorted(before - after))
             # Newcomers are checked at once rather than waiting a health interval to serve.
-            await asyncio.gather(
-                *(self._check(self._table.nodes[n]) for n in after - before),
-                *(self._gossip(self._table.nodes[n]) for n in after - before),
-            )
+            await self.check([self._table.nodes[n] for n in after - before])

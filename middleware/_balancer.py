@@ -84,27 +84,44 @@ class _PassThrough(aiohttp.ClientRequest):
 
 
 class Balancer:
-    def __init__(self, config: Config, *, rng: random.Random | None = None) -> None:
+    """``previous``: the balancer of the config this one replaces (a reload). The node table,
+    metrics, random generator and upstream session carry over; so do the strategy (and what it
+    learnt), the retry budget and the admission queue, each when its settings are unchanged.
+    Nothing of ``previous`` changes until `succeed` is awaited."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        rng: random.Random | None = None,
+        previous: Balancer | None = None,
+    ) -> None:
         self.config = config
-        self.table = NodeTable(config)
-        try:
-            strategy = make_strategy(config.strategy, **config.strategy_options)
-        except ConfigError as exc:
-            raise ConfigError(f"strategy_options.{exc.key}", exc.value, exc.expected) from None
-        affinity = config.affinity
-        if affinity is not None:
-            try:
-                strategy = Affinity(strategy, epsilon=affinity.epsilon, vnodes=affinity.vnodes)
-            except ConfigError as exc:
-                raise ConfigError(f"affinity.{exc.key}", exc.value, exc.expected) from None
-        self.strategy: Strategy = strategy
-        self.metrics = Metrics(lambda: self.table, config.strategy)
-        self.rng = rng or random.Random()
+        same = previous is not None and _same_strategy(previous.config, config)
+        self.strategy: Strategy = previous.strategy if previous and same else _strategy_for(config)
         self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
-        self.admission = Admission(config.shedding, self.table)
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
         self._starting: asyncio.Lock | None = None
+        if previous is None:
+            self.table = NodeTable(config)
+            self.metrics = Metrics(lambda: self.table, config.strategy)
+            self.rng = rng or random.Random()
+            self.admission = Admission(config.shedding, self.table)
+        else:
+            self.table, self.metrics = previous.table, previous.metrics
+            self.rng = rng or previous.rng
+            old = previous.config
+            if (old.retry.budget_percent, old.retry.min_concurrent) == (
+                config.retry.budget_percent,
+                config.retry.min_concurrent,
+            ):
+                self._budget = previous._budget
+            self.admission = (
+                previous.admission
+                if old.shedding == config.shedding
+                else Admission(config.shedding, self.table)
+            )
         dropped = HOP_BY_HOP | _CLIENT_ONLY
         if not config.forward_authorization:
             dropped |= {"authorization"}
@@ -117,6 +134,38 @@ class Balancer:
             for name, n in ((n.name, n) for n in config.nodes)
             if n.api_key
         }
+
+    async def succeed(self, previous: Balancer) -> tuple[list[str], list[str]]:
+        """Take over from ``previous``: the node table follows this config (nodes added and
+        removed; see `NodeTable.reconfigure`) and, when ``previous`` had started, its session
+        passes here and the evidence loops restart under this config, after one round that
+        checks the new nodes. ``previous`` keeps its session for the requests still on it.
+        Returns the nodes added and removed."""
+        if previous._starting is not None:
+            self._starting = previous._starting
+            async with previous._starting:  # a start under way finishes first
+                return await self._take_over(previous)
+        return await self._take_over(previous)
+
+    async def _take_over(self, previous: Balancer) -> tuple[list[str], list[str]]:
+        newcomers = self.table.newcomers(self.config)
+        evidence = None
+        if previous._session is not None:
+            self._session = previous._session
+            evidence = Evidence(self.config, self.table, self._session, self.metrics)
+            # Checked before they join and before any node leaves: the requests that arrive
+            # meanwhile still have the old nodes, and the new ones serve from the moment
+            # they are members.
+            await evidence.check(newcomers)
+        changed = self.table.reconfigure(self.config, newcomers)
+        self.metrics.use_strategy(self.config.strategy)
+        if evidence is not None:
+            if previous._evidence is not None:
+                await previous._evidence.stop()
+                previous._evidence = None
+            self._evidence = evidence
+            await evidence.start()
+        return changed
 
     @property
     def started(self) -> bool:
@@ -406,3 +455,27 @@ class Balancer:
             if ttft is not None:
                 metrics.ttft.observe(ttft)
         return latency
+
+
+def _strategy_for(config: Config) -> Strategy:
+    """The configured strategy, wrapped by ``[affinity]`` when set; errors name the key."""
+    try:
+        strategy = make_strategy(config.strategy, **config.strategy_options)
+    except ConfigError as exc:
+        raise ConfigError(f"strategy_options.{exc.key}", exc.value, exc.expected) from None
+    affinity = config.affinity
+    if affinity is None:
+        return strategy
+    try:
+        return Affinity(strategy, epsilon=affinity.epsilon, vnodes=affinity.vnodes)
+    except ConfigError as exc:
+        raise ConfigError(f"affinity.{exc.key}", exc.value, exc.expected) from None
+
+
+def _same_strategy(old: Config, new: Config) -> bool:
+    """Whether a reload may keep the strategy object, and what it learnt of the nodes."""
+    return (old.strategy, old.strategy_options, old.affinity) == (
+        new.strategy,
+        new.strategy_options,
+        new.affinity,
+    )

@@ -4,7 +4,7 @@ like proxied traffic, without an HTTP hop to ourselves."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,9 +29,28 @@ class PromptLBError(Exception):
 
 
 class PromptLBClient:
-    def __init__(self, dispatcher: Dispatcher, reader: RequestReader) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        reader: RequestReader,
+        reload: Callable[..., Awaitable[bool]] | None = None,
+    ) -> None:
         self._dispatch = dispatcher
         self._reader = reader
+        self._reload = reload
+
+    def use(self, dispatcher: Dispatcher, reader: RequestReader) -> None:
+        """A reloaded config: calls from now on go through its dispatcher (a call under way
+        keeps the one it started with)."""
+        self._dispatch = dispatcher
+        self._reader = reader
+
+    async def reload(self, config: Any = None) -> bool:
+        """`PromptLBMiddleware.reload`, for app code that reaches the middleware only through
+        ``request.state.promptlb`` (``app.add_middleware`` builds it out of reach)."""
+        if self._reload is None:
+            raise RuntimeError("this client belongs to no middleware that can reload")
+        return await self._reload(config)
 
     async def chat(
         self, *, model: str, messages: list[dict[str, Any]], **params: Any

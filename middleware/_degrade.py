@@ -30,7 +30,11 @@ _log = logging.getLogger("promptlb.middleware")
 
 
 class Dispatcher:
-    def __init__(self, balancer: Balancer) -> None:
+    """``previous``: the dispatcher of the config this one replaces (a reload); its cache (and
+    the cache writes under way) carries over when ``[cache]`` is unchanged. Otherwise the old
+    cache is left to ``previous``'s requests and is `retired` (closed at shutdown)."""
+
+    def __init__(self, balancer: Balancer, *, previous: Dispatcher | None = None) -> None:
         self._lb = balancer
         self.balancer = balancer
         config = balancer.config
@@ -39,7 +43,15 @@ class Dispatcher:
         cache_cfg = config.cache
         self.cache_config = cache_cfg
         self.cache: ResponseCache | None = None
-        if cache_cfg is not None:
+        self._writes: set[asyncio.Task[None]] = set()
+        self.retired: list[ResponseCache] = []
+        if previous is not None:
+            self.retired = previous.retired
+            if previous.cache_config == cache_cfg:
+                self.cache, self._writes = previous.cache, previous._writes
+            elif previous.cache is not None:
+                self.retired.append(previous.cache)
+        if cache_cfg is not None and self.cache is None:
             errors = balancer.metrics.cache_errors
             self.cache = open_cache(
                 cache_cfg.backend,
@@ -50,7 +62,6 @@ class Dispatcher:
                 on_error=lambda op: errors.labels(op).inc(),
             )
         self._families: Mapping[str, str] = cache_cfg.families if cache_cfg else {}
-        self._writes: set[asyncio.Task[None]] = set()
         # A refusal's Retry-After when it carries none: the nodes' state may change by the next
         # round of health checks.
         self.retry_after = str(max(1, round(config.health.interval))).encode()
@@ -59,8 +70,9 @@ class Dispatcher:
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         await self._lb.stop()
-        if self.cache is not None:
-            await self.cache.close()
+        for cache in (*self.retired, *([self.cache] if self.cache is not None else [])):
+            await cache.close()
+        self.retired.clear()
 
     def store(self, key: str, entry: CacheEntry) -> None:
         """Write in the background: the client already has its answer."""

@@ -1,7 +1,8 @@
 """``promptlb-gateway``: the middleware in a minimal app, for teams without an app of their own.
 
 Served by uvicorn on uvloop with the httptools parser. Only the balanced routes, ``/v1/models``
-and the admin endpoints exist; everything else is 404.
+and the admin endpoints (the dashboard among them) exist; everything else is 404. SIGHUP reads
+the config file again (see `PromptLBMiddleware.reload`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import uvicorn
 import uvloop
@@ -102,11 +105,13 @@ def serve(
     log_level: str = "info",
     forwarded_allow_ips: str | None = None,
     header_timeout: float = HEADER_TIMEOUT,
+    on_hangup: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
     """Serve an ASGI app with uvicorn on uvloop; prints ``NAME listening on http://…`` once
-    bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly."""
+    bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly; SIGHUP runs
+    ``on_hangup`` (the gateway's config reload) when given."""
     config = server_config(app, host, port, log_level, forwarded_allow_ips, header_timeout)
-    uvloop.run(_serve(config, name))
+    uvloop.run(_serve(config, name, on_hangup))
 
 
 def server_config(
@@ -142,9 +147,21 @@ def server_config(
     )
 
 
-async def _serve(config: uvicorn.Config, name: str) -> None:
+async def _serve(
+    config: uvicorn.Config, name: str, on_hangup: Callable[[], Awaitable[object]] | None = None
+) -> None:
     host, port = config.host, config.port
     server = uvicorn.Server(config)
+    hangups: set[asyncio.Future[object]] = set()
+    if on_hangup is not None:
+        # uvicorn handles SIGINT and SIGTERM only; SIGHUP, by convention "read your config
+        # again", is ours. Each signal is one reload task (the middleware runs them in turn).
+        def hangup() -> None:
+            task = asyncio.ensure_future(on_hangup())
+            hangups.add(task)
+            task.add_done_callback(hangups.discard)
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hangup)
 
     async def announce() -> None:
         while not server.started:
@@ -200,6 +217,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"argument {exc}")
     if header_timeout <= 0:
         parser.error(f"argument --header-timeout: got {args.header_timeout}, expected > 0")
+    # promptlb's own lines (ejections and returns, health changes, reloads) at the chosen
+    # level; uvicorn configures only its own loggers.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("promptlb")
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
     try:
         app = PromptLBMiddleware(_not_found, config=args.config)
     except ConfigError as exc:
@@ -212,4 +236,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=args.log_level,
         forwarded_allow_ips=args.forwarded_allow_ips,
         header_timeout=header_timeout,
+        on_hangup=app.reload,
     )

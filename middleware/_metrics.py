@@ -152,6 +152,12 @@ class Metrics:
         )
         r.register(_Live(table))
 
+    def use_strategy(self, strategy: str) -> None:
+        """A reloaded config names another strategy: picks are counted under it from now."""
+        if strategy != self._strategy:
+            self._strategy = strategy
+            self._nodes.clear()
+
     def node(self, name: str) -> NodeMetrics:
         found = self._nodes.get(name)
         if found is None:

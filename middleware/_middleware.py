@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from promptlb.shared import ConfigError
 
 from ._asgi import ASGIApp, Receive, Scope, Send, json_error, send_json
 from ._balancer import Balancer
 from ._client import PromptLBClient
 from ._config import Config, load_config
+from ._dashboard import send_asset, send_redirect
 from ._degrade import Dispatcher
-from ._proxy import Proxy, models_response
-from ._request import RequestReader
-from ._status import status_json
+from ._live import Live, build_live, describe
+from ._proxy import models_response
+from ._status import StatusPage
 
 __all__ = ["PromptLBMiddleware"]
 
 _LOCAL = frozenset({"127.0.0.1", "::1", "localhost"})
+log = logging.getLogger("promptlb.middleware")
+
+ConfigSource = Config | str | Path | Mapping[str, Any]
 
 
 class PromptLBMiddleware:
@@ -27,23 +35,30 @@ class PromptLBMiddleware:
 
     ``config`` is a `Config`, a TOML path, or a mapping of the TOML's shape. Background work
     (gossip, health checks) starts at lifespan startup, or on the first request when the server
-    runs without lifespan, and stops at lifespan shutdown.
+    runs without lifespan, and stops at lifespan shutdown. `reload` reads the config again
+    without a restart (``promptlb-gateway`` calls it on SIGHUP).
     """
 
-    def __init__(self, app: ASGIApp, *, config: Config | str | Path | Mapping[str, Any]) -> None:
+    def __init__(self, app: ASGIApp, *, config: ConfigSource) -> None:
         self.app = app
-        self.config = load_config(config)
-        self.balancer = Balancer(self.config)
-        self.dispatcher = Dispatcher(self.balancer)
-        reader = RequestReader(self.config, self.balancer.admission)
-        self.client = PromptLBClient(self.dispatcher, reader)
-        self._proxy = Proxy(self.dispatcher, reader, self.config)
-        self._routes = frozenset(self.config.routes)
-        self._models_route = self.config.models_route
-        prefix = self.config.admin_prefix
-        self._admin = {prefix + "/status": "status", prefix + "/metrics": "metrics"}
-        token = self.config.admin_secret()
-        self._admin_token = token.encode() if token else None
+        self._source = config
+        self._live: Live = build_live(load_config(config))
+        self.client = PromptLBClient(self._live.dispatcher, self._live.reader, self.reload)
+        self._status = StatusPage()
+        self._reloading = asyncio.Lock()
+
+    # What the current config built; a request reads `_live` once and keeps what it read.
+    @property
+    def config(self) -> Config:
+        return self._live.config
+
+    @property
+    def balancer(self) -> Balancer:
+        return self._live.balancer
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self._live.dispatcher
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -51,23 +66,50 @@ class PromptLBMiddleware:
             return await self._lifespan(scope, receive, send)
         if kind != "http":
             return await self.app(scope, receive, send)
+        live = self._live
         path = scope["path"]
-        if path in self._routes and scope["method"] == "POST":
-            if not self.balancer.started:
-                await self.balancer.start()
-            return await self._proxy(scope, receive, send)
-        if path == self._models_route and scope["method"] == "GET":
-            if not self.balancer.started:
-                await self.balancer.start()
-            return await models_response(self.balancer, send)
-        admin = self._admin.get(path)
+        if path in live.routes and scope["method"] == "POST":
+            if not live.balancer.started:
+                await live.balancer.start()
+            return await live.proxy(scope, receive, send)
+        if path == live.models_route and scope["method"] == "GET":
+            if not live.balancer.started:
+                await live.balancer.start()
+            return await models_response(live.balancer, send)
+        admin = live.admin.get(path)
         if admin is not None:
-            return await self._serve_admin(admin, scope, send)
+            return await self._serve_admin(live, admin, scope, send)
         state = scope.get("state")
         if state is None:
             scope["state"] = state = {}
         state["promptlb"] = self.client
         return await self.app(scope, receive, send)
+
+    async def reload(self, config: ConfigSource | None = None) -> bool:
+        """Read the config again (``config`` None: the source given at construction, which
+        must then be a path) and switch to it without a restart: nodes added and removed,
+        weights, strategy options, fallback chains, cache and shedding settings. Requests
+        under way finish under the config they started with. A config that does not
+        validate is refused with one log line naming the key, and the running one stays;
+        returns whether the new one is in force."""
+        source = self._source if config is None else config
+        async with self._reloading:
+            old = self._live
+            try:
+                if config is None and not isinstance(source, str | Path):
+                    raise ConfigError("config", type(source).__name__, "a file to read again")
+                live = build_live(load_config(source), old)
+            except ConfigError as exc:
+                log.error("promptlb: config reload refused, the running config stays: %s", exc)
+                return False
+            added, removed = await live.balancer.succeed(old.balancer)
+            self._live = live
+            self.client.use(live.dispatcher, live.reader)
+            if isinstance(source, str | Path):
+                self._source = source
+            changes = describe(old.config, live.config, added, removed)
+            log.info("promptlb: config reloaded: %s", changes)
+            return True
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state")
@@ -77,26 +119,28 @@ class PromptLBMiddleware:
         async def wrapped() -> Any:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await self.balancer.start()
+                await self._live.balancer.start()
             elif message["type"] == "lifespan.shutdown":
-                await self.dispatcher.stop()
+                async with self._reloading:
+                    await self._live.dispatcher.stop()
             return message
 
         await self.app(scope, wrapped, send)
 
-    async def _serve_admin(self, which: str, scope: Scope, send: Send) -> None:
-        if not self._admin_allowed(scope):
-            await json_error(
-                send,
-                403 if self._admin_token is None else 401,
-                "admin endpoints need admin_token(_file) or admin_local_only",
-                "permission_error",
-            )
-            return
+    async def _serve_admin(self, live: Live, which: str, scope: Scope, send: Send) -> None:
+        if which == "home":  # the page's relative links need the trailing slash
+            return await send_redirect(send, scope["path"] + "/")
+        if which.startswith("asset:"):
+            # The dashboard is a static shell without data: it asks for the token itself and
+            # sends it from script. It is served wherever the data could be had.
+            if live.admin_token is None and not self._local(live, scope):
+                return await self._refuse(live, send)
+            return await send_asset(send, which[6:])
+        if not self._admin_allowed(live, scope):
+            return await self._refuse(live, send)
         if which == "status":
-            await send_json(send, 200, status_json(self.balancer))
-            return
-        body = self.balancer.metrics.render()
+            return await send_json(send, 200, self._status.render(live.balancer))
+        body = live.balancer.metrics.render()
         await send(
             {
                 "type": "http.response.start",
@@ -109,16 +153,28 @@ class PromptLBMiddleware:
         )
         await send({"type": "http.response.body", "body": body})
 
-    def _admin_allowed(self, scope: Scope) -> bool:
-        if self._admin_token is not None:
+    async def _refuse(self, live: Live, send: Send) -> None:
+        await json_error(
+            send,
+            403 if live.admin_token is None else 401,
+            "admin endpoints need admin_token(_file) or admin_local_only",
+            "permission_error",
+        )
+
+    def _admin_allowed(self, live: Live, scope: Scope) -> bool:
+        if live.admin_token is not None:
             for name, value in scope["headers"]:
                 if name == b"authorization":
                     # RFC 9110 11.1: the scheme is case-insensitive (the sidecar agrees).
                     scheme, _, given = value.strip().partition(b" ")
                     return scheme.lower() == b"bearer" and hmac.compare_digest(
-                        given.strip(), self._admin_token
+                        given.strip(), live.admin_token
                     )
-        if self.config.admin_local_only:
-            client = scope.get("client")
-            return client is not None and client[0] in _LOCAL
-        return False
+        return self._local(live, scope)
+
+    @staticmethod
+    def _local(live: Live, scope: Scope) -> bool:
+        if not live.config.admin_local_only:
+            return False
+        client = scope.get("client")
+        return client is not None and client[0] in _LOCAL

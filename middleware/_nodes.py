@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ from ._view import NodeView
 __all__ = ["Node", "NodeTable"]
 
 _EWMA = 0.2  # weight of the newest latency/TTFT/error observation
+# Recent answers kept per node for the status page's percentiles: appending to a bounded deque
+# is all a request pays; sorting 256 floats happens at status time, about once a second.
+RECENT = 256
 
 log = logging.getLogger("promptlb.middleware")
 
@@ -49,6 +53,8 @@ class Node:
     decode_rate: float | None = None
     picks: int = 0
     learnt_models: frozenset[str] = field(default_factory=frozenset)
+    recent_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent_ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     @property
     def name(self) -> str:
@@ -96,6 +102,13 @@ class NodeTable:
 
     # -- membership ------------------------------------------------------------------------
     def add(self, node_config: NodeConfig) -> Node:
+        node = self.make(node_config)
+        self.nodes[node.name] = node
+        self._dirty = True
+        return node
+
+    def make(self, node_config: NodeConfig) -> Node:
+        """A node for this table, not in it yet (a reload checks newcomers before they join)."""
         view = NodeView(
             name=node_config.name,
             url=node_config.url,
@@ -107,8 +120,6 @@ class NodeTable:
         if not self._config.health.enabled:
             node.health_ok = True
             node.ready_since = self._clock()
-        self.nodes[node.name] = node
-        self._dirty = True
         return node
 
     def remove(self, name: str) -> None:
@@ -124,6 +135,67 @@ class NodeTable:
         for name, node_config in wanted_by_name.items():
             if name not in self.nodes:
                 self.add(node_config)
+
+    def newcomers(self, config: Config) -> list[Node]:
+        """The nodes a reload to ``config`` brings in (new names, or a new URL or sidecar for
+        a name: another server), built but not joined, so that they can be checked first."""
+        if config.discovery.mode == "dns":
+            return []
+        return [
+            self.make(n)
+            for n in config.nodes
+            if n.name not in self.nodes
+            or (self.nodes[n.name].config.url, self.nodes[n.name].config.sidecar)
+            != (n.url, n.sidecar)
+        ]
+
+    def reconfigure(
+        self, config: Config, newcomers: Iterable[Node] = ()
+    ) -> tuple[list[str], list[str]]:
+        """A reloaded config: its settings from now on, and its ``[[nodes]]`` as the members
+        (under DNS discovery the members stay discovery's). A node whose name, URL and sidecar
+        are unchanged keeps everything known of it (health, snapshot, ejection, learnt speed);
+        its weight, models and tags follow the new config. A changed URL or sidecar is another
+        server: the node starts afresh, as the `newcomers` object when given (already checked).
+        Requests open on a node that is gone or replaced finish on the `Node` object they hold.
+        Returns the names added (or replaced) and removed."""
+        ready = {n.name: n for n in newcomers}
+        self._config = config
+        self._dirty = True
+        if not config.health.enabled:
+            for node in self.nodes.values():
+                node.health_ok = True
+                if node.ready_since is None:
+                    node.ready_since = self._clock()
+        if config.discovery.mode == "dns":
+            return [], []
+        wanted = {n.name: n for n in config.nodes}
+        removed = [name for name in self.nodes if name not in wanted]
+        for name in removed:
+            self.remove(name)
+        added = []
+        for name, node_config in wanted.items():
+            current = self.nodes.get(name)
+            if current is not None and current.config == node_config:
+                continue
+            if current is None or (current.config.url, current.config.sidecar) != (
+                node_config.url,
+                node_config.sidecar,
+            ):
+                self.remove(name)
+                fresh = ready.get(name)
+                if fresh is None or fresh.config != node_config:
+                    fresh = self.make(node_config)
+                self.nodes[name] = fresh
+                added.append(name)
+                continue
+            current.config = node_config
+            view = current.view
+            view.weight = node_config.weight
+            view.models = current.models
+            held = current.snapshot
+            view.tags = frozenset(node_config.tags) or frozenset(held.tags if held else ())
+        return added, removed
 
     # -- evidence --------------------------------------------------------------------------
     def record_health(self, node: Node, ok: bool, detail: str, now: float) -> None:
@@ -197,8 +269,10 @@ class NodeTable:
         view.error_rate += _EWMA * ((0.0 if ok else 1.0) - view.error_rate)
         if latency_s is not None:
             view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
+            node.recent_latency_s.append(latency_s)
         if ttft_s is not None:
             view.ewma_ttft_s = _ewma(view.ewma_ttft_s, ttft_s)
+            node.recent_ttft_s.append(ttft_s)
         if ok:
             node.consecutive_failures = 0
             return

@@ -1,0 +1,176 @@
+// promptlb's dashboard: polls the admin status document and draws it. No data is in the page
+// itself; the admin token is asked for here, kept in this tab's sessionStorage (gone when the
+// tab closes) and sent as an Authorization header: never in a URL, so never in a log.
+"use strict";
+
+const TOKEN_KEY = "promptlb-admin-token";
+const EVERY_MS = 750; // a poll at most this long after the last answer: under a second behind
+const statusUrl = new URL("status", document.baseURI);
+let lastAt = 0;
+let loop = 0; // one polling loop at a time: a new one (after a login) ends the one before
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  return node;
+}
+
+const dash = "\u2013";
+const num = (x, digits = 0) => (x === null || x === undefined ? dash : x.toFixed(digits));
+const pct = (x, digits = 0) => (x === null || x === undefined ? dash : (x * 100).toFixed(digits) + "%");
+function ms(x) {
+  if (x === null || x === undefined) return dash;
+  return x >= 1000 ? (x / 1000).toFixed(2) + " s" : x.toFixed(0) + " ms";
+}
+function bytes(x) {
+  if (x === null || x === undefined) return dash;
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(x) >= 1024 && i < units.length - 1) { x /= 1024; i++; }
+  return x.toFixed(i ? 1 : 0) + " " + units[i];
+}
+
+function cell(row, ...lines) {
+  const td = el("td");
+  lines.forEach((line, i) => {
+    if (line instanceof Node) td.append(line);
+    else td.append(el("span", line, i ? "sub" : undefined));
+  });
+  row.append(td);
+  return td;
+}
+
+function bar(ratio) {
+  const outer = el("div", null, "bar");
+  const inner = el("span");
+  inner.style.width = Math.max(0, Math.min(1, ratio || 0)) * 100 + "%";
+  outer.append(inner);
+  return outer;
+}
+
+function badge(text) {
+  return el("span", text, "badge state-" + text);
+}
+
+function nodeRow(n) {
+  const row = el("tr");
+  row.dataset.node = n.name;
+  row.dataset.state = n.state;
+  row.append(el("td", n.name, "name"));
+  const state = cell(row);
+  state.className = "state";
+  state.append(badge(n.state));
+  if (n.leaking) state.append(badge("leaking"));
+  if (n.ejected_for_s > 0) state.append(el("span", "back in " + n.ejected_for_s + " s", "sub"));
+  // GPU per card
+  const gpus = cell(row);
+  if (!n.gpus.length) gpus.append(el("span", dash));
+  for (const g of n.gpus) {
+    gpus.append(el("span", "#" + g.i + " " + pct(g.util) + "  " + bytes(g.mem_used_mib * 1048576) +
+      " / " + bytes(g.mem_total_mib * 1048576), "sub"));
+    gpus.append(bar(g.util));
+  }
+  // memory: the host's, and the model server's resident set with its trend
+  const slope = n.rss_slope_bytes_per_s;
+  cell(row, "host " + pct(n.load.mem),
+    "rss " + bytes(n.rss_bytes) + (slope ? " (" + (slope > 0 ? "+" : "") + bytes(slope) + "/s)" : ""));
+  const e = n.engine;
+  cell(row, e ? e.running + " run / " + e.waiting + " wait" : dash,
+    e && e.tps !== null ? num(e.tps) + " tok/s" : "");
+  const kv = cell(row, e ? pct(e.kv_cache) : dash);
+  if (e && e.kv_cache !== null) kv.append(bar(e.kv_cache));
+  cell(row, n.in_flight);
+  const lat = n.latency_ms, ttft = n.ttft_ms;
+  cell(row, ms(lat.p50) + " / " + ms(lat.p90) + " / " + ms(lat.p99), lat.samples + " answers");
+  cell(row, ms(ttft.p50) + " / " + ms(ttft.p90) + " / " + ms(ttft.p99));
+  cell(row, pct(n.error_rate, 1), n.failures + " of " + n.requests);
+  cell(row, pct(n.share));
+  cell(row, num(n.qps, 1));
+  return row;
+}
+
+function render(doc) {
+  const t = doc.totals;
+  $("strategy").textContent = "strategy " + doc.strategy;
+  $("t-qps").textContent = num(t.qps, 1);
+  $("t-tps").textContent = num(t.tokens_per_s);
+  $("t-success").textContent = pct(t.success_rate, 1);
+  $("t-balance").textContent = num(t.balance_index, 2);
+  $("t-ready").textContent = t.nodes_ready + " / " + t.nodes;
+  $("t-fallbacks").textContent = t.fallbacks;
+  $("t-cache").textContent = t.cache_answers;
+  $("t-shed").textContent = t.shed;
+  $("window").textContent = t.window_s ? t.window_s.toFixed(0) + " s" : "(first look)";
+  $("nodes").tBodies[0].replaceChildren(...doc.nodes.map(nodeRow));
+  $("board").hidden = false;
+  lastAt = Date.now();
+  document.body.dataset.updated = String(lastAt);
+}
+
+function askForToken(message) {
+  $("board").hidden = true;
+  $("forget").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+  $("freshness").textContent = "";
+  $("token").focus();
+}
+
+function start() {
+  loop += 1;
+  poll(loop);
+}
+
+async function poll(mine) {
+  if (mine !== loop) return;
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  let response;
+  try {
+    response = await fetch(statusUrl, { headers, cache: "no-store", credentials: "omit" });
+  } catch (err) {
+    $("freshness").textContent = "gateway unreachable; retrying";
+    $("freshness").className = "error";
+    return setTimeout(poll, EVERY_MS, mine);
+  }
+  if (response.status === 401 || response.status === 403) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    return askForToken(token ? "That token was refused." : "");
+  }
+  if (!response.ok) {
+    $("freshness").textContent = "status answered " + response.status + "; retrying";
+    $("freshness").className = "error";
+    return setTimeout(poll, EVERY_MS, mine);
+  }
+  render(await response.json());
+  $("forget").hidden = !token;
+  $("freshness").className = "muted";
+  $("freshness").textContent = "live";
+  setTimeout(poll, EVERY_MS, mine);
+}
+
+setInterval(() => {
+  if (lastAt && Date.now() - lastAt > 3000) {
+    $("freshness").textContent = "last update " + Math.round((Date.now() - lastAt) / 1000) + " s ago";
+    $("freshness").className = "error";
+  }
+}, 1000);
+
+$("login").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+  $("token").value = "";
+  $("login").hidden = true;
+  start();
+});
+
+$("forget").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  loop += 1;
+  askForToken("");
+});
+
+start();
