@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--duration", default=None, help="override the scenario's duration")
     sim.add_argument("--out", default=None, help="results folder (default bench/results)")
+    sim.add_argument("--no-plot", action="store_true", help="skip the PNG (prompt scenarios)")
 
     endpoint = sub.add_parser("endpoint", help="capacity planning against any OpenAI endpoint")
     endpoint.add_argument("url", help="base URL, e.g. http://127.0.0.1:8000")

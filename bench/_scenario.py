@@ -34,7 +34,17 @@ __all__ = [
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 # The default strategy's p99 over another's: round robin's (live runs and the simulator), the
 # best LiteLLM router's (live runs) and the perfect-information bound's (the simulator).
-TARGET_KEYS = ("p99_vs_round_robin", "p99_vs_best_litellm", "p99_vs_perfect")
+TARGET_KEYS = (
+    "p99_vs_round_robin",
+    "p99_vs_best_litellm",
+    "p99_vs_perfect",
+    # Prompt-carrying scenarios: the default's TTFT p90 over round robin's, over its own under
+    # [affinity] and over the oracle's; its prefix-cache hit rate over the oracle's (at least).
+    "ttft_p90_vs_round_robin",
+    "ttft_p90_vs_affinity",
+    "ttft_p90_vs_oracle",
+    "hit_rate_vs_oracle",
+)
 FaultKind = Literal["crash", "recover", "slow", "hang", "leak"]
 
 
