@@ -13,6 +13,7 @@ from typing import Any
 
 from promptlb.middleware._strategies import DEFAULT_STRATEGY
 
+from ._report import step_cdf
 from ._simparams import AFFINITY, ORACLE
 
 __all__ = ["CACHE_BASELINES", "cache_lines", "cache_ratios", "cache_targets", "plot_cache"]
@@ -103,10 +104,7 @@ def plot_cache(
 
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=[1.6, 1.0])
     for name, values in ttfts.items():
-        ordered = sorted(v for v in values if math.isfinite(v) and v > 0)
-        if ordered:
-            ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
-            cdf.step(ordered, ys, where="post", label=name)
+        step_cdf(cdf, [v for v in values if math.isfinite(v) and v > 0], name)  # log axis
     cdf.set_xscale("log")
     cdf.set_xlabel("time to first token (s, log scale)")
     cdf.set_ylabel("share of requests")

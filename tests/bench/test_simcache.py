@@ -84,35 +84,14 @@ def test_a_crash_empties_the_nodes_cache() -> None:
 
 
 def _chat() -> Any:
-    return parse_scenario(
-        {
-            "duration": "30s",
-            "seed": 4,
-            "workload": {
-                "prompts": {
-                    "kind": "chat",
-                    "tenants": 8,
-                    "users": 3,
-                    "system_tokens": 1500,
-                    "question_tokens": 40,
-                    "answer_tokens": 60,
-                    "turns": {"dist": "uniform", "lo": 2, "hi": 5},
-                    "think_ms": {"dist": "fixed", "mean": 4000},
-                }
-            },
-            "nodes": [
-                {
-                    "name": "n",
-                    "count": 4,
-                    "slots": 4,
-                    "tokens_per_s": 60,
-                    "ttft_ms": 30,
-                    "prefill_tokens_per_s": 3000,
-                    "kv_blocks": 250,
-                }
-            ],
-        }
-    )
+    """8 tenants of 3 users on 4 nodes whose caches hold about two tenants each."""
+    prompts = dict(kind="chat", tenants=8, users=3, system_tokens=1500, question_tokens=40)
+    prompts |= dict(answer_tokens=60, turns={"dist": "uniform", "lo": 2, "hi": 5})
+    prompts["think_ms"] = {"dist": "fixed", "mean": 4000}
+    node = dict(name="n", count=4, slots=4, tokens_per_s=60, ttft_ms=30, kv_blocks=250)
+    node["prefill_tokens_per_s"] = 3000
+    data = {"duration": "30s", "seed": 4, "workload": {"prompts": prompts}, "nodes": [node]}
+    return parse_scenario(data)
 
 
 def test_the_oracle_caches_more_and_answers_sooner_than_round_robin() -> None:
