@@ -54,6 +54,9 @@ bench: $(STAMP)
 	$(BIN)/promptlb-bench sim uniform-4
 	$(BIN)/promptlb-bench sim burst
 	$(BIN)/promptlb-bench sim mixed-class
+	$(BIN)/promptlb-bench sim multi-tenant-chat
+	$(BIN)/promptlb-bench sim shared-system-prompt
+	$(BIN)/promptlb-bench sim rag
 	$(BIN)/promptlb-bench cluster uniform-4 --duration 15s --peers none --out bench/results/quick
 	$(BIN)/promptlb-bench faults --quick
 
@@ -70,12 +73,18 @@ bench-full: $(STAMP)
 	$(BIN)/promptlb-bench sim uniform-4
 	$(BIN)/promptlb-bench sim burst
 	$(BIN)/promptlb-bench sim mixed-class
+	$(BIN)/promptlb-bench sim multi-tenant-chat
+	$(BIN)/promptlb-bench sim shared-system-prompt
+	$(BIN)/promptlb-bench sim rag
 	$(BIN)/promptlb-bench sim hetero-8 --nodes 1000 --replicas 50
 	$(BIN)/promptlb-bench cluster uniform-4
 	$(BIN)/promptlb-bench cluster burst
 	$(BIN)/promptlb-bench cluster seed-3am
 	$(BIN)/promptlb-bench cluster hetero-8
 	$(BIN)/promptlb-bench cluster mixed-class
+	$(BIN)/promptlb-bench cluster multi-tenant-chat
+	$(BIN)/promptlb-bench cluster shared-system-prompt
+	$(BIN)/promptlb-bench cluster rag
 	$(BIN)/promptlb-bench faults
 
 clean:

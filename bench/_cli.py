@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--duration", default=None, help="override the scenario's duration")
     sim.add_argument("--out", default=None, help="results folder (default bench/results)")
+    sim.add_argument("--no-plot", action="store_true", help="skip the PNG (prompt scenarios)")
 
     faults = sub.add_parser("faults", help="one fault after another under steady load")
     faults.add_argument("--quick", action="store_true", help="hold each fault a few seconds")

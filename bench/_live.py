@@ -29,11 +29,12 @@ from promptlb.emulator import Service, start_command, start_service
 from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 from promptlb.shared import ConfigError, parse_duration
 
-from . import _peers
+from . import _livecache, _peers
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
 from ._report import RESULTS, environment, plot_cluster, summarize, table, write_json
 from ._scenario import Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
+from ._simcache import cache_lines, cache_ratios, cache_targets, plot_cache
 
 __all__ = ["Cluster", "run_cluster", "scaled"]
 
@@ -219,11 +220,13 @@ def gateway_config(strategy: str, cluster: Cluster) -> str:
     )
     # The load generator names each request's class in a header: the gateway trusts it, as it
     # would an edge that classified the prompt (the bench's prompts are filler text).
-    head = f"strategy = '{strategy}'\nadmin_local_only = true\nclass_header = '{CLASS_HEADER}'\n"
-    options = cluster.scenario.strategy_options.get(strategy)
+    inner = _livecache.inner_strategy(strategy)  # "X+affinity": X under [affinity]
+    head = f"strategy = '{inner}'\nadmin_local_only = true\nclass_header = '{CLASS_HEADER}'\n"
+    options = cluster.scenario.strategy_options.get(inner)
     if options:
         head += f"strategy_options = {_toml_inline(options)}\n"
-    return head + f"\n[health]\ninterval = '{HEALTH_INTERVAL}'\n" + tables
+    health = f"\n[health]\ninterval = '{HEALTH_INTERVAL}'\n"
+    return head + health + _livecache.affinity_table(strategy) + tables
 
 
 def _toml_inline(value: Any) -> str:
@@ -391,8 +394,8 @@ def plan(strategies: str, peers: str) -> Plan:
     ours = [s.strip() for s in strategies.split(",") if s.strip()]
     known = tuple(STRATEGIES)
     for s in ours:
-        if s not in known:
-            raise ConfigError("strategies", s, "one of " + ", ".join(known))
+        if not _livecache.known(s):
+            raise ConfigError("strategies", s, "one of " + ", ".join(known) + " (or X+affinity)")
     wanted = [p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none"]
     runs: list[tuple[str, str]] = []
     missing: list[str] = []
@@ -483,6 +486,8 @@ async def run_all(
     assert me is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
     trace = scenario.arrivals()
+    prompted = any(a.messages for a in trace)
+    hits: dict[str, float | None] = {}
     cluster = Cluster(scenario)
     started: list[Target] = []
     runs: dict[str, Run] = {}
@@ -503,6 +508,8 @@ async def run_all(
                 todo = [("promptlb", s) for s in chosen.ours] + chosen.peers
                 for kind, strategy in todo:
                     name = f"{kind} {strategy}"
+                    if prompted:  # every router starts on cold caches
+                        await asyncio.to_thread(_livecache.restart_all, cluster)
                     await cluster.reset(http)
                     try:
                         target = await asyncio.to_thread(
@@ -515,7 +522,10 @@ async def run_all(
                     started.append(target)
                     try:
                         await wait_ready(http, target, len(cluster.nodes))
+                        before = await _livecache.kv_counts(http, cluster.urls)
                         runs[name] = await measure(http, cluster, target, trace)
+                        after = await _livecache.kv_counts(http, cluster.urls)
+                        hits[name] = _livecache.hit_rate(before, after) if prompted else None
                     except RuntimeError as exc:
                         failed[name] = str(exc)[:2000]
                         print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
@@ -533,6 +543,7 @@ async def run_all(
             "kind": run.kind,
             "strategy": run.strategy,
             **summarize(run.results, cluster.slots, scenario.duration),
+            "hit_rate": hits.get(name),  # from the emulators' counters; None without prompts
             "faults_applied": run.faults,
         }
         for name, run in runs.items()
@@ -576,8 +587,26 @@ async def run_all(
         "runs": summaries,
         "targets": targets(summaries, scenario.targets, "fault_time_scale" not in meta),
     }
+    if prompted:
+        report["cache"] = live_cache(summaries, scenario.targets, "fault_time_scale" not in meta)
     plots = {name: run.results for name, run in runs.items()}
     return report, plots
+
+
+def live_cache(
+    runs: Mapping[str, Mapping[str, Any]], goals: Mapping[str, float], applies: bool
+) -> dict[str, Any]:
+    """Our runs' TTFT and hit rate with the simulator's ratios and verdicts (no oracle runs
+    live: its ratios stay empty)."""
+    rows: list[dict[str, Any]] = []
+    for run in runs.values():
+        if run["kind"] != "promptlb":
+            continue
+        ttft = {p: run["ttft_ms"][p] for p in ("p50", "p90", "p99")}
+        row = {f"ttft_{p}_s": None if v is None else v / 1000 for p, v in ttft.items()}
+        rows.append({"strategy": run["strategy"], **row, "hit_rate": run["hit_rate"]})
+    cache_ratios(rows)
+    return {"rows": rows, "targets": cache_targets(rows, goals, applies)}
 
 
 def _run(main: Callable[[], Any]) -> Any:
@@ -599,6 +628,8 @@ def run_cluster(args: argparse.Namespace) -> None:
         scenario, scale = scaled(scenario, duration)
         meta = {"scenario_duration_s": original, "fault_time_scale": round(scale, 4)}
     chosen = plan(args.strategies, args.peers)
+    if scenario.workload.prompts is not None:
+        chosen.ours = _livecache.cache_strategies(chosen.ours)
     out = Path(args.out) if args.out else RESULTS
     try:
         report, plots = _run(lambda: run_all(scenario, chosen, meta))
@@ -612,6 +643,12 @@ def run_cluster(args: argparse.Namespace) -> None:
             f"{scenario.name} ({scenario.duration:g}s, {report['scenario']['requests']} requests)"
         )
         plot_cluster(out / f"cluster-{scenario.name}.png", title, plots, slots, scenario.duration)
+        if "cache" in report:
+            ttfts = {
+                n: [r.ttft for r in rs if r.ok and r.ttft is not None] for n, rs in plots.items()
+            }
+            hit = {n: r["hit_rate"] for n, r in report["runs"].items()}
+            plot_cache(out / f"cluster-{scenario.name}-cache.png", title, ttfts, hit)
     print(
         f"\n{scenario.name}: commit {report['commit']}, {report['scenario']['requests']} requests"
     )
@@ -622,4 +659,7 @@ def run_cluster(args: argparse.Namespace) -> None:
         print(f"failed: {name}: {why[:200]}")
     for line in target_lines(report["targets"]):
         print(line)
+    if "cache" in report:
+        for line in cache_lines(report["cache"]["rows"], report["cache"]["targets"]):
+            print(line)
     print(f"wrote {out / f'cluster-{scenario.name}.json'}")

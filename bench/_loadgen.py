@@ -184,10 +184,16 @@ def _has_content(data: bytes) -> bool:
 
 
 def chat_body(model: str, arrival: Arrival) -> bytes:
+    """The request as sent: the arrival's own messages when it has them, else filler text of
+    its length."""
+    if arrival.messages:
+        messages = [{"role": role, "content": content} for role, content in arrival.messages]
+    else:
+        messages = [{"role": "user", "content": prompt_text(arrival.prompt_tokens)}]
     return json.dumps(
         {
             "model": model,
-            "messages": [{"role": "user", "content": prompt_text(arrival.prompt_tokens)}],
+            "messages": messages,
             "max_tokens": arrival.max_tokens,
             "stream": True,
         }

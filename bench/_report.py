@@ -23,6 +23,7 @@ __all__ = [
     "git_commit",
     "load_over_time",
     "plot_cluster",
+    "step_cdf",
     "summarize",
     "table",
     "write_json",
@@ -198,6 +199,14 @@ def write_json(path: Path, report: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
+def step_cdf(ax: Any, values: Iterable[float], label: str) -> None:
+    """One empirical CDF on matplotlib axes ``ax`` (nothing for no values)."""
+    ordered = sorted(values)
+    if ordered:
+        ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        ax.step(ordered, ys, where="post", label=label)
+
+
 def plot_cluster(
     path: Path,
     title: str,
@@ -219,10 +228,7 @@ def plot_cluster(
     grid = fig.add_gridspec(1 + rows, cols, height_ratios=[1.6] + [1.0] * rows)
     cdf = fig.add_subplot(grid[0, :])
     for name in names:
-        values = sorted(r.latency for r in runs[name] if r.ok)
-        if values:
-            ys = [(i + 1) / len(values) for i in range(len(values))]
-            cdf.step(values, ys, where="post", label=name)
+        step_cdf(cdf, [r.latency for r in runs[name] if r.ok], name)
     cdf.set_xscale("log")
     cdf.set_xlabel("latency of successful requests (s, log scale)")
     cdf.set_ylabel("share of requests")

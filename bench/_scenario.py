@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from promptlb.shared import ConfigError, parse_duration
 
+from ._prompts import Messages, Prompts, message_tokens, parse_prompts, prompted_arrivals
+
 __all__ = [
     "TARGET_KEYS",
     "Arrival",
@@ -32,7 +34,17 @@ __all__ = [
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 # The default strategy's p99 over another's: round robin's (live runs and the simulator), the
 # best LiteLLM router's (live runs) and the perfect-information bound's (the simulator).
-TARGET_KEYS = ("p99_vs_round_robin", "p99_vs_best_litellm", "p99_vs_perfect")
+TARGET_KEYS = (
+    "p99_vs_round_robin",
+    "p99_vs_best_litellm",
+    "p99_vs_perfect",
+    # Prompt-carrying scenarios: the default's TTFT p90 over round robin's, over its own under
+    # [affinity] and over the oracle's; its prefix-cache hit rate over the oracle's (at least).
+    "ttft_p90_vs_round_robin",
+    "ttft_p90_vs_affinity",
+    "ttft_p90_vs_oracle",
+    "hit_rate_vs_oracle",
+)
 FaultKind = Literal["crash", "recover", "slow", "hang", "leak"]
 
 
@@ -86,6 +98,9 @@ class Workload:
     load: float | None = None  # ... a share of the cluster's total capacity
     mix: tuple[PromptClass, ...] = ()
     bursts: tuple[Burst, ...] = ()
+    # Arrivals that carry their prompt as messages (``_prompts``); None: lengths alone, as the
+    # scenarios before it (their traces unchanged).
+    prompts: Prompts | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +117,7 @@ class NodeSpec:
     tokens_per_s: float = 50.0
     ttft_ms: float = 100.0
     prefill_tokens_per_s: float = 0.0
+    kv_blocks: int = 0  # the emulator's --kv-blocks; 0: its default (slots x 128)
     tier: str = ""
     tags: tuple[str, ...] = ()
     faults: tuple[Fault, ...] = ()
@@ -123,6 +139,8 @@ class NodeSpec:
             str(self.ttft_ms),
             "--prefill-tokens-per-s",
             str(self.prefill_tokens_per_s),
+            # Only when set, so that the scenarios from before it start the same emulators.
+            *(["--kv-blocks", str(self.kv_blocks)] if self.kv_blocks else []),
         ]
 
 
@@ -132,6 +150,8 @@ class Arrival:
     prompt_class: str
     prompt_tokens: int
     max_tokens: int
+    messages: Messages = ()  # the prompt itself, when the workload has prompts
+    session: str = ""  # the conversation it belongs to (chat), for reports
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,11 +170,15 @@ class Scenario:
     # name in TARGET_KEYS: reported next to the numbers, never tuned to.
     targets: dict[str, float] = field(default_factory=dict)
     _rate: float = field(default=0.0, repr=False, compare=False)
+    _means: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Under ``load`` the rate follows an estimated capacity (thousands of draws): work it
         # out once here, not for every arrival.
-        if self.workload.rate is not None:
+        prompts = self.workload.prompts
+        if prompts is not None and prompts.kind == "chat":
+            rate = prompts.mean_rate()  # the users' pace sets it
+        elif self.workload.rate is not None:
             rate = self.workload.rate
         else:
             assert self.workload.load is not None
@@ -167,9 +191,23 @@ class Scenario:
         return self._rate
 
     def capacity(self) -> float:
-        mean_out = sum(c.share * c.max_tokens.expected() for c in self.workload.mix)
-        mean_in = sum(c.share * c.prompt_tokens.expected() for c in self.workload.mix)
+        """Requests per second at full use, every prompt token prefilled (no cache hit)."""
+        if self.workload.prompts is not None:
+            mean_out, mean_in = self._prompt_means()
+        else:
+            mean_out = sum(c.share * c.max_tokens.expected() for c in self.workload.mix)
+            mean_in = sum(c.share * c.prompt_tokens.expected() for c in self.workload.mix)
         return sum(n.capacity(mean_out, mean_in) for n in self.nodes)
+
+    def _prompt_means(self) -> tuple[float, float]:
+        """Mean output and prompt tokens of the trace itself (drawn once)."""
+        if self._means is None:
+            trace = self.arrivals()
+            n = max(1, len(trace))
+            means = (sum(a.max_tokens for a in trace) / n, sum(a.prompt_tokens for a in trace) / n)
+            object.__setattr__(self, "_means", means)
+        assert self._means is not None
+        return self._means
 
     def rate_at(self, t: float) -> float:
         rate = self.base_rate
@@ -183,6 +221,14 @@ class Scenario:
 
         A piecewise-constant rate (bursts) is handled by thinning against the peak rate."""
         rng = random.Random(self.seed if seed is None else seed)
+        prompts = self.workload.prompts
+        if prompts is not None:
+            return [
+                Arrival(at, cls, message_tokens(messages), max_tokens, messages, session)
+                for at, cls, messages, max_tokens, session in prompted_arrivals(
+                    prompts, rng, self.duration, self.base_rate
+                )
+            ]
         peak = max([self.base_rate] + [self.base_rate * b.factor for b in self.workload.bursts])
         shares = [c.share for c in self.workload.mix]
         out: list[Arrival] = []
@@ -331,6 +377,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
                         _get(raw, "prefill_tokens_per_s", where, (int, float), 0.0),
                         zero=True,
                     ),
+                    kv_blocks=_kv_blocks(_get(raw, "kv_blocks", where, int, 0), where),
                     tier=_get(raw, "tier", where, str, ""),
                     tags=tuple(_get(raw, "tags", where, list, [])),
                     faults=faults,
@@ -344,7 +391,17 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     raw_work = _get(data, "workload", "", dict)
     rate = _get(raw_work, "rate", "workload.", (int, float), None)
     load = _get(raw_work, "load", "workload.", (int, float), None)
-    if (rate is None) == (load is None):
+    raw_prompts = raw_work.get("prompts")
+    prompts = None if raw_prompts is None else parse_prompts(raw_prompts, _dist)
+    if prompts is not None and prompts.kind == "chat":
+        # The users' think time sets the pace: a rate or load would say something else.
+        if rate is not None or load is not None:
+            key = "workload.rate" if rate is not None else "workload.load"
+            raise ConfigError(key, rate or load, "nothing: a chat's pace is its users' think time")
+    elif prompts is not None and (rate is None or load is not None):
+        # Its capacity depends on its own trace: a rate it is, not a share of capacity.
+        raise ConfigError("workload.rate", rate, "a rate (req/s), and no load, with prompts")
+    elif (rate is None) == (load is None):
         raise ConfigError("workload", raw_work, "exactly one of rate (req/s) or load (0..2)")
     if rate is not None:
         _positive("workload.rate", rate)
@@ -400,8 +457,15 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             load=None if load is None else float(load),
             mix=mix,
             bursts=bursts,
+            prompts=prompts,
         ),
     )
+
+
+def _kv_blocks(value: int, where: str) -> int:
+    if value < 0:
+        raise ConfigError(f"{where}kv_blocks", value, "blocks of 16 tokens, >= 0 (0: the default)")
+    return value
 
 
 def _fault_kind(value: object, where: str) -> FaultKind:

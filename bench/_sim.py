@@ -29,7 +29,10 @@ from promptlb.shared import ConfigError, parse_duration
 
 from ._report import RESULTS, environment
 from ._scenario import Scenario, load_scenario, scaled
+from ._simcache import CACHE_BASELINES, cache_lines, cache_ratios, cache_targets, plot_cache
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
+from ._simparams import AFFINITY
+from ._simprompt import prefix_load, prepare
 from ._stats import jain, percentile
 
 __all__ = [
@@ -96,6 +99,7 @@ def trace_scenario(scenario: Scenario) -> Scenario:
 def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[str, Any]:
     """One strategy's row of the report (ratios are added once every strategy has run)."""
     ordered = sorted(result.latencies)
+    ttfts = sorted(result.ttfts)
     ok = len(ordered)
     duration = result.duration
     tries = sum(result.dispatched) or 1
@@ -133,6 +137,12 @@ def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[s
         "p90_s": percentile(ordered, 90),
         "p99_s": percentile(ordered, 99),
         "mean_s": sum(ordered) / ok if ok else float("nan"),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        # Cached prompt tokens over prompt tokens, as the emulators count them (None when the
+        # requests carry no prompt, so no cache was asked).
+        "hit_rate": result.hit_tokens / result.query_tokens if result.query_tokens else None,
         "mean_wait_s": sum(result.waits) / ok if ok else float("nan"),
         "throughput_rps": ok / result.makespan if result.makespan > 0 else 0.0,
         "error_rate": result.failed / result.requests if result.requests else 0.0,
@@ -146,7 +156,7 @@ def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[s
     }
 
 
-def _strategies(raw: str) -> list[str]:
+def _strategies(raw: str, prompted: bool = False) -> list[str]:
     names: list[str] = []
     for name in (part.strip() for part in raw.split(",")):
         if not name:
@@ -155,7 +165,7 @@ def _strategies(raw: str) -> list[str]:
             raise ConfigError("strategies", name, "one of " + ", ".join(SIM_STRATEGIES))
         if name not in names:
             names.append(name)
-    for name in BASELINES:
+    for name in BASELINES + (CACHE_BASELINES if prompted else ()):
         if name not in names:
             names.append(name)
     return names
@@ -174,14 +184,14 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 def _print_table(header: str, rows: list[dict[str, Any]], wall_total: float) -> None:
     print(header)
     cols = (
-        f"{'strategy':<12} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'mean s':>7} {'req/s':>8} "
+        f"{'strategy':<19} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'mean s':>7} {'req/s':>8} "
         f"{'err %':>6} {'jain':>5} {'p99/perf':>8} {'p99/rr':>7} {'wall s':>7}"
     )
     print(cols)
     print("-" * len(cols))
     for row in rows:
         print(
-            f"{row['strategy']:<12} {_fmt(row['p50_s']):>7} {_fmt(row['p90_s']):>7} "
+            f"{row['strategy']:<19} {_fmt(row['p50_s']):>7} {_fmt(row['p90_s']):>7} "
             f"{_fmt(row['p99_s']):>7} {_fmt(row['mean_s']):>7} "
             f"{_fmt(row['throughput_rps'], '.1f'):>8} {100 * row['error_rate']:>6.2f} "
             f"{row['jain_utilisation']:>5.3f} {_fmt(row['p99_vs_perfect'], '.2f'):>8} "
@@ -263,13 +273,17 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         seed=scenario.seed,
         model=scenario.model,
     )
-    names = _strategies(getattr(args, "strategies", DEFAULT_STRATEGY))
     capacity = scenario.capacity()
     traced = trace_scenario(scenario)
     started = time.perf_counter()
     arrivals = traced.arrivals()
+    prompted = any(a.messages for a in arrivals)
+    # Read once, by the gateway's and the engine's rules, for every strategy's run.
+    prepared = prepare(arrivals, scenario.model) if prompted else None
     trace_s = time.perf_counter() - started
+    names = _strategies(getattr(args, "strategies", DEFAULT_STRATEGY), prompted)
     rows: list[dict[str, Any]] = []
+    ttfts: dict[str, list[float]] = {}
     for name in names:
         result = simulate(
             scenario.nodes,
@@ -277,18 +291,28 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             name,
             duration=scenario.duration,
             params=params,
-            options=scenario.strategy_options.get(name),
+            options=scenario.strategy_options.get(name.removesuffix(AFFINITY)),
+            prepared=prepared,
         )
         rows.append(summarise(result, classes))
+        ttfts[name] = list(result.ttfts)
     by_name = {row["strategy"]: row for row in rows}
     for row in rows:
         row["p99_vs_perfect"] = _ratio(row["p99_s"], by_name[PERFECT]["p99_s"])
         row["p99_vs_round_robin"] = _ratio(row["p99_s"], by_name["round_robin"]["p99_s"])
+    if prompted:
+        cache_ratios(rows)
     wall_total = time.perf_counter() - started
     env = environment()  # the one place that asks git what was measured
     commit, dirty = env["commit"], env["dirty"]
     resized = len(scenario.nodes) != original_nodes
     label = f"{scenario.name}-n{len(scenario.nodes)}" if resized else scenario.name
+    applies = (
+        not resized
+        and time_scale == 1.0
+        and params.replicas == TARGET_REPLICAS
+        and params.staleness == TARGET_STALENESS_S
+    )
     report: dict[str, Any] = {
         "benchmark": "sim",
         "scenario": scenario.name,
@@ -315,16 +339,15 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             "strategies": names,
         },
         "wall_s": {"trace": trace_s, "total": wall_total},
-        "targets": _targets(
-            by_name,
-            scenario.targets,
-            applies=not resized
-            and time_scale == 1.0
-            and params.replicas == TARGET_REPLICAS
-            and params.staleness == TARGET_STALENESS_S,
-        ),
+        "targets": _targets(by_name, scenario.targets, applies=applies),
         "results": rows,
     }
+    if prompted:
+        assert prepared is not None
+        report["parameters"]["prefix_load"] = prefix_load(
+            scenario.nodes, arrivals, prepared, scenario.duration
+        )
+        report["cache_targets"] = cache_targets(rows, scenario.targets, applies)
     header = (
         f"sim {label}: {len(scenario.nodes)} nodes, {params.replicas} replicas, staleness "
         f"{params.staleness:g}s, {len(arrivals)} requests in {scenario.duration:g}s "
@@ -336,6 +359,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     _print_nodes(rows)
     for line in _target_lines(report["targets"]):
         print(line)
+    if prompted:
+        for line in cache_lines(rows, report["cache_targets"]):
+            print(line)
     if len(scenario.nodes) > _PER_NODE_JSON:
         report["per_node"] = f"summed up per node class above {_PER_NODE_JSON} nodes"
         for row in rows:
@@ -347,6 +373,11 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     tmp.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)
     print(f"wrote {path}")
+    if prompted and not getattr(args, "no_plot", False):
+        png = path.with_suffix(".png")
+        hits = {row["strategy"]: row["hit_rate"] for row in rows}
+        plot_cache(png, f"{header.split(':')[0]}, {params.replicas} replicas", ttfts, hits)
+        print(f"wrote {png}")
     return report
 
 

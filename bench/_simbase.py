@@ -17,7 +17,8 @@ from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
 from ._simnode import Group, Node
-from ._simparams import PERFECT, SIM_STRATEGIES, ServiceFn, SimParams
+from ._simparams import AFFINITY, ORACLE, PERFECT, SIM_STRATEGIES, ServiceFn, SimParams
+from ._simprompt import Prompted
 from ._simreplica import Replica, View, build_strategy
 
 __all__ = [
@@ -52,17 +53,26 @@ class SimState:
         params: SimParams,
         options: Mapping[str, Any],
         service: ServiceFn | None,
+        prepared: Sequence[Prompted | None] | None = None,
     ) -> None:
         if strategy not in SIM_STRATEGIES:
             raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
         self.params = params
         self.name = strategy
-        self.perfect = strategy == PERFECT
+        # The oracle is a perfect dispatcher too (exact, instant state, no replicas), that
+        # also reads every node's KV cache.
+        self.oracle = strategy == ORACLE
+        self.perfect = strategy == PERFECT or self.oracle
+        self.keyed = strategy.endswith(AFFINITY)  # routes carry [affinity]'s key
+        # Per arrival, its prompt read by engine and gateway (`_simprompt`); with any, every
+        # node keeps the emulator's KV cache.
+        self.prepared = prepared
+        kv = prepared is not None and any(p is not None for p in prepared)
         self.arrivals = arrivals
         self.duration = duration
         self.service = service
         self.service_rng = random.Random(params.seed * 7_919 + 17)
-        self.nodes = [Node(i, spec) for i, spec in enumerate(nodes)]
+        self.nodes = [Node(i, spec, kv) for i, spec in enumerate(nodes)]
         # (virtual time, sequence, event kind, object, try number)
         self.heap: list[tuple[float, int, int, Any, int]] = []
         self.seq = itertools.count()
@@ -73,6 +83,8 @@ class SimState:
         self.errors: dict[str, int] = {}
         self.latencies: array[float] = array("d")
         self.waits: array[float] = array("d")
+        self.ttfts: array[float] = array("d")
+        self._replanned = False  # a start found other cached blocks than its forecast took
         self.replicas: list[Replica] = []
         self.detect_at: dict[tuple[int, float], list[tuple[int, bool]]] = {}
         self.groups: dict[tuple[float, float, float, float], Group] = {}

@@ -36,7 +36,12 @@ The middleware is each replica's ``Balancer.open`` and ``NodeTable``, on virtual
 * The client (the benchmark's load generator) gives up ``client_timeout`` after the arrival.
 
 ``perfect`` is not a strategy object but the bound: one dispatcher with exact, instant knowledge
-of every queue (join the shortest expected delay). ``random`` is a simulator-only baseline.
+of every queue (join the shortest expected delay). ``oracle`` is the same dispatcher that also
+knows every node's KV cache: for requests that carry their prompt (``prepared``), each node
+keeps the emulator's own `KVCache`, a request's blocks are looked up when it gets its slot and
+held while it runs, and its time to first token is ``ttft_ms`` plus its uncached prompt tokens
+over ``prefill_tokens_per_s``, as the emulator computes it. ``random`` is a simulator-only
+baseline.
 
 The engine is split by concern: `_simparams` (inputs and outputs), `_simnode` and `_simreplica`
 (state), `_simbase` (the event heap), and the events' mixins `_simdetect` (what replicas learn),
@@ -59,10 +64,12 @@ from ._scenario import Arrival, NodeSpec
 from ._simbase import CONNECT_FAIL, DETECT, FAULT, FINISH, MARK, REFRESH, TIMEOUT, UNEJECT
 from ._simfaults import Faults
 from ._simnode import Req
-from ._simparams import PERFECT, RANDOM, SIM_STRATEGIES, ServiceFn, SimParams, SimResult
+from ._simparams import ORACLE, PERFECT, RANDOM, SIM_STRATEGIES, ServiceFn, SimParams, SimResult
+from ._simprompt import Prompted
 from ._simreplica import RandomChoice
 
 __all__ = [
+    "ORACLE",
     "PERFECT",
     "RANDOM",
     "SIM_STRATEGIES",
@@ -93,6 +100,8 @@ class _Sim(Faults):
         replicas = self.replicas
         model = self.params.model
         perfect = self.perfect
+        prepared = self.prepared
+        keyed = self.keyed
         refresh = self.params.staleness
         seq = self.seq
         i = 0
@@ -126,17 +135,21 @@ class _Sim(Faults):
             elif i < total:
                 arrival = arrivals[i]
                 r = i % count
+                prompted = prepared[i] if prepared is not None else None
                 if perfect:
-                    req = Req(arrival, 0, None)
+                    req = Req(arrival, 0, None, prompted)
                 else:
-                    route = RouteRequest(
-                        model,
-                        input_tokens=arrival.prompt_tokens,
-                        max_tokens=arrival.max_tokens,
-                        prompt_class=arrival.prompt_class,
-                        stream=True,  # as the load generator sends every request
-                    )
-                    req = Req(arrival, r, route)
+                    if prompted is not None:  # as the gateway reads the body sent
+                        route = prompted.keyed if keyed else prompted.route
+                    else:
+                        route = RouteRequest(
+                            model,
+                            input_tokens=arrival.prompt_tokens,
+                            max_tokens=arrival.max_tokens,
+                            prompt_class=arrival.prompt_class,
+                            stream=True,  # as the load generator sends every request
+                        )
+                    req = Req(arrival, r, route, prompted)
                     replicas[r].budget.active += 1
                 i += 1
                 next_at = arrivals[i].at if i < total else math.inf
@@ -148,11 +161,15 @@ class _Sim(Faults):
         for node in self.nodes:
             if node.busy_mark < 0:  # drained before the end of the trace's window
                 node.busy_mark = node.busy + node.running * (self.duration - node.t_last)
+        counts = [node.cache_counts() for node in self.nodes]
         return SimResult(
             strategy=self.name,
             requests=total,
             latencies=self.latencies,
             waits=self.waits,
+            ttfts=self.ttfts,
+            query_tokens=sum(q for q, _ in counts),
+            hit_tokens=sum(h for _, h in counts),
             errors=dict(sorted(self.errors.items())),
             retries=self.retries,
             ejections=self.ejections,
@@ -178,14 +195,18 @@ def simulate(
     params: SimParams | None = None,
     options: Mapping[str, Any] | None = None,
     service: ServiceFn | None = None,
+    prepared: Sequence[Prompted | None] | None = None,
 ) -> SimResult:
     """Replay ``arrivals`` (sorted by time) on ``nodes`` routed by ``strategy``.
 
-    ``strategy`` is a middleware strategy name (built with ``options``), ``random`` or
-    ``perfect``. ``duration`` is the trace's window: utilisation is measured within it, while the
-    run goes on until every request has finished or failed. Deterministic for ``params.seed``.
+    ``strategy`` is a middleware strategy name (built with ``options``; ``X+affinity`` under
+    ``[affinity]``), ``random``, ``perfect`` or ``oracle``. ``prepared`` (`_simprompt.prepare`
+    of ``arrivals``) gives requests their prompt: nodes then keep KV caches, and strategies see
+    the gateway's view of each request. ``duration`` is the trace's window: utilisation is
+    measured within it, while the run goes on until every request has finished or failed.
+    Deterministic for ``params.seed``.
     """
     if not nodes:
         raise ConfigError("nodes", [], "at least one node")
     params = params or SimParams()
-    return _Sim(nodes, arrivals, strategy, duration, params, options or {}, service).run()
+    return _Sim(nodes, arrivals, strategy, duration, params, options or {}, service, prepared).run()

@@ -73,6 +73,9 @@ class Faults(Tries):
         reset.extend(r for r in node.queue if r.node is node and r.phase == QUEUED and not r.done)
         reset.extend(node.hung)
         node.active.clear()
+        for req in broken + reset:
+            req.lease = None
+        node.lose_cache()
         node.queue.clear()
         node.hung = []
         node.stale = 0

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from promptlb.emulator._kv import KVCache, Lease
 from promptlb.middleware._view import RouteRequest
 from promptlb.shared import EngineSample, Snapshot
 
 from ._scenario import Arrival, NodeSpec
+from ._simprompt import Prompted, kv_capacity
 from ._simreplica import View
 
 __all__ = [
@@ -45,8 +47,10 @@ class Req:
         "finish",
         "head",
         "last",
+        "lease",
         "node",
         "phase",
+        "prompted",
         "queued",
         "replica",
         "retry_try",
@@ -58,8 +62,16 @@ class Req:
         "view",
     )
 
-    def __init__(self, arrival: Arrival, replica: int, route: RouteRequest | None) -> None:
+    def __init__(
+        self,
+        arrival: Arrival,
+        replica: int,
+        route: RouteRequest | None,
+        prompted: Prompted | None = None,
+    ) -> None:
         self.arrival = arrival
+        self.prompted = prompted  # its prompt's blocks, when the scenario gives prompts
+        self.lease: Lease | None = None  # its hold on the node's KV cache while it runs
         self.born = arrival.at
         self.replica = replica
         self.route = route
@@ -108,12 +120,15 @@ class Node:
         "factor",
         "free",
         "group",
+        "hit_tokens",
         "hung",
         "idx",
         "inv_prefill",
         "inv_tps",
+        "kv",
         "max_depth",
         "name",
+        "query_tokens",
         "queue",
         "running",
         "served",
@@ -127,7 +142,7 @@ class Node:
         "version",
     )
 
-    def __init__(self, idx: int, spec: NodeSpec) -> None:
+    def __init__(self, idx: int, spec: NodeSpec, kv: bool = False) -> None:
         self.idx = idx
         self.spec = spec
         self.name = spec.name
@@ -154,13 +169,33 @@ class Node:
         self.max_depth = 0
         # Snapshots interned by (running, waiting, tokens/s): strategies read only the engine's
         # numbers, and the same object for the same numbers keeps `Resource`'s cache warm.
-        self.snaps: dict[tuple[int, int, float], Snapshot] = {}
+        self.snaps: dict[tuple[int, int, float, float | None], Snapshot] = {}
         # The snapshot of the counts now, or None once they changed: replicas refresh every
         # node every period, and most nodes' counts have not moved since the last replica did.
         self.cur: Snapshot | None = None
         self.free: list[float] = [0.0] * spec.slots  # perfect only: when each slot frees up
         self.group: Group | None = None
         self.version = 0
+        # The emulator's KV cache, when requests carry their prompt's blocks; its counters
+        # are summed here when a crash takes it (the emulator's process starts empty).
+        self.kv: KVCache | None = KVCache(kv_capacity(spec)) if kv else None
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def lose_cache(self) -> None:
+        """A crash: the engine's cache is gone with its process."""
+        kv = self.kv
+        if kv is not None:
+            self.query_tokens += kv.query_tokens
+            self.hit_tokens += kv.hit_tokens
+            self.kv = KVCache(kv.capacity)
+
+    def cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up and found cached, over the run."""
+        kv = self.kv
+        if kv is None:
+            return 0, 0
+        return self.query_tokens + kv.query_tokens, self.hit_tokens + kv.hit_tokens
 
     def snapshot(self, now: float) -> Snapshot:
         waiting = len(self.queue) - self.stale
@@ -171,7 +206,9 @@ class Node:
             if req.start + req.head * req.factor <= now:
                 tps += 1.0 / req.factor
         tps = round(tps * self.spec.tokens_per_s, 1)
-        key = (self.running, waiting, tps)
+        # KV use as vLLM's gauge shows it, to the percent (snapshots stay interned).
+        kv = None if self.kv is None else round(self.kv.usage, 2)
+        key = (self.running, waiting, tps, kv)
         snap = self.snaps.get(key)
         if snap is None:
             snap = Snapshot(
@@ -181,7 +218,7 @@ class Node:
                 ts=0.0,
                 ready=True,
                 warm=True,
-                engine=EngineSample(running=self.running, waiting=waiting, tps=tps),
+                engine=EngineSample(running=self.running, waiting=waiting, tps=tps, kv_cache=kv),
             )
             self.snaps[key] = snap
         self.cur = snap

@@ -13,12 +13,25 @@ from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
 
-__all__ = ["PERFECT", "RANDOM", "SIM_STRATEGIES", "ServiceFn", "SimParams", "SimResult"]
+__all__ = [
+    "AFFINITY",
+    "ORACLE",
+    "PERFECT",
+    "RANDOM",
+    "SIM_STRATEGIES",
+    "ServiceFn",
+    "SimParams",
+    "SimResult",
+]
 
 PERFECT = "perfect"
+ORACLE = "oracle"
 RANDOM = "random"
-# Every name `simulate` accepts: the middleware's strategies and the simulator's two extras.
-SIM_STRATEGIES = (*STRATEGIES, RANDOM, PERFECT)
+# A strategy under [affinity] at its defaults, as the gateway wraps it: "<strategy>+affinity".
+AFFINITY = "+affinity"
+# Every name `simulate` accepts: the middleware's strategies, each with [affinity] too, and the
+# simulator's extras.
+SIM_STRATEGIES = (*STRATEGIES, *(s + AFFINITY for s in STRATEGIES), RANDOM, PERFECT, ORACLE)
 
 # A replacement for the deterministic service time (seconds at slow factor 1), for tests that
 # need a textbook distribution: called once per try, when the try reaches its node.
@@ -73,6 +86,7 @@ class SimResult:
     requests: int
     latencies: array[float]  # seconds from arrival to the last token, retries included
     waits: array[float]  # seconds queued on the node that served the request
+    ttfts: array[float]  # seconds from arrival to the first token, retries included
     errors: dict[str, int]  # by the last try's cause: crash, connect, timeout, reset, no_node
     retries: int  # tries after the first
     ejections: int
@@ -86,6 +100,10 @@ class SimResult:
     makespan: float  # virtual time of the last completion or failure
     wall_s: float
     events: int
+    # Prompt tokens the nodes' KV caches were asked for and found, as the emulators count them
+    # (0 and 0 when requests carry no prompt blocks).
+    query_tokens: int = 0
+    hit_tokens: int = 0
 
     @property
     def ok(self) -> int:

@@ -1,15 +1,22 @@
 """The perfect dispatcher, the bound every strategy is measured against: one dispatcher with
 exact, instant knowledge of every queue, joining the shortest expected delay. Each node keeps a
-forecast of when its slots free up; alike nodes share a heap, so a pick costs a few heap reads."""
+forecast of when its slots free up; alike nodes share a heap, so a pick costs a few heap reads.
+
+The oracle is the same dispatcher that also knows every node's KV cache: the node where the
+request should finish first, counting the prefill of the prompt tokens that node truly lacks
+now (queue wait + prefill of the uncached + decode). It scans every node (the cache makes alike
+nodes differ), which is cheap at the prefix scenarios' sizes."""
 
 from __future__ import annotations
 
 import heapq
 import math
 
+from promptlb.shared import BLOCK_TOKENS
+
 from ._scenario import Arrival
 from ._simbase import SimState
-from ._simnode import QUEUED, Group, Node
+from ._simnode import QUEUED, Group, Node, Req
 
 __all__ = ["Perfect"]
 
@@ -48,6 +55,30 @@ class Perfect(SimState):
             if done < best:
                 best = done
                 chosen = nodes[top[2]]
+        return chosen
+
+    def _uncached(self, req: Req, node: Node) -> int:
+        """The prompt tokens ``node`` would prefill for ``req``: as far as the perfect
+        dispatchers can know before its slot, what is cached there now."""
+        prompted = req.prompted
+        kv = node.kv
+        if prompted is None or kv is None or not self.perfect:
+            return req.arrival.prompt_tokens
+        return max(0, prompted.tokens - kv.cached_prefix(prompted.blocks) * BLOCK_TOKENS)
+
+    def _oracle_pick(self, req: Req, now: float, tried: list[int]) -> Node | None:
+        """The least expected completion with exact queues and exact caches."""
+        best = math.inf
+        chosen: Node | None = None
+        out = req.arrival.max_tokens
+        for node in self.nodes:
+            if node.group is None or node.idx in tried:  # down, or tried already
+                continue
+            free = node.free[0]
+            service = node.ttft + self._uncached(req, node) * node.inv_prefill
+            done = (free if free > now else now) + node.factor * (service + out * node.inv_tps)
+            if done < best:
+                best, chosen = done, node
         return chosen
 
     def _join_group(self, node: Node) -> None:

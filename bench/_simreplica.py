@@ -7,13 +7,14 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from promptlb.middleware._affinity import Affinity
 from promptlb.middleware._refusals import NoNodeAvailable
 from promptlb.middleware._rules import RetryBudget
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._strategy import Static, Strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 
-from ._simparams import RANDOM
+from ._simparams import AFFINITY, RANDOM
 
 __all__ = ["RandomChoice", "Replica", "View", "build_strategy"]
 
@@ -82,7 +83,10 @@ class Replica:
 
 
 def build_strategy(name: str, options: Mapping[str, Any]) -> Strategy:
-    """A middleware strategy by name, or the simulator's `RandomChoice`."""
+    """A middleware strategy by name (``X+affinity``: X under ``[affinity]`` at its defaults,
+    built with X's options), or the simulator's `RandomChoice`."""
     if name == RANDOM:
         return RandomChoice()
+    if name.endswith(AFFINITY):
+        return Affinity(make_strategy(name.removesuffix(AFFINITY), **options))
     return make_strategy(name, **options)

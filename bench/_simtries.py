@@ -56,7 +56,10 @@ class Tries(Perfect, Detection):
     def _route(self, req: Req, now: float) -> None:
         tried = req.tried
         if self.perfect:
-            best = self._perfect_pick(req.arrival, now, tried)
+            if self.oracle:
+                best = self._oracle_pick(req, now, tried)
+            else:
+                best = self._perfect_pick(req.arrival, now, tried)
             if best is None:
                 self._fail(req, req.last, now)
                 return
@@ -113,7 +116,9 @@ class Tries(Perfect, Detection):
         req.factor = node.factor
         arrival = req.arrival
         if self.service is None:
-            head = node.ttft + arrival.prompt_tokens * node.inv_prefill
+            # With a KV cache the head is known when the slot is taken (`_start`); the perfect
+            # dispatchers' forecast takes what is cached now.
+            head = node.ttft + self._uncached(req, node) * node.inv_prefill
             req.head = head
             req.base = head + arrival.max_tokens * node.inv_tps
         else:
@@ -161,6 +166,16 @@ class Tries(Perfect, Detection):
         if req.retry_try:  # its headers are on their way: it leaves the retry budget
             req.retry_try = False
             self.replicas[req.replica].budget.retrying -= 1
+        prompted = req.prompted
+        kv = node.kv
+        if prompted is not None and kv is not None and self.service is None:
+            # The emulator's order: the slot first, then the cache lookup and its hold.
+            lease = req.lease = kv.start(prompted.blocks, prompted.tokens, req.arrival.max_tokens)
+            base = req.base - req.head
+            req.head = node.ttft + (prompted.tokens - lease.cached_tokens) * node.inv_prefill
+            was, req.base = req.base, base + req.head
+            if self.perfect and req.base != was:
+                self._replanned = True
         factor = req.factor
         finish = now + req.base * factor
         give_up = req.born + self.params.client_timeout
@@ -172,6 +187,17 @@ class Tries(Perfect, Detection):
         if not req.armed and now + req.head * factor > req.deadline:
             req.armed = True
             self._push(req.deadline, TIMEOUT, req, req.try_no)
+        if self._replanned:  # the forecast took another prefill: recompute it from the state
+            self._replanned = False
+            self._replan(node, now)
+
+    def _release(self, req: Req, node: Node) -> None:
+        """The try left its slot: its blocks stay cached, unpinned (`KVCache.finish`)."""
+        lease = req.lease
+        if lease is not None:
+            req.lease = None
+            if node.kv is not None:
+                node.kv.finish(lease)
 
     def _next(self, node: Node, now: float) -> None:
         """Hand free slots to the queue's head, FIFO, skipping tries that already ended."""
@@ -194,6 +220,7 @@ class Tries(Perfect, Detection):
         node.running -= 1
         node.cur = None
         del node.active[req]
+        self._release(req, node)
         if req.cut:
             # The client gave up mid-stream and disconnected: the slot frees now. The gateway
             # counts an aborted request against no node.
@@ -205,6 +232,7 @@ class Tries(Perfect, Detection):
             req.done = True
             self.latencies.append(t - req.born)
             self.waits.append(req.start - req.sent)
+            self.ttfts.append(req.start + req.head * req.factor - req.born)
             node.served += 1
             self.pending -= 1
             self.last_t = t
@@ -233,6 +261,7 @@ class Tries(Perfect, Detection):
             node.running -= 1
             node.cur = None
             del node.active[req]
+            self._release(req, node)  # the gateway cancels it: the emulator lets go
             req.phase = CONNECTING
             self._next(node, t)
         elif phase == QUEUED:

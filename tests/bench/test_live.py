@@ -115,3 +115,52 @@ def test_gateway_config_carries_the_scenarios_options_and_trusts_the_class_heade
     assert parsed["strategy_options"]["routes"]["simple_qa"] == ["light"]
     assert parsed["strategy_options"]["inner"] == "predictive"
     assert "strategy_options" not in tomllib.loads(gateway_config("p2c", cluster))
+
+
+def test_affinity_runs_configure_the_inner_strategy_under_affinity() -> None:
+    import tomllib
+
+    from promptlb.bench._livecache import cache_strategies
+
+    cluster = Cluster(load_scenario("multi-tenant-chat"))
+    parsed = tomllib.loads(gateway_config("predictive+affinity", cluster))
+    assert parsed["strategy"] == "predictive" and parsed["affinity"] == {}
+    assert "affinity" not in tomllib.loads(gateway_config("predictive", cluster))
+    assert plan("predictive+affinity", "none").ours == ["predictive+affinity"]
+    with pytest.raises(ConfigError):
+        plan("fastest+affinity", "none")
+    assert cache_strategies(["round_robin", "predictive"]) == [
+        "round_robin",
+        "predictive",
+        "predictive+affinity",
+    ]
+
+
+def test_live_cache_ratios_and_hit_rate() -> None:
+    from promptlb.bench._live import live_cache
+    from promptlb.bench._livecache import hit_rate
+
+    assert hit_rate({"query": 100, "hit": 10}, {"query": 300, "hit": 160}) == 0.75
+    assert hit_rate({"query": 5, "hit": 0}, {"query": 5, "hit": 0}) is None
+
+    def run(strategy: str, p90: float, hit: float, kind: str = "promptlb") -> dict[str, object]:
+        ttft = {"p50": p90 / 2, "p90": p90, "p99": 2 * p90}
+        return {"kind": kind, "strategy": strategy, "ttft_ms": ttft, "hit_rate": hit}
+
+    runs = {
+        "promptlb round_robin": run("round_robin", 4000, 0.1),
+        "promptlb predictive": run("predictive", 800, 0.8),
+        "promptlb predictive+affinity": run("predictive+affinity", 2000, 0.6),
+        "nginx least_conn": run("least_conn", 100, 0.0, kind="nginx"),
+    }
+    cache = live_cache(runs, {"ttft_p90_vs_round_robin": 0.25, "ttft_p90_vs_affinity": 0.5}, True)
+    t = cache["targets"]
+    assert t["ttft_p90_vs_round_robin"] == pytest.approx(0.2)
+    assert t["ttft_p90_vs_round_robin_met"] is True
+    assert t["ttft_p90_vs_affinity"] == pytest.approx(0.4) and t["ttft_p90_vs_affinity_met"]
+    assert t["hit_rate_vs_oracle"] is None  # no oracle runs live
+    assert [r["strategy"] for r in cache["rows"]] == [
+        "round_robin",
+        "predictive",
+        "predictive+affinity",
+    ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +257,148 @@ def test_bad_targets_name_their_key(targets: object, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_scenario({**_valid(), "targets": targets})
     assert err.value.key == key
+
+
+# The traces of the scenarios from before prompts, fingerprinted at the commit that added them
+# (99ca8f4): prompts must not move a single draw of theirs.
+_OLD_TRACES = {
+    "seed-3am": (1091, "7622d7ffbb75204c"),
+    "hetero-8": (2688, "0d17e5c08b1b9dc1"),
+    "uniform-4": (729, "8ed848d453a577c9"),
+    "burst": (1846, "6e17dbd5c54351a5"),
+    "mixed-class": (2962, "8846f03d1636bedc"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OLD_TRACES))
+def test_the_scenarios_without_prompts_keep_their_traces(name: str) -> None:
+    arrivals = load_scenario(name).arrivals()
+    fields = repr([(a.at, a.prompt_class, a.prompt_tokens, a.max_tokens) for a in arrivals])
+    assert (len(arrivals), hashlib.sha256(fields.encode()).hexdigest()[:16]) == _OLD_TRACES[name]
+    assert not any(a.messages for a in arrivals)
+    assert all(n.kv_blocks == 0 for n in load_scenario(name).nodes)
+
+
+def _chat() -> dict[str, Any]:
+    return {
+        "duration": "40s",
+        "seed": 3,
+        "workload": {
+            "prompts": {
+                "kind": "chat",
+                "tenants": 3,
+                "users": 2,
+                "system_tokens": 300,
+                "question_tokens": 20,
+                "answer_tokens": 30,
+                "turns": {"dist": "uniform", "lo": 2, "hi": 4},
+                "think_ms": {"dist": "fixed", "mean": 2000},
+            }
+        },
+        "nodes": [{"name": "n", "count": 2, "kv_blocks": 500, "prefill_tokens_per_s": 1000}],
+    }
+
+
+def test_a_chat_resends_its_history_each_turn() -> None:
+    scenario = parse_scenario(_chat())
+    arrivals = scenario.arrivals()
+    assert arrivals == parse_scenario(_chat()).arrivals()  # the seed alone fixes it
+    assert [a.at for a in arrivals] == sorted(a.at for a in arrivals)
+    assert all(0 <= a.at < 40 for a in arrivals)
+    # 6 users, one turn per 2 s of think time each.
+    assert scenario.base_rate == pytest.approx(3.0)
+    assert len(arrivals) == pytest.approx(3.0 * 40, rel=0.1)
+    sessions: dict[str, list[Any]] = {}
+    for a in arrivals:
+        sessions.setdefault(a.session, []).append(a)
+    assert len(sessions) == 6
+    systems = set()
+    for turns in sessions.values():
+        systems.add(turns[0].messages[0])
+        for before, after in itertools.pairwise(turns):
+            if len(after.messages) > len(before.messages):  # the same conversation goes on
+                assert after.messages[: len(before.messages)] == before.messages
+                assert after.messages[len(before.messages)][0] == "assistant"
+                assert after.at - before.at == pytest.approx(2.0)
+            else:  # a new conversation: the tenant's system prompt and a first question
+                assert after.messages[0] == before.messages[0] and len(after.messages) == 2
+    assert len(systems) == 3  # one per tenant, shared by its users
+    first = arrivals[0]
+    assert first.messages[0][0] == "system" and len(first.messages[0][1]) == 4 * 300
+    rendered = len("system\n\n") + 4 * 300 + len("user\n\n") + 4 * 20  # role\ncontent\n
+    assert first.prompt_tokens == -(-rendered // 4)
+    assert scenario.nodes[0].emulator_flags()[-2:] == ["--kv-blocks", "500"]
+    assert "--kv-blocks" not in parse_scenario(_valid()).nodes[0].emulator_flags()
+
+
+def test_shared_and_rag_prompts() -> None:
+    shared = load_scenario("shared-system-prompt").arrivals()
+    assert len({a.messages[0] for a in shared}) == 1
+    assert len({a.messages[1] for a in shared}) == len(shared)  # every question its own
+    rag = load_scenario("rag")
+    docs: dict[str, int] = {}
+    for a in rag.arrivals():
+        *carried, question = a.messages[1][1].split("\n\n")
+        assert 1 <= len(carried) <= 3 and question
+        for doc in carried:
+            docs[doc] = docs.get(doc, 0) + 1
+    assert len(docs) <= 40
+    counts = sorted(docs.values(), reverse=True)
+    assert counts[0] > 5 * counts[len(counts) // 2]  # Zipf: a few documents carry the most
+
+
+def test_the_prefix_scenarios_load_with_their_shapes() -> None:
+    chat = load_scenario("multi-tenant-chat")
+    prompts = chat.workload.prompts
+    assert prompts is not None and prompts.kind == "chat" and prompts.tenants >= 24
+    assert all(n.kv_blocks > 0 and n.prefill_tokens_per_s > 0 for n in chat.nodes)
+    assert chat.capacity() > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"kind": "forum"}, "workload.prompts.kind"),
+        ({"tenants": 0}, "workload.prompts.tenants"),
+        ({"users": "many"}, "workload.prompts.users"),
+        ({"think_ms": "long"}, "workload.prompts.think_ms"),
+        ({"turns": {"dist": "pareto"}}, "workload.prompts.turns.dist"),
+        ({"documents": 3}, "workload.prompts.documents"),  # a rag key on a chat
+        ({"kind": "rag", "per_query": [2, 1]}, "workload.prompts.per_query"),
+        ({"kind": "rag", "zipf": -1}, "workload.prompts.zipf"),
+    ],
+)
+def test_bad_prompts_name_their_key(change: dict[str, Any], key: str) -> None:
+    data = _chat()
+    data["workload"]["prompts"].update(change)
+    if change.get("kind") == "rag":
+        for k in ("tenants", "users", "turns", "think_ms"):
+            del data["workload"]["prompts"][k]
+        data["workload"]["rate"] = 2
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == key
+
+
+def test_a_chat_takes_no_rate_and_the_others_need_one() -> None:
+    data = _chat()
+    data["workload"]["rate"] = 3
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "workload.rate"
+    data = _chat()
+    data["workload"]["prompts"] = {"kind": "shared"}
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "workload.rate"
+    data["workload"]["rate"] = 2
+    assert parse_scenario(data).base_rate == 2
+    data["workload"]["prompts"] = "chat"
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "workload.prompts"
+    data = _chat()
+    data["nodes"][0]["kv_blocks"] = -1
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "nodes[0].kv_blocks"

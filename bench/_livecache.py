@@ -1,0 +1,92 @@
+"""The live runner's side of prefix caching, for scenarios whose arrivals carry their prompt:
+
+* ``X+affinity`` runs strategy X under ``[affinity]`` at its defaults (the 512-character prefix
+  hash, bounded loads): today's affinity, measured beside the cache-aware default;
+* each run starts on empty caches (every emulator restarted on its port: a cache warmed by the
+  previous router's run would flatter the next), and its hit rate is read from the emulators'
+  own counters (``prefix_cache_query_tokens``/``hit_tokens`` of ``/_emulator/stats``), before
+  and after, as vLLM's ``prefix_cache_queries``/``hits`` would give it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import aiohttp
+from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
+
+__all__ = [
+    "AFFINITY",
+    "affinity_table",
+    "cache_strategies",
+    "hit_rate",
+    "inner_strategy",
+    "kv_counts",
+    "restart_all",
+]
+
+AFFINITY = "+affinity"
+
+
+class _Restartable(Protocol):
+    @property
+    def urls(self) -> dict[str, str]: ...
+
+    def restart(self, name: str) -> None: ...
+
+
+def inner_strategy(name: str) -> str:
+    """The strategy a run name configures: ``predictive+affinity`` is ``predictive``."""
+    return name.removesuffix(AFFINITY)
+
+
+def known(name: str) -> bool:
+    return inner_strategy(name) in STRATEGIES
+
+
+def affinity_table(name: str) -> str:
+    """The gateway TOML's ``[affinity]`` for a ``X+affinity`` run, else nothing."""
+    return "\n[affinity]\n" if name.endswith(AFFINITY) else ""
+
+
+def cache_strategies(ours: Iterable[str]) -> list[str]:
+    """The runs of a prompt-carrying scenario: the ones asked, and today's affinity beside
+    the default, which the report holds the default to."""
+    out = list(ours)
+    wanted = DEFAULT_STRATEGY + AFFINITY
+    if wanted not in out:
+        out.append(wanted)
+    return out
+
+
+async def kv_counts(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> dict[str, int]:
+    """Prompt tokens looked up and found cached, summed over the emulators that answer."""
+    total = {"query": 0, "hit": 0}
+    for url in urls.values():
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+            async with http.get(url + "/_emulator/stats") as response:
+                stats: dict[str, Any] = await response.json()
+            total["query"] += int(stats["prefix_cache_query_tokens"])
+            total["hit"] += int(stats["prefix_cache_hit_tokens"])
+    return total
+
+
+def hit_rate(before: Mapping[str, int], after: Mapping[str, int]) -> float | None:
+    """Cached prompt tokens over prompt tokens between two readings. A node restarted by a
+    fault in between restarts its counters: what it counted before its crash is lost, and the
+    rate is of what the counters still show."""
+    query = after["query"] - before["query"]
+    hit = after["hit"] - before["hit"]
+    if query <= 0:
+        return None
+    return max(0.0, min(1.0, hit / query))
+
+
+def restart_all(cluster: _Restartable) -> None:
+    """Every emulator again, side by side: empty KV caches, zeroed counters."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(cluster.restart, list(cluster.urls)))

@@ -1,0 +1,123 @@
+"""The simulator's report on prefix caching, for scenarios whose requests carry their prompt:
+per strategy TTFT and hit rate (cached prompt tokens over prompt tokens, as the emulators'
+counters give it), their ratios to round robin, to the default strategy under ``[affinity]``
+and to the oracle, the scenario's cache targets, and a PNG (TTFT CDF, hit rate per strategy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from promptlb.middleware._strategies import DEFAULT_STRATEGY
+
+from ._report import step_cdf
+from ._simparams import AFFINITY, ORACLE
+
+__all__ = ["CACHE_BASELINES", "cache_lines", "cache_ratios", "cache_targets", "plot_cache"]
+
+DEFAULT_AFFINITY = DEFAULT_STRATEGY + AFFINITY
+# What the cache report compares every strategy with, beside round robin.
+CACHE_BASELINES = (DEFAULT_AFFINITY, ORACLE)
+# Target name -> (row key, baseline, True when the ratio must be at least the target).
+CACHE_TARGETS: Mapping[str, tuple[str, str, bool]] = {
+    "ttft_p90_vs_round_robin": ("ttft_p90_s", "round_robin", False),
+    "ttft_p90_vs_affinity": ("ttft_p90_s", DEFAULT_AFFINITY, False),
+    "ttft_p90_vs_oracle": ("ttft_p90_s", ORACLE, False),
+    "hit_rate_vs_oracle": ("hit_rate", ORACLE, True),
+}
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or not base > 0:
+        return None
+    return value / base
+
+
+def cache_ratios(rows: Sequence[dict[str, Any]]) -> None:
+    """Each row's TTFT p90 and hit rate over the baselines' (in place)."""
+    by_name = {row["strategy"]: row for row in rows}
+    for row in rows:
+        for name, (key, base, _) in CACHE_TARGETS.items():
+            other = by_name.get(base)
+            row[name] = _ratio(row[key], other[key] if other else None)
+
+
+def cache_targets(rows: Sequence[dict[str, Any]], goals: Mapping[str, float], applies: bool) -> Any:
+    """The default strategy's cache ratios, each with the scenario's target and verdict."""
+    row = next((r for r in rows if r["strategy"] == DEFAULT_STRATEGY), None)
+    if row is None:
+        return {"strategy": DEFAULT_STRATEGY, "ran": False}
+    out: dict[str, Any] = {"strategy": DEFAULT_STRATEGY, "ran": True, "applies": applies}
+    for name, (_, _, at_least) in CACHE_TARGETS.items():
+        value = row.get(name)
+        out[name] = value
+        goal = goals.get(name)
+        if goal is not None and applies:
+            out[f"{name}_target"] = goal
+            met = None if value is None else (value >= goal if at_least else value <= goal)
+            out[f"{name}_met"] = met
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def cache_lines(rows: Sequence[dict[str, Any]], targets: Mapping[str, Any]) -> list[str]:
+    head = (
+        f"{'strategy':<22} {'ttft p50':>8} {'p90':>7} {'p99':>7} {'hit':>6} "
+        f"{'p90/rr':>7} {'p90/aff':>7} {'p90/orc':>7} {'hit/orc':>7}"
+    )
+    lines = ["prefix cache: TTFT in s, hit rate = cached prompt tokens / prompt tokens", head]
+    for row in rows:
+        lines.append(
+            f"{row['strategy']:<22} {_fmt(row['ttft_p50_s'], '.3f'):>8} "
+            f"{_fmt(row['ttft_p90_s'], '.3f'):>7} {_fmt(row['ttft_p99_s'], '.3f'):>7} "
+            f"{_fmt(row['hit_rate'], '.3f'):>6} "
+            + " ".join(f"{_fmt(row[name], '.2f'):>7}" for name in CACHE_TARGETS)
+        )
+    if targets.get("ran"):
+        for name, (_, _, at_least) in CACHE_TARGETS.items():
+            if f"{name}_target" not in targets:
+                continue
+            met = targets[f"{name}_met"]
+            verdict = "n/a" if met is None else ("met" if met else "MISSED")
+            sign = ">=" if at_least else "<="
+            lines.append(
+                f"{targets['strategy']} {name.replace('_', ' ')} = "
+                f"{_fmt(targets[name], '.2f')}x ({sign} {targets[f'{name}_target']}x): {verdict}"
+            )
+    return lines
+
+
+def plot_cache(
+    path: Path, title: str, ttfts: Mapping[str, Sequence[float]], hits: Mapping[str, float | None]
+) -> None:
+    """TTFT CDF per strategy (left) and hit rate per strategy (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=[1.6, 1.0])
+    for name, values in ttfts.items():
+        step_cdf(cdf, [v for v in values if math.isfinite(v) and v > 0], name)  # log axis
+    cdf.set_xscale("log")
+    cdf.set_xlabel("time to first token (s, log scale)")
+    cdf.set_ylabel("share of requests")
+    cdf.set_title(title, fontsize=10)
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend(fontsize=7, loc="lower right")
+    names = list(hits)
+    bars.barh(names, [hits[n] or 0.0 for n in names])
+    bars.set_xlim(0, 1)
+    bars.set_xlabel("prefix-cache hit rate (cached prompt tokens / prompt tokens)")
+    bars.tick_params(labelsize=7)
+    bars.invert_yaxis()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
