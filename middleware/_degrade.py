@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
+import aiohttp
+
 from ._answer import Answer
 from ._balancer import Balancer
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
@@ -262,7 +264,9 @@ class Dispatcher:
             except TimeoutError:
                 up.timed_out = True
                 raise UpstreamError(504, "no first byte in time", up.attempts) from None
-            except (OSError, ValueError) as exc:  # aiohttp's payload errors are both
+            except (aiohttp.ClientError, OSError, ValueError) as exc:
+                # A node that breaks off before its first byte (ClientPayloadError, a server
+                # disconnect) is that try's failure, not a 500 of ours.
                 up.failed = True
                 # The detail may name the node's address: for the log, not the client.
                 _log.debug("answer of node %s broke: %r", up.node.name, exc)

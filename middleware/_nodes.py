@@ -52,6 +52,9 @@ class Node:
     # generated) leaves it as it was: a hung node must not look as if it were merely slow.
     decode_rate: float | None = None
     picks: int = 0
+    # (boot, RSS) when a leak projected its model server out of memory: drained until a new
+    # boot or less memory than that.
+    leak_mark: tuple[str, int] | None = None
     learnt_models: frozenset[str] = field(default_factory=frozenset)
     recent_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -76,7 +79,7 @@ class Node:
             return "draining"
         if snap is not None and not (snap.ready and snap.warm):
             return "warming"
-        if snap is not None and _leaking(snap, oom_within):
+        if snap is not None and self.leak_mark is not None:
             return "leaking"
         return "ready"
 
@@ -230,18 +233,7 @@ class NodeTable:
         if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
             return False
         was_serving = held is not None and held.ready and held.warm and not held.draining
-        oom_within = self._config.outlier.drain_before_oom
-        was_leaking = held is not None and _leaking(held, oom_within)
-        if _leaking(snapshot, oom_within) != was_leaking:
-            if was_leaking:
-                log.info("node %s: no longer projected out of memory, back in", node.name)
-            else:
-                log.warning(
-                    "node %s: draining, its model server runs out of memory in %.0fs at %.1f MB/s",
-                    node.name,
-                    snapshot.seconds_to_oom() or 0.0,
-                    (snapshot.rss_slope or 0.0) / 2**20,
-                )
+        self._watch_leak(node, snapshot)
         node.snapshot, node.snapshot_at = snapshot, now
         node.view.in_flight_at_snapshot = node.view.in_flight
         if snapshot.models and not node.config.models:
@@ -259,6 +251,29 @@ class NodeTable:
             node.ready_since = now  # it just finished warming: ramp up from here
         self._dirty = True
         return True
+
+    def _watch_leak(self, node: Node, snapshot: Snapshot) -> None:
+        """Drain a node whose model server is projected out of memory within the configured
+        time, and keep it drained until it restarts (a new boot) or its RSS falls back: once
+        drained its RSS stops growing, and going by the slope alone would bring it back a
+        window later, to leak again."""
+        mark = node.leak_mark
+        if mark is None:
+            if _leaking(snapshot, self._config.outlier.drain_before_oom):
+                node.leak_mark = (snapshot.boot, snapshot.rss or 0)
+                self._dirty = True
+                log.warning(
+                    "node %s: draining, its model server runs out of memory in %.0fs at %.1f MB/s",
+                    node.name,
+                    snapshot.seconds_to_oom() or 0.0,
+                    (snapshot.rss_slope or 0.0) / 2**20,
+                )
+            return
+        boot, rss = mark
+        if snapshot.boot != boot or (snapshot.rss is not None and snapshot.rss < 0.9 * rss):
+            node.leak_mark = None
+            self._dirty = True
+            log.info("node %s: restarted or its memory freed, back in", node.name)
 
     def record_result(
         self, node: Node, ok: bool, latency_s: float | None, ttft_s: float | None, now: float

@@ -114,14 +114,21 @@ class ServiceModel:
         return (queue - slots + 1) * mean_service / slots
 
     def update(
-        self, out_tokens: float, in_tokens: float, service_s: float, decode_s: float | None = None
+        self,
+        out_tokens: float,
+        in_tokens: float,
+        service_s: float,
+        decode_s: float | None = None,
+        *,
+        head: bool = True,
     ) -> None:
         """One observed try: ``service_s`` in all, of which ``decode_s`` (when the first token's
         time is known) after the first token. Decoding never waits in a queue, so split in two
         it is a clean reading of b, and only the head carries the error of the guessed wait."""
         if decode_s is not None and out_tokens > 0:
             self._fit(0.0, out_tokens / _OUT_SCALE, 0.0, decode_s)
-            self._fit(1.0, 0.0, in_tokens / _IN_SCALE, service_s - decode_s)
+            if head:
+                self._fit(1.0, 0.0, in_tokens / _IN_SCALE, service_s - decode_s)
         else:
             self._fit(1.0, out_tokens / _OUT_SCALE, in_tokens / _IN_SCALE, service_s)
         self.count += 1
@@ -319,6 +326,8 @@ class Predictive:
             return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
         self._picks_left -= 1
         if self._picks_left <= 0:
+            if self.index is not None:  # the nodes of two spans: a node gone for one is gone
+                self.index.keep_only(set(self._models) | set(self._old_models))
             self._old_models, self._models = self._models, {}
             self._picks_left = FORGET_SPAN
         looked = candidates if n <= self.sample else rng.sample(candidates, self.sample)
@@ -332,13 +341,15 @@ class Predictive:
         best = second = math.inf
         first_node = second_node = looked[0]
         probes: list[NodeView] = []
-        learning = False
+        answered = busy_unknown = False
         times: dict[str, float] = {}
         for node in looked:
             uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
             t = self.expected_time(request, node, out, uncached)
-            if node.in_flight and not self._model(node.name).count:
-                learning = True  # requests out, none answered: its estimate is a guess yet
+            if self._model(node.name).count:
+                answered = True
+            elif node.in_flight:
+                busy_unknown = True  # requests out, none answered: its estimate is a guess yet
             if t is None:
                 # A cold node is learnt one request at a time: it may get this one if it has
                 # none of ours in flight, else it sits out until its first answers are in.
@@ -353,18 +364,23 @@ class Predictive:
                 second, second_node = t, node
         if probes:
             return probes[rng.randrange(len(probes))] if len(probes) > 1 else probes[0]
-        if learning:
-            # Requests are out on a node that has answered none: neither a model nor a
-            # snapshot's estimate may take everything meanwhile, nor p2c's resource score,
-            # which the hosts' CPU can outweigh (a burst on a fresh gateway sent 382 of 500
-            # streams to one node). Spread by queue until each has answered.
+        if busy_unknown and not answered:
+            # Requests are out and no node has answered any (a burst on a fresh gateway):
+            # neither a snapshot's estimate nor p2c's resource score, which the hosts' CPU can
+            # outweigh, may take everything meanwhile (382 of 500 streams went to one node).
+            # Spread by queue until the first answers are in; from then on the models decide
+            # (spreading for longer cost the simulator's 8 replicas, each learning from an
+            # eighth of the traffic, nearly twice the p99 on hetero-8).
             return self._spread.pick(request, looked, rng)
         if best == math.inf:  # no node warm yet and none busy: a true cold start
             return self.inner.pick(request, candidates, rng)
         if held is not None and not held and self.cold_slack:
-            # A prefix nobody holds: where rendezvous hashing of its first block says, unless
-            # that node is much worse, so that replicas that do not share an index agree.
-            agreed = first_choice(request.blocks[0], looked)
+            # A prefix nobody holds: where rendezvous hashing of its first block over every
+            # candidate says (not the sample looked at, which differs by replica), unless that
+            # node is much worse, so that replicas that do not share an index agree.
+            agreed = first_choice(request.blocks[0], candidates)
+            if agreed.name not in times:
+                times[agreed.name] = self.expected_time(request, agreed, out) or math.inf
             t = times.get(agreed.name)
             if t is not None and t <= best * (1.0 + self.cold_slack):
                 return agreed
@@ -410,7 +426,10 @@ class Predictive:
         decode = None
         if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
             decode = latency_s - ttft_s
-        model.update(out, prefill, max(service, decode or 0.0), decode)
+        # A head read behind a queue carries the error of the guessed wait, which the fit would
+        # take for prefill (or a fixed cost): with a decode reading to learn from, skip it.
+        clean = waited == 0.0
+        model.update(out, prefill, max(service, decode or 0.0), decode, head=clean)
 
     def _learn_class(self, prompt_class: str, tokens: float) -> None:
         old = self._history.get(prompt_class)

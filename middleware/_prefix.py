@@ -20,7 +20,7 @@ Memory: two dict entries per coarse block and node (see `bench/pick_bench.py` fo
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 from itertools import count, repeat
 
@@ -43,10 +43,12 @@ def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
 def first_choice(first_block: int, candidates: Sequence[NodeView]) -> NodeView:
     """Rendezvous hashing of a prefix's first block over the candidates: every replica, with no
     state shared, picks the same node for a prefix nobody holds yet, and a node leaving moves
-    only its own prefixes."""
-    best, chosen = -1, candidates[0]
+    only its own prefixes. The score is a real mixing hash: CRC-32 seeded with the block is
+    linear in it, and split three nodes 50/25/25."""
+    best, chosen = b"", candidates[0]
+    key = first_block.to_bytes(8, "little")
     for node in candidates:
-        score = zlib.crc32(node.name.encode(), first_block)
+        score = hashlib.blake2b(node.name.encode(), digest_size=8, key=key).digest()
         if score > best:
             best, chosen = score, node
     return chosen
@@ -154,7 +156,8 @@ class PrefixIndex:
             del sent[block]
             pairs.pop((block, name), None)
 
-    def forget_node(self, name: str) -> None:
-        state = self._nodes.pop(name, None)
-        if state is not None:
-            self._forget(state, name, 0)
+    def keep_only(self, names: set[str]) -> None:
+        """Forget every node not in ``names``: nodes that left (discovery, a reload) must not
+        keep their entries, nor hand them to a newcomer reusing the name."""
+        for name in [n for n in self._nodes if n not in names]:
+            self._forget(self._nodes.pop(name), name, 0)

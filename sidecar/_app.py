@@ -176,7 +176,7 @@ class _Collectors:
 
     def _process_and_memory(self) -> tuple[int | None, float | None, int | None]:
         rss, slope = self.process.sample()
-        return rss, slope, memory_free(rss, self.config.memory_limit)
+        return rss, slope, memory_free(rss, self.config.memory_limit, self.process.pid)
 
     async def sample_process(self) -> None:
         # psutil's port lookup walks /proc: keep it off the event loop.

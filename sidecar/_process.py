@@ -27,21 +27,45 @@ def find_listener(port: int) -> int | None:
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-def memory_free(rss: int | None, limit: int | None = None) -> int | None:
-    """Bytes the model server may still take: under a configured ``limit``, that less its RSS;
-    else under this cgroup's limit (v2 ``memory.max``), that less the cgroup's use; else the
-    host's available memory. The sidecar runs in the model server's pod or host, whose limit
-    an OOM kill enforces."""
+def memory_free(rss: int | None, limit: int | None = None, pid: int | None = None) -> int | None:
+    """Bytes the model server may still take before it is killed for memory: under a configured
+    ``limit``, that less its RSS; else under the tightest cgroup v2 ``memory.max`` on its
+    process's cgroup path (when this sidecar can see it), less that cgroup's working set (its
+    use less the page cache the kernel reclaims first: weights read from disk fill the cache
+    up to the limit without being a threat); else the host's available memory."""
     if limit is not None:
         return None if rss is None else max(0, limit - rss)
-    try:
-        cap = (_CGROUP / "memory.max").read_text().strip()
-        if cap != "max":
-            used = int((_CGROUP / "memory.current").read_text())
-            return max(0, int(cap) - used)
-    except (OSError, ValueError):
-        pass  # no cgroup v2 limit here: the host's
+    if pid is not None:
+        free = _cgroup_free(pid)
+        if free is not None:
+            return free
     return int(psutil.virtual_memory().available)
+
+
+def _cgroup_free(pid: int) -> int | None:
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        path = next(line[3:] for line in lines if line.startswith("0::"))
+        leaf = _CGROUP / path.lstrip("/")
+        if not (leaf / "memory.current").exists():
+            return None  # another container's cgroup, out of this one's sight
+        caps = []
+        for folder in (leaf, *leaf.parents):
+            if folder == _CGROUP.parent:
+                break
+            cap = folder / "memory.max"
+            if cap.exists() and (text := cap.read_text().strip()) != "max":
+                caps.append(int(text))
+        if not caps:
+            return None
+        used = int((leaf / "memory.current").read_text())
+        stat = dict(
+            line.split() for line in (leaf / "memory.stat").read_text().splitlines() if line
+        )
+        working = used - int(stat.get("inactive_file", 0))
+        return max(0, min(caps) - working)
+    except (OSError, ValueError, StopIteration):
+        return None
 
 
 class ProcessCollector:
@@ -106,6 +130,11 @@ class ProcessCollector:
             with contextlib.suppress(psutil.Error):
                 rss += int(child.memory_info().rss)
         return rss
+
+    @property
+    def pid(self) -> int | None:
+        """The model server's pid as last found; None while none is."""
+        return self._proc.pid if self._proc is not None else None
 
     def sample(self, now: float | None = None) -> tuple[int | None, float | None]:
         self.restarted = False

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, Serve
 from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages
 
 HEALTH = (
@@ -332,3 +333,49 @@ async def test_a_sampled_request_gets_a_stored_answer_only_when_every_node_is_do
         assert data == second  # the latest stored
     else:
         assert status == 503
+
+
+async def test_a_node_that_breaks_off_before_its_first_byte_is_a_502_not_a_500(
+    serve: Serve,
+) -> None:
+    """A 200 whose body never comes (the node closes mid-answer) is that try's failure, a 502
+    in the OpenAI shape charged to the node, never aiohttp's payload error escaping as a 500."""
+    from aiohttp import web
+    from promptlb.middleware import PromptLBMiddleware
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Length": "100"})
+        await response.prepare(request)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async def sound(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    bad_app, good_app = web.Application(), web.Application()
+    bad_app.router.add_post("/v1/chat/completions", broken)
+    good_app.router.add_post("/v1/chat/completions", sound)
+    async with serve(bad_app) as bad, serve(good_app) as good:
+        nodes = [{"name": "bad", "url": bad}, {"name": "good", "url": good}]
+        app = PromptLBMiddleware(
+            noop,
+            config={"nodes": nodes, "health": {"enabled": False}, "strategy": "round_robin"},
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            seen = set()
+            for _ in range(4):
+                got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})
+                if got.status_code == 200:
+                    seen.add(got.headers["x-promptlb-node"])
+                else:
+                    assert got.status_code == 502, got.text
+                    assert got.json()["error"]["type"] == "upstream_error"
+                    seen.add("502")
+        assert seen == {"good", "502"}
+        assert app.balancer.table.nodes["bad"].failures >= 1
+        await app.dispatcher.stop()

@@ -220,10 +220,16 @@ def test_a_node_projected_out_of_memory_is_drained_and_back_after_a_clean_restar
         t.record_snapshot(n0, growing, 1.0)
         assert t.state_of(n0) == "leaking"
         assert names(t, 1.0) == {"n1", "n2"}  # new requests elsewhere
-        slow = replace(snap("n0", 2), rss=2**30, rss_slope=2**20, mem_free=1000 * 2**20)
-        t.record_snapshot(n0, slow, 1.5)  # 1,000 s left: not within 300 s
-        assert names(t, 1.5) == {"n0", "n1", "n2"}
-        t.record_snapshot(n0, replace(growing, seq=3), 2.0)
+        # Drained, it stops growing: a flat slope alone does not bring it back ...
+        flat = replace(snap("n0", 2), rss=2**30, rss_slope=0.0, mem_free=1000 * 2**20)
+        t.record_snapshot(n0, flat, 1.5)
+        assert names(t, 1.5) == {"n1", "n2"}
+        # ... its memory freed does
+        freed = replace(snap("n0", 3), rss=2**29, rss_slope=-(2**20), mem_free=1500 * 2**20)
+        t.record_snapshot(n0, freed, 1.7)
+        assert names(t, 1.7) == {"n0", "n1", "n2"}
+        t.record_snapshot(n0, replace(growing, seq=4), 2.0)
+        assert t.state_of(n0) == "leaking"
         restarted = replace(snap("n0", 1, boot="fresh"), rss=2**28, rss_slope=0.0, mem_free=2**33)
         t.record_snapshot(n0, restarted, 3.0)
         assert t.state_of(n0) == "ready" and "n0" in names(t, 3.0)

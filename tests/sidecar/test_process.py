@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -149,3 +150,29 @@ def test_the_memory_left_is_under_the_configured_limit_else_the_hosts() -> None:
     assert memory_free(None, limit=1000) is None  # no reading of the process: no projection
     free = memory_free(100)
     assert free is not None and 0 < free <= psutil.virtual_memory().total
+
+
+def test_a_cgroup_limit_counts_the_working_set_not_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights read from disk fill a cgroup's page cache up to its limit: that is no threat."""
+    from promptlb.sidecar import _process
+
+    group = tmp_path / "cg" / "pod" / "model"
+    group.mkdir(parents=True)
+    (tmp_path / "cg" / "pod" / "memory.max").write_text("1000\n")  # the pod's, tighter
+    (group / "memory.max").write_text("max\n")
+    (group / "memory.current").write_text("950\n")
+    (group / "memory.stat").write_text("anon 300\ninactive_file 600\nactive_file 50\n")
+    proc = tmp_path / "proc" / "42"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/pod/model\n")
+    monkeypatch.setattr(_process, "_CGROUP", tmp_path / "cg")
+    real = Path
+
+    def fake(p: str | Path = ".") -> Path:
+        text = str(p)
+        return real(str(tmp_path) + text) if text.startswith("/proc/") else real(p)
+
+    monkeypatch.setattr(_process, "Path", fake)
+    assert memory_free(300, pid=42) == 1000 - (950 - 600)
