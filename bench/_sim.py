@@ -11,6 +11,7 @@ Latency percentiles are over the requests that succeeded; the error rate counts 
 Throughput is successes per second of the whole run, from 0 to the last completion (backlog
 drained). Utilisation is slot-seconds of work within the trace's window over slots x window.
 """
+# Over 350 lines: the sim command and its report; the model itself is in the _sim* modules.
 
 from __future__ import annotations
 

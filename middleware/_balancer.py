@@ -1,5 +1,8 @@
 """The balancer: node table, strategy, evidence loops and the one upstream session, and the
 try-and-retry logic that both the ASGI proxy and the in-app client use."""
+# Over 350 lines: the retry loop and the bookkeeping of a try's end (in-flight, results, request
+# faults, learning) are one state machine over a try's lifetime; split, each half would need the
+# other's locals.
 
 from __future__ import annotations
 

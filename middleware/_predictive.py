@@ -30,6 +30,8 @@ prefill it saves, weighed against its queue like everything else. A prefix no ca
 goes, unless that costs over ``cold_slack`` more than the best, to the node that rendezvous
 hashing of its first block names, so independent replicas agree where it starts.
 """
+# Over 350 lines: the service model and the strategy that reads it; the prefix index is in
+# _prefix.
 
 from __future__ import annotations
 
