@@ -35,7 +35,17 @@ from promptlb.shared import ConfigError, parse_duration
 from . import _livecache, _peers
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
-from ._report import RESULTS, environment, plot_cluster, summarize, table, write_json
+from ._report import (
+    CRASH_WINDOW_S,
+    RESULTS,
+    crash_lines,
+    crashes,
+    environment,
+    plot_cluster,
+    summarize,
+    table,
+    write_json,
+)
 from ._scenario import Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
 from ._simcache import cache_lines, cache_ratios, cache_targets, plot_cache
 
@@ -45,6 +55,12 @@ REQUEST_TIMEOUT_S = 60.0  # each request, whoever serves it
 DRAIN_S = 60.0  # after the trace's last send: time left to the requests still in flight
 HEALTH_INTERVAL = "1s"
 SAMPLE_INTERVAL = "250ms"
+# The sidecars' RSS slope window (their default is a minute): a run lasts about a minute and a
+# scenario's leak a quarter of it (seed-3am: 15 s from its start to the crash). Over 60 s the
+# fit would average the leak with the flat time before it and see it only halfway to the OOM,
+# and one strategy's run would still weigh in the next one's window.
+RSS_WINDOW = "5s"
+STATE_POLL_S = 0.5  # how often a run reads its gateway's node states (drains, ejections)
 READY_TIMEOUT_S = 30.0
 
 
@@ -115,24 +131,7 @@ class Cluster:
 
     @staticmethod
     def _sidecar(spec: NodeSpec, model: Service) -> Service:
-        flags = ["--tier", spec.tier] if spec.tier else []
-        if spec.tags:
-            flags += ["--tags", ",".join(spec.tags)]
-        return start_service(
-            "sidecar",
-            "--model-url",
-            model.url,
-            "--node-name",
-            spec.name,
-            "--sample-interval",
-            SAMPLE_INTERVAL,
-            "--no-warmup-required",
-            "--no-warmup-at-start",
-            "--no-gpu",  # the emulators are CPU processes; a real GPU here would mislead
-            "--log-level",
-            "ERROR",
-            *flags,
-        )
+        return start_service("sidecar", *sidecar_args(spec, model.url))
 
     def stop(self) -> None:
         self.stopping = True
@@ -208,6 +207,32 @@ class Cluster:
                     if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
                         total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+def sidecar_args(spec: NodeSpec, model_url: str) -> list[str]:
+    """A node's sidecar command line: its model, its labels, and the memory limit its model
+    server runs under when the scenario gives one (its time to OOM is projected against it)."""
+    flags = ["--tier", spec.tier] if spec.tier else []
+    if spec.tags:
+        flags += ["--tags", ",".join(spec.tags)]
+    if spec.memory_limit_mb is not None:
+        flags += ["--memory-limit-mb", str(spec.memory_limit_mb)]
+    return [
+        "--model-url",
+        model_url,
+        "--node-name",
+        spec.name,
+        "--sample-interval",
+        SAMPLE_INTERVAL,
+        "--rss-window",
+        RSS_WINDOW,
+        "--no-warmup-required",
+        "--no-warmup-at-start",
+        "--no-gpu",  # the emulators are CPU processes; a real GPU here would mislead
+        "--log-level",
+        "ERROR",
+        *flags,
+    ]
 
 
 _RESET: dict[str, Any] = {"slow_factor": 1.0, "hang": False, "leak_mb_per_req": 0.0}
@@ -321,6 +346,30 @@ class Run:
     strategy: str
     results: list[Result]
     faults: list[dict[str, Any]]
+    # Our gateways only: per node, its state's changes as ``[t, state]`` on the run's clock.
+    states: dict[str, list[list[Any]]] | None = None
+
+
+async def watch_states(
+    http: aiohttp.ClientSession,
+    url: str,
+    clock: Callable[[], float],
+    into: dict[str, list[list[Any]]],
+) -> None:
+    """Poll a gateway's ``/_promptlb/status`` and note each node's state when it changes
+    (``leaking``: drained for a projected OOM), to within ``STATE_POLL_S``."""
+    last: dict[str, str] = {}
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+            async with http.get(url + "/_promptlb/status") as response:
+                doc = await response.json()
+            t = round(clock(), 2)
+            for node in doc["nodes"]:
+                name, state = str(node["name"]), str(node["state"])
+                if last.get(name) != state:
+                    last[name] = state
+                    into.setdefault(name, []).append([t, state])
+        await asyncio.sleep(STATE_POLL_S)
 
 
 async def measure(
@@ -333,6 +382,7 @@ async def measure(
         key=lambda x: x[0],
     )
     applied: list[dict[str, Any]] = []
+    states: dict[str, list[list[Any]]] | None = {} if target.kind == "promptlb" else None
     progress = Progress()
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
@@ -359,8 +409,13 @@ async def measure(
                 }
             )
 
+    def clock() -> float:
+        return loop.time() - progress.started_at
+
     def on_start() -> None:
         tasks.append(asyncio.create_task(play()))
+        if states is not None:
+            tasks.append(asyncio.create_task(watch_states(http, target.url, clock, states)))
 
     bar = ProgressBar(target.name, scenario.duration, progress)
     drawing = asyncio.create_task(bar.run())
@@ -381,7 +436,7 @@ async def measure(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         bar.close()
-    return Run(target.name, target.kind, target.strategy, results, applied)
+    return Run(target.name, target.kind, target.strategy, results, applied, states)
 
 
 @dataclass
@@ -548,6 +603,10 @@ async def run_all(
             **summarize(run.results, cluster.slots, scenario.duration),
             "hit_rate": hits.get(name),  # from the emulators' counters; None without prompts
             "faults_applied": run.faults,
+            # Per crash: requests lost at it, and (our gateways) whether the node was drained
+            # for its leak before it; then every node state change seen.
+            "crashes": crashes(run.results, run.faults, run.states),
+            "node_states": run.states,
         }
         for name, run in runs.items()
     }
@@ -568,6 +627,7 @@ async def run_all(
                     "slots": n.slots,
                     "tokens_per_s": n.tokens_per_s,
                     "ttft_ms": n.ttft_ms,
+                    "memory_limit_mb": n.memory_limit_mb,
                     "faults": [dataclasses.asdict(f) for f in n.faults],
                 }
                 for n in scenario.nodes
@@ -579,6 +639,12 @@ async def run_all(
             "drain_s": DRAIN_S,
             "gateway": f"health interval {HEALTH_INTERVAL}, every other key at its default",
             "sidecar_sample_interval": SAMPLE_INTERVAL,
+            "sidecar_rss_window": RSS_WINDOW,
+            "lost_at_crash": (
+                "failed requests answered by the crashed node or by none, ending within "
+                f"{CRASH_WINDOW_S:g}s after the crash, timeouts and 504s left out"
+            ),
+            "node_states": f"the gateway's /_promptlb/status, read every {STATE_POLL_S:g}s",
             "nginx": "worker_processes 1, max_fails=3 fail_timeout=10s, keepalive 128",
             "litellm": f"Router defaults, timeout {_peers.LITELLM_TIMEOUT_S:g}s",
             "latency": "percentiles over successful requests; error_rate counts the rest",
@@ -656,6 +722,8 @@ def run_cluster(args: argparse.Namespace) -> None:
         f"\n{scenario.name}: commit {report['commit']}, {report['scenario']['requests']} requests"
     )
     print(table(report["runs"]))
+    for line in crash_lines(report["runs"]):
+        print(line)
     for line in report["missing"]:
         print(line)
     for name, why in report["failed"].items():

@@ -19,6 +19,8 @@ from ._stats import jain, percentile
 __all__ = [
     "RESULTS",
     "busy_slot_seconds",
+    "crash_lines",
+    "crashes",
     "environment",
     "git_commit",
     "load_over_time",
@@ -128,6 +130,78 @@ def summarize(
         },
         "nodes": nodes,
     }
+
+
+# A crash fails what it cuts at once: the streams on the node, and tries sent to it before the
+# gateway sees it gone (a refused connect). Failures by waiting are a queue's doing, not its.
+CRASH_WINDOW_S = 1.0
+_WAITED = frozenset({"timeout", "unfinished", "http_504", "http_408"})
+
+
+def crashes(
+    results: Sequence[Result],
+    applied: Sequence[Mapping[str, Any]],
+    states: Mapping[str, Sequence[Sequence[Any]]] | None = None,
+) -> list[dict[str, Any]]:
+    """Each crash the run played (``applied``: the faults as played, on the results' clock):
+    the requests lost at it and, given the gateway's node states over the run (``states``:
+    per node its ``[t, state]`` changes), when the node was drained for its leak before it.
+
+    A request is lost at node N's crash at T if it failed, was answered by N or by no node (a
+    gateway's own error answer names none), did not fail by waiting (a timeout, a 504), and
+    ended within ``CRASH_WINDOW_S`` of T: it was on N when N died, or sent to N just after."""
+    out: list[dict[str, Any]] = []
+    for fault in applied:
+        if fault.get("kind") != "crash" or fault.get("outcome") != "ok":
+            continue
+        node, at = str(fault["node"]), float(fault["applied_at"])
+        lost = [
+            r
+            for r in results
+            if r.error
+            and r.error not in _WAITED
+            and r.node in (node, "?")
+            and at <= r.end <= at + CRASH_WINDOW_S
+        ]
+        kinds: dict[str, int] = {}
+        for r in lost:
+            kinds[r.error] = kinds.get(r.error, 0) + 1
+        row: dict[str, Any] = {
+            "node": node,
+            "at": round(at, 3),
+            "lost": len(lost),
+            "lost_errors": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        }
+        if states is not None:
+            seen = states.get(node, [])
+            # The last time before the crash that it went into "leaking", if it did.
+            drained = [float(t) for t, state in seen if state == "leaking" and float(t) <= at]
+            row["drained_at"] = drained[-1] if drained else None
+            row["drained_before_s"] = round(at - drained[-1], 3) if drained else None
+            back = [float(t) for t, state in seen if state == "ready" and float(t) > at]
+            row["ready_again_at"] = back[0] if back else None
+        out.append(row)
+    return out
+
+
+def crash_lines(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per crash per run: requests lost, and the drain before it when watched."""
+    lines: list[str] = []
+    for name, run in runs.items():
+        for c in run.get("crashes", ()):
+            line = f"{name}: {c['node']} crashed at {c['at']:.1f}s, {c['lost']} requests lost"
+            if "drained_at" in c:
+                if c["drained_at"] is None:
+                    line += "; not drained before it"
+                else:
+                    line += (
+                        f"; drained (leaking) at {c['drained_at']:.1f}s, "
+                        f"{c['drained_before_s']:.1f}s before"
+                    )
+                if c["ready_again_at"] is not None:
+                    line += f"; ready again at {c['ready_again_at']:.1f}s"
+            lines.append(line)
+    return lines
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

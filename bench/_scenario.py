@@ -123,6 +123,10 @@ class NodeSpec:
     tier: str = ""
     tags: tuple[str, ...] = ()
     faults: tuple[Fault, ...] = ()
+    # The model server's memory limit, for its sidecar's time-to-OOM (``--memory-limit-mb``);
+    # None: the sidecar's default (the model's cgroup, else the host's available memory). The
+    # emulator does not enforce it: a scenario scripts its crash as a fault.
+    memory_limit_mb: int | None = None
 
     def capacity(self, mean_output: float, mean_input: float = 0.0) -> float:
         """Requests per second at full use: slots over the mean service time."""
@@ -383,6 +387,9 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
                     tier=_get(raw, "tier", where, str, ""),
                     tags=tuple(_get(raw, "tags", where, list, [])),
                     faults=faults,
+                    memory_limit_mb=_memory_limit(
+                        _get(raw, "memory_limit_mb", where, int, None), where
+                    ),
                 )
             )
     if not nodes:
@@ -467,6 +474,12 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
 def _kv_blocks(value: int, where: str) -> int:
     if value < 0:
         raise ConfigError(f"{where}kv_blocks", value, "blocks of 16 tokens, >= 0 (0: the default)")
+    return value
+
+
+def _memory_limit(value: int | None, where: str) -> int | None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{where}memory_limit_mb", value, "megabytes, >= 1 (or left out)")
     return value
 
 

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 from promptlb.bench import _peers
-from promptlb.bench._live import Cluster, gateway_config, plan, scaled, target_lines, targets
+from promptlb.bench._live import (
+    Cluster,
+    gateway_config,
+    plan,
+    scaled,
+    sidecar_args,
+    target_lines,
+    targets,
+)
+from promptlb.bench._loadgen import Result
+from promptlb.bench._report import crash_lines, crashes
 from promptlb.bench._scenario import load_scenario
 from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError
@@ -164,3 +174,56 @@ def test_live_cache_ratios_and_hit_rate() -> None:
         "predictive",
         "predictive+affinity",
     ]
+
+
+def test_a_nodes_memory_limit_goes_to_its_sidecar_with_a_short_rss_window() -> None:
+    nodes = {n.name: n for n in load_scenario("seed-3am").nodes}
+    leaky = sidecar_args(nodes["node-c"], "http://127.0.0.1:1")
+    assert leaky[leaky.index("--memory-limit-mb") + 1] == "300"
+    assert leaky[leaky.index("--rss-window") + 1] == "5s"
+    assert "--memory-limit-mb" not in sidecar_args(nodes["node-a"], "http://127.0.0.1:1")
+
+
+def _result(i: int, start: float, end: float, node: str, error: str = "") -> Result:
+    return Result(i, "qa", 40, start, start=start, end=end, status=200, error=error, node=node)
+
+
+def test_crashes_count_the_requests_lost_and_the_drain_before() -> None:
+    results = [
+        _result(0, 20.0, 30.1, "c", "truncated"),  # on c when it died
+        _result(1, 30.3, 30.4, "?", "http_502"),  # sent to it just after, no node answered
+        _result(2, 29.0, 30.5, "c"),  # finished fine
+        _result(3, 25.0, 30.2, "a", "truncated"),  # another node's failure
+        _result(4, 5.0, 30.6, "?", "http_504"),  # waited out in a queue: not the crash
+        _result(5, 31.0, 32.0, "c", "disconnected"),  # more than a second after
+        _result(6, 10.0, 12.0, "c", "truncated"),  # before it
+    ]
+    applied = [
+        {"node": "c", "kind": "leak", "at": 15.0, "applied_at": 15.0, "outcome": "ok"},
+        {"node": "c", "kind": "crash", "at": 30.0, "applied_at": 30.0, "outcome": "ok"},
+        {"node": "c", "kind": "recover", "at": 45.0, "applied_at": 45.0, "outcome": "ok"},
+    ]
+    states = {
+        "a": [[0.5, "ready"]],
+        "c": [[0.5, "ready"], [16.2, "leaking"], [30.5, "unhealthy"], [46.0, "ready"]],
+    }
+    (row,) = crashes(results, applied, states)
+    assert row == {
+        "node": "c",
+        "at": 30.0,
+        "lost": 2,
+        "lost_errors": {"truncated": 1, "http_502": 1},
+        "drained_at": 16.2,
+        "drained_before_s": 13.8,
+        "ready_again_at": 46.0,
+    }
+    line = "p: c crashed at 30.0s, 2 requests lost; drained (leaking) at 16.2s, 13.8s before"
+    assert crash_lines({"p": {"crashes": [row]}}) == [line + "; ready again at 46.0s"]
+    # Not drained; a peer (no states); a crash that failed to play is no crash.
+    (bare,) = crashes(results, applied, {"c": [[0.5, "ready"]]})
+    assert (bare["drained_at"], bare["ready_again_at"]) == (None, None)
+    assert crash_lines({"p": {"crashes": [bare]}}) == [
+        "p: c crashed at 30.0s, 2 requests lost; not drained before it"
+    ]
+    assert "drained_at" not in crashes(results, applied)[0]
+    assert crashes(results, [{**applied[1], "outcome": "failed: boom"}]) == []

@@ -92,6 +92,10 @@ def test_a_path_loads_too(tmp_path: Path) -> None:
         (("nodes", 1, "ttft_ms"), -5, "nodes[1].ttft_ms"),
         (("nodes", 0, "slots"), True, "nodes[0].slots"),
         (("nodes", 1, "faults", 0, "kind"), "explode", "nodes[1].faults[0].kind"),
+        (("nodes", 1, "memory_limit_mb"), 0, "nodes[1].memory_limit_mb"),
+        (("nodes", 1, "memory_limit_mb"), 512.5, "nodes[1].memory_limit_mb"),
+        (("nodes", 1, "memory_limit_mb"), "1G", "nodes[1].memory_limit_mb"),
+        (("nodes", 1, "memory_limit_mb"), True, "nodes[1].memory_limit_mb"),
         (("nodes", 1, "faults", 0, "at"), "soonish", "nodes[1].faults[0].at"),
         (("workload", "mix", 0, "max_tokens", "dist"), "pareto", "workload.mix[0].max_tokens.dist"),
         (("workload", "mix", 0, "max_tokens", "lo"), 500, "workload.mix[0].max_tokens.lo"),
@@ -165,6 +169,16 @@ def test_count_replicates_nodes_with_unique_names() -> None:
 def test_faults_are_parsed_in_seconds() -> None:
     small = parse_scenario(_valid()).nodes[1]
     assert [(f.at, f.kind) for f in small.faults] == [(10.0, "crash"), (20.0, "recover")]
+
+
+def test_a_node_may_give_its_model_servers_memory_limit() -> None:
+    data = _valid()
+    data["nodes"][1]["memory_limit_mb"] = 300
+    big, small = parse_scenario(data).nodes
+    assert (big.memory_limit_mb, small.memory_limit_mb) == (None, 300)
+    # seed-3am's node C dies of its leak: it alone has a limit, the others the sidecar's default.
+    limits = {n.name: n.memory_limit_mb for n in load_scenario("seed-3am").nodes}
+    assert limits == {"node-a": None, "node-b": None, "node-c": 300}
 
 
 def test_arrivals_are_deterministic_for_a_seed() -> None:
