@@ -272,7 +272,10 @@ class NodeTable:
                 )
             return
         boot, rss = mark
-        if snapshot.boot != boot or (snapshot.rss is not None and snapshot.rss < 0.9 * rss):
+        # A restarted model server shows as a new boot (the sidecar restarted too) or as not
+        # warm (the sidecar saw a new process and warms it again).
+        restarted = snapshot.boot != boot or not snapshot.warm
+        if restarted or (snapshot.rss is not None and snapshot.rss < 0.9 * rss):
             node.leak_mark = None
             self._dirty = True
             log.info("node %s: restarted or its memory freed, back in", node.name)

@@ -245,3 +245,20 @@ def test_leaking_nodes_still_serve_a_model_nothing_else_serves(snap: MakeSnapsho
         leak = replace(snap(name, 1), rss=2**30, rss_slope=2**20, mem_free=2**20)
         t.record_snapshot(t.nodes[name], leak, 1.0)
     assert names(t, 1.0) == {"n0", "n1"}  # a node near its OOM beats none
+
+
+def test_a_drained_leaking_node_is_back_once_its_model_server_restarts(snap: MakeSnapshot) -> None:
+    """A restart of the model server alone keeps the sidecar's boot, but the sidecar warms the
+    new process again: that not-warm snapshot ends the drain, whatever the fresh RSS."""
+    from dataclasses import replace
+
+    t = table()
+    n0 = t.nodes["n0"]
+    leak = replace(snap("n0", 1), rss=2**28, rss_slope=2**20, mem_free=2**24)
+    t.record_snapshot(n0, leak, 1.0)
+    assert t.state_of(n0) == "leaking"
+    rewarming = replace(snap("n0", 2, warm=False), rss=2**28, rss_slope=0.0, mem_free=2**30)
+    t.record_snapshot(n0, rewarming, 2.0)
+    assert t.state_of(n0) == "warming"
+    t.record_snapshot(n0, replace(rewarming, seq=3, warm=True), 3.0)
+    assert t.state_of(n0) == "ready"
