@@ -80,6 +80,9 @@ class Cluster:
         self.models[name] = start_service(
             *("emulator", "--model", "m", "--port", port, "--slots", "512"),
             *("--ttft-ms", "30", "--tokens-per-s", "400"),
+            # An event every half second: 1,000 ten-minute streams are 2,000 writes a second,
+            # not 20,000, on a machine the gateway shares with the nodes and the load.
+            *("--stream-interval-ms", "500"),
         )
 
     def start_sidecar(self, name: str) -> None:
@@ -115,7 +118,7 @@ class Cluster:
         config.write_text(
             "admin_local_only = true\n"
             "[health]\ninterval = '250ms'\ntimeout = '250ms'\nunhealthy_threshold = 1\n"
-            "[retry]\nper_try_timeout = '2s'\n"
+            "[retry]\nper_try_timeout = '2s'\ntotal_timeout = '15m'\n"  # the soak's streams
             f"[cache]\nbackend = 'redis://127.0.0.1:{self.redis_port}/0'\n" + tables
         )
         self.gateway = start_service("middleware", "--config", str(config), "--log-level", "error")
