@@ -193,6 +193,7 @@ async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
                     "recover_s": None if recover is None else round(recover, 2),
                 }
             )
+        tallies.append(Tally())  # the steady load during the soak counts apart from the faults
         soak_before = rss_mb(cluster.gateway.pid)
         rows.append(await _streams(url, 200 if quick else 1000, 5.0 if quick else 600.0))
         soak_after = rss_mb(cluster.gateway.pid)
