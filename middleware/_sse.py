@@ -45,8 +45,7 @@ class StreamAssembler:
             return
         self._size += len(chunk)
         if self._size > self.max_bytes:
-            self._failed = True
-            self._buffer = b""
+            self._give_up()
             return
         self._buffer += chunk.replace(b"\r\n", b"\n")
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -57,8 +56,17 @@ class StreamAssembler:
                 except (TypeError, AttributeError, ValueError):
                     # An event of a shape we do not know: never break the client's stream
                     # for the cache's sake; just do not keep this one.
-                    self._failed = True
+                    self._give_up()
                     return
+
+    def _give_up(self) -> None:
+        """Not to be stored: let go of what was assembled at once. A thousand long streams each
+        holding their text until they end kept the gateway a gigabyte bigger after a soak."""
+        self._failed = True
+        self._buffer = b""
+        self._choices = {}
+        self._head = {}
+        self._usage = None
 
     def _event(self, data: bytes) -> None:
         if data == b"[DONE]":
@@ -67,10 +75,10 @@ class StreamAssembler:
         try:
             event = json.loads(data)
         except ValueError:
-            self._failed = True
+            self._give_up()
             return
         if not isinstance(event, dict) or "error" in event:
-            self._failed = True
+            self._give_up()
             return
         for key in ("id", "created", "model", "system_fingerprint"):
             if key in event and key not in self._head:
@@ -83,12 +91,12 @@ class StreamAssembler:
             index = choice.get("index", 0)
             into = self._choices.setdefault(index, {"text": [], "role": "assistant"})
             if choice.get("logprobs") is not None:
-                self._failed = True  # not kept: the whole answer would lose them
+                self._give_up()  # not kept: the whole answer would lose them
                 return
             if self._chat:
                 delta = choice.get("delta") or {}
                 if any(v is not None and k not in _PLAIN for k, v in delta.items()):
-                    self._failed = True  # tool calls, reasoning, refusals: not kept
+                    self._give_up()  # tool calls, reasoning, refusals: not kept
                     return
                 if delta.get("role"):
                     into["role"] = delta["role"]

@@ -139,3 +139,16 @@ def test_zero_temperatures_share_a_key_and_nan_is_not_cached() -> None:
     assert zero == cache_key("/v1/chat/completions", {**body, "temperature": 0.0}, "m")
     nan = {**body, "temperature": float("nan")}
     assert cache_key("/v1/chat/completions", nan, "m") is None
+
+
+def test_a_stream_too_long_to_store_lets_go_of_what_it_assembled() -> None:
+    """A long stream is not kept: its text is let go as soon as it passes the limit, not held
+    until the stream ends (a thousand of them held a gigabyte)."""
+    recorder = StreamAssembler(True, max_bytes=200)
+    event = b'data: {"choices": [{"index": 0, "delta": {"content": "word "}}]}\n\n'
+    for _ in range(2):
+        recorder.feed(event)
+    assert recorder._choices  # assembling while under the limit
+    for _ in range(10):
+        recorder.feed(event)
+    assert recorder._choices == {} and recorder.result() is None
