@@ -13,6 +13,7 @@ it); the full size holds them longer and ends with 1,000 concurrent streams for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -126,7 +127,7 @@ class Cluster:
     def stop(self) -> None:
         for service in [self.gateway, *self.sidecars.values(), *self.models.values()]:
             if service is not None:
-                with _quiet():
+                with contextlib.suppress(OSError):
                     os.kill(service.pid, signal.SIGCONT)  # a stopped process cannot exit
                 service.stop()
         if self.redis is not None:
@@ -137,14 +138,6 @@ class Cluster:
     def url(self) -> str:
         assert self.gateway is not None
         return self.gateway.url
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
 
 
 async def one(http: aiohttp.ClientSession, url: str, stream: bool, tally: Tally) -> None:

@@ -119,14 +119,20 @@ class RedisServer:
         self.proc.wait(timeout=5)
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    binary = shutil.which("redis-server")
+def need_binary(name: str, package: str) -> str:
+    """The binary's path; missing, a skip, or under ``CI=true`` a failure (.ci/run installs it)."""
+    binary = shutil.which(name)
     if binary is None:
-        message = "redis-server is not installed (apt-get install redis-server)"
+        message = f"{name} is not installed (apt-get install {package})"
         if os.environ.get("CI") == "true":
             pytest.fail(message + ": CI must install it (.ci/run)")
         pytest.skip(message)
+    return binary
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    binary = need_binary("redis-server", "redis-server")
     server = RedisServer(binary, tmp_path)
     try:
         yield server

@@ -3,19 +3,15 @@ what the issue holds the gateway to for each."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-import pytest
 from promptlb.bench._faultsuite import run_faults
+
+from tests.conftest import need_binary
 
 
 def test_the_quick_fault_suite_keeps_serving_through_every_fault(tmp_path: Path) -> None:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed (apt-get install redis-server)")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    need_binary("redis-server", "redis-server")
     report = run_faults(quick=True, out=tmp_path)
     assert (tmp_path / "faults.json").exists()
     rows = {row["fault"]: row for row in report["faults"]}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -17,21 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import need_binary
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 __all__ = ["EXAMPLES", "ROOT", "Prometheus", "StartPrometheus", "load_yaml_documents"]
-
-
-def need_binary(name: str, package: str) -> str:
-    """The binary's path; missing, a skip, or under ``CI=true`` a failure (.ci/run installs it)."""
-    binary = shutil.which(name)
-    if binary is None:
-        message = f"{name} is not installed (apt-get install {package})"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message + ": CI must install it (.ci/run)")
-        pytest.skip(message)
-    return binary
 
 
 @pytest.fixture

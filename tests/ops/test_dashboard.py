@@ -18,8 +18,7 @@ import aiohttp
 import pytest
 from promptlb.emulator import start_command
 
-from tests.conftest import Launcher, sidecar_args
-from tests.ops.conftest import need_binary
+from tests.conftest import Launcher, need_binary, sidecar_args
 
 TOKEN = "dashboard-test-token-0123456789"
 NODES = {
