@@ -10,9 +10,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -220,8 +220,7 @@ class Balancer:
             out.append(api)
         return out
 
-    @asynccontextmanager
-    async def open(
+    def open(
         self,
         request: Request,
         *,
@@ -229,157 +228,17 @@ class Balancer:
         total: float | None = None,
         avoid: set[str] | None = None,
         admit: Callable[[NodeView], bool] | None = None,
-    ) -> AsyncIterator[Upstream]:
-        """Route and send, retrying on another node (never the same twice) on connect errors,
-        5xx, 429 and per-try timeouts. Yields the response to pass on; retries end here, so
-        nothing is retried once the caller has started answering.
+    ) -> _Try:
+        """``async with balancer.open(request) as upstream``: route and send, retrying on
+        another node (never the same twice) on connect errors, 5xx, 429 and per-try timeouts.
+        Yields the response to pass on; retries end here, so nothing is retried once the
+        caller has started answering.
 
         ``first_deadline`` (loop time) bounds the tries, ``total`` (seconds) the whole answer.
         ``avoid`` is shared between attempts racing for one request (a hedge): no two of them
         use the same node. ``admit`` narrows the candidates (load shedding), unless it would
         leave none."""
-        if self._session is None:
-            await self.start()
-        session = self._session
-        assert session is not None
-        cfg = self.config.retry
-        loop = asyncio.get_running_loop()
-        whole = total if total is not None else cfg.total_timeout  # seconds for the answer
-        deadline = loop.time() + whole
-        try_by = deadline if first_deadline is None else min(deadline, first_deadline)
-        route = request.route
-        budget = self._budget
-        budget.active += 1
-        tried: list[str] = []
-        if avoid is None:
-            avoid = set()
-        upstream: Upstream | None = None
-        last = "no try made"
-        status = 502
-        # A 5xx not judged yet: the node's fault, or the request's? A second node failing the
-        # request the same way says the request's; any other outcome says the node's.
-        suspect: tuple[Node, float, int] | None = None
-        try:
-            try:
-                while len(tried) < cfg.attempts:
-                    candidates = self.table.candidates(route.model)
-                    if candidates is None:
-                        raise UnknownModel(route.model)
-                    if avoid:
-                        candidates = [c for c in candidates if c.name not in avoid]
-                    if tried:
-                        if not candidates:
-                            break
-                        if not budget.allow():
-                            self.metrics.retry_budget_exhausted.inc()
-                            break
-                    elif not candidates:
-                        self.metrics.unavailable.labels(route.model).inc()
-                        raise NoNodeAvailable(route.model)
-                    remaining = try_by - loop.time()
-                    if remaining <= 0:
-                        status, last = 504, "deadline passed before a try could start"
-                        break
-                    if admit is not None:
-                        candidates = [c for c in candidates if admit(c)] or candidates
-                    view = self.strategy.pick(route, candidates, self.rng)
-                    node = self.table.nodes[view.name]
-                    self.metrics.node(node.name).picks.inc()
-                    if tried:
-                        self.metrics.retries.labels(tried[-1]).inc()
-                        budget.retrying += 1
-                    tried.append(node.name)
-                    avoid.add(node.name)
-                    queued = view.effective_queue
-                    view.in_flight += 1
-                    started = time.monotonic()
-                    given = min(cfg.per_try_timeout, remaining)
-                    try:
-                        async with asyncio.timeout(given):
-                            response = await session.post(
-                                node.config.url + request.target,
-                                data=request.raw,
-                                headers=self.forward_headers(node, request.headers),
-                            )
-                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                        view.in_flight -= 1
-                        # The detail names the node's address: for the log, not the client.
-                        _log.debug("try on node %s failed: %r", node.name, exc)
-                        if not isinstance(exc, TimeoutError):
-                            status, last = 502, "could not reach a node"
-                        elif not route.stream and self._needs_longer(node, route, given):
-                            # A non-streamed answer comes whole: at the node's speed this one
-                            # could not have come in time, and would not elsewhere either.
-                            status = 504
-                            last = (
-                                f"max_tokens {route.max_tokens} takes longer than the {given:g}s"
-                                " a try is given; stream it, or ask for fewer tokens"
-                            )
-                            self._finish(node, ok=None, started=started, ttft=None)
-                            break
-                        else:
-                            status, last = 504, "timed out"
-                        self._finish(node, ok=False, started=started, ttft=None, outcome="error")
-                        continue
-                    except BaseException:
-                        # Cancelled before the headers (a hedge's loser, a client gone): the
-                        # try holds no place on the node any more.
-                        view.in_flight -= 1
-                        raise
-                    finally:
-                        if len(tried) > 1:
-                            budget.retrying -= 1
-                    code = response.status
-                    if code >= 500 and suspect is not None and suspect[2] == code:
-                        # Two nodes failed this request the same way: it is the request (a
-                        # poison prompt), not either node. No third try, no failure counted.
-                        self._finish(suspect[0], ok=None, started=suspect[1], ttft=None)
-                        suspect = None
-                        upstream = Upstream(node, response, len(tried), started, deadline)
-                        upstream.request_fault = True
-                        break
-                    retryable = code >= 500 or code == 429
-                    if retryable and len(tried) < cfg.attempts and self._more(route.model, avoid):
-                        response.release()
-                        view.in_flight -= 1
-                        last = f"a node answered {code}"
-                        if code == 429:
-                            self._finish(node, ok=False, started=started, ttft=None, outcome="429")
-                        else:
-                            if suspect is not None:
-                                self._fault(suspect)
-                            suspect = (node, started, code)
-                        continue
-                    upstream = Upstream(
-                        node, response, len(tried), started, deadline, queued=queued
-                    )
-                    break
-            finally:
-                if suspect is not None:  # no second node failed it alike: the node's fault
-                    self._fault(suspect)
-            if upstream is None:
-                raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
-            aborted = False
-            try:
-                yield upstream
-            except UpstreamError:
-                # The caller judged the node's own answer a failure (a final 5xx or 429 with a
-                # fallback hop onward, no first byte in time, a broken body): the node's outcome.
-                raise
-            except BaseException:
-                aborted = True  # the caller gave up (client gone, deadline): not the node's fault
-                raise
-            finally:
-                if aborted or upstream.failed:
-                    upstream.response.close()  # the node sees the disconnect and stops working
-                else:
-                    upstream.response.release()
-                upstream.node.view.in_flight -= 1
-                if self.admission.enabled:
-                    self.admission.wake()
-                self._settle(upstream, route, aborted, whole)
-        finally:
-            budget.active -= 1
+        return _Try(self, request, first_deadline, total, avoid, admit)
 
     def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
         """Record how the passed-on try ended, and teach the strategy from a real answer;
@@ -458,6 +317,193 @@ class Balancer:
             if ttft is not None:
                 metrics.ttft.observe(ttft)
         return latency
+
+
+class _Try:
+    """One request's tries on one model, held open while the caller passes the answer on: a
+    plain class, not a generator context manager, since it is on every request. Entering runs
+    the retry loop (`Balancer.open` says what it does); leaving settles the try that answered."""
+
+    __slots__ = ("_admit", "_avoid", "_first", "_lb", "_request", "_total", "_upstream", "_whole")
+
+    def __init__(
+        self,
+        lb: Balancer,
+        request: Request,
+        first_deadline: float | None,
+        total: float | None,
+        avoid: set[str] | None,
+        admit: Callable[[NodeView], bool] | None,
+    ) -> None:
+        self._lb = lb
+        self._request = request
+        self._first = first_deadline
+        self._total = total
+        self._avoid = avoid
+        self._admit = admit
+        self._upstream: Upstream | None = None
+        self._whole = 0.0
+
+    async def __aenter__(self) -> Upstream:
+        lb = self._lb
+        if lb._session is None:
+            await lb.start()
+        budget = lb._budget
+        budget.active += 1
+        try:
+            upstream = await self._tries(lb, budget)
+        except BaseException:
+            budget.active -= 1
+            raise
+        self._upstream = upstream
+        return upstream
+
+    async def _tries(self, lb: Balancer, budget: RetryBudget) -> Upstream:
+        session = lb._session
+        assert session is not None
+        cfg = lb.config.retry
+        loop = asyncio.get_running_loop()
+        # seconds for the answer
+        self._whole = whole = self._total if self._total is not None else cfg.total_timeout
+        deadline = loop.time() + whole
+        first_deadline = self._first
+        try_by = deadline if first_deadline is None else min(deadline, first_deadline)
+        request = self._request
+        route = request.route
+        admit = self._admit
+        table, metrics = lb.table, lb.metrics
+        tried: list[str] = []
+        avoid = self._avoid
+        if avoid is None:
+            avoid = set()
+        upstream: Upstream | None = None
+        last = "no try made"
+        status = 502
+        # A 5xx not judged yet: the node's fault, or the request's? A second node failing the
+        # request the same way says the request's; any other outcome says the node's.
+        suspect: tuple[Node, float, int] | None = None
+        try:
+            while len(tried) < cfg.attempts:
+                candidates = table.candidates(route.model)
+                if candidates is None:
+                    raise UnknownModel(route.model)
+                if avoid:
+                    candidates = [c for c in candidates if c.name not in avoid]
+                if tried:
+                    if not candidates:
+                        break
+                    if not budget.allow():
+                        metrics.retry_budget_exhausted.inc()
+                        break
+                elif not candidates:
+                    metrics.unavailable.labels(route.model).inc()
+                    raise NoNodeAvailable(route.model)
+                remaining = try_by - loop.time()
+                if remaining <= 0:
+                    status, last = 504, "deadline passed before a try could start"
+                    break
+                if admit is not None:
+                    candidates = [c for c in candidates if admit(c)] or candidates
+                view = lb.strategy.pick(route, candidates, lb.rng)
+                node = table.nodes[view.name]
+                metrics.node(node.name).picks.inc()
+                if tried:
+                    metrics.retries.labels(tried[-1]).inc()
+                    budget.retrying += 1
+                tried.append(node.name)
+                avoid.add(node.name)
+                queued = view.effective_queue
+                view.in_flight += 1
+                started = time.monotonic()
+                given = min(cfg.per_try_timeout, remaining)
+                try:
+                    async with asyncio.timeout(given):
+                        response = await session.post(
+                            node.config.url + request.target,
+                            data=request.raw,
+                            headers=lb.forward_headers(node, request.headers),
+                        )
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    view.in_flight -= 1
+                    # The detail names the node's address: for the log, not the client.
+                    _log.debug("try on node %s failed: %r", node.name, exc)
+                    if not isinstance(exc, TimeoutError):
+                        status, last = 502, "could not reach a node"
+                    elif not route.stream and lb._needs_longer(node, route, given):
+                        # A non-streamed answer comes whole: at the node's speed this one
+                        # could not have come in time, and would not elsewhere either.
+                        status = 504
+                        last = (
+                            f"max_tokens {route.max_tokens} takes longer than the {given:g}s"
+                            " a try is given; stream it, or ask for fewer tokens"
+                        )
+                        lb._finish(node, ok=None, started=started, ttft=None)
+                        break
+                    else:
+                        status, last = 504, "timed out"
+                    lb._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                    continue
+                except BaseException:
+                    # Cancelled before the headers (a hedge's loser, a client gone): the
+                    # try holds no place on the node any more.
+                    view.in_flight -= 1
+                    raise
+                finally:
+                    if len(tried) > 1:
+                        budget.retrying -= 1
+                code = response.status
+                if code >= 500 and suspect is not None and suspect[2] == code:
+                    # Two nodes failed this request the same way: it is the request (a
+                    # poison prompt), not either node. No third try, no failure counted.
+                    lb._finish(suspect[0], ok=None, started=suspect[1], ttft=None)
+                    suspect = None
+                    upstream = Upstream(node, response, len(tried), started, deadline)
+                    upstream.request_fault = True
+                    break
+                retryable = code >= 500 or code == 429
+                if retryable and len(tried) < cfg.attempts and lb._more(route.model, avoid):
+                    response.release()
+                    view.in_flight -= 1
+                    last = f"a node answered {code}"
+                    if code == 429:
+                        lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
+                    else:
+                        if suspect is not None:
+                            lb._fault(suspect)
+                        suspect = (node, started, code)
+                    continue
+                upstream = Upstream(node, response, len(tried), started, deadline, queued=queued)
+                break
+        finally:
+            if suspect is not None:  # no second node failed it alike: the node's fault
+                lb._fault(suspect)
+        if upstream is None:
+            raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
+        return upstream
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        upstream = self._upstream
+        if upstream is None:
+            return
+        self._upstream = None
+        lb = self._lb
+        # The caller judged the node's own answer a failure (a final 5xx or 429 with a fallback
+        # hop onward, no first byte in time, a broken body): the node's outcome. Anything else
+        # raised means the caller gave up (client gone, deadline): not the node's fault.
+        aborted = exc is not None and not isinstance(exc, UpstreamError)
+        try:
+            if aborted or upstream.failed:
+                upstream.response.close()  # the node sees the disconnect and stops working
+            else:
+                upstream.response.release()
+            upstream.node.view.in_flight -= 1
+            if lb.admission.enabled:
+                lb.admission.wake()
+            lb._settle(upstream, self._request.route, aborted, self._whole)
+        finally:
+            lb._budget.active -= 1
 
 
 def _strategy_for(config: Config) -> Strategy:
