@@ -11,8 +11,8 @@ from ._refusals import Refusal, error_body
 
 __all__ = [
     "ASGIApp",
-    "DisconnectWatch",
     "Receive",
+    "RequestWatch",
     "Scope",
     "Send",
     "json_error",
@@ -27,40 +27,89 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-# A request answered sooner than this never starts a watcher: most answers of a fast node come
-# back within it, and a watcher costs a task on every request. A client that leaves is noticed
-# this much later at worst.
+# One timer per request, this far in: a request whose body is in and answer out by then (most
+# of a fast node's) costs that timer and its cancel, nothing else. Only then does the body get a
+# deadline of its own, or the connection a watcher; a client that leaves is noticed this much
+# later at worst.
 WATCH_AFTER = 0.05
 
 
-class DisconnectWatch:
-    """Cancels the current task when the client disconnects, while ``armed``.
+class RequestWatch:
+    """Times a request's body, then cancels the current task when the client disconnects.
 
-    One watcher future on ``receive()`` per request, started ``delay`` seconds in: the task
-    awaiting a node is cancelled so that the upstream try unwinds (the node sees the
-    disconnect). ``gone`` tells that cancel from any other; disarm before answering, so a late
-    disconnect cancels nothing else, and `close` when done.
+    Made when the request starts; ``body_timeout`` seconds after that a body still coming
+    cancels the task with ``slow`` set. `body_read` ends that part; from then on (and ``delay``
+    seconds in at the earliest) one watcher future on ``receive()`` waits for a disconnect while
+    ``armed``, and cancels the task awaiting a node so that the upstream try unwinds (the node
+    sees the disconnect). ``gone`` tells that cancel from any other. Disarm before answering, so
+    a late disconnect cancels nothing else, and `close` when done. `watch_now` skips the delay
+    (a batch waits its window anyway).
     """
 
-    __slots__ = ("_receive", "_task", "_timer", "_watcher", "armed", "gone")
+    __slots__ = (
+        "_body_by",
+        "_delayed",
+        "_loop",
+        "_receive",
+        "_task",
+        "_timer",
+        "_watcher",
+        "armed",
+        "gone",
+        "reading",
+        "slow",
+    )
 
-    def __init__(self, receive: Receive, delay: float = WATCH_AFTER) -> None:
+    def __init__(
+        self, receive: Receive, body_timeout: float | None = None, delay: float = WATCH_AFTER
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._receive = receive
+        self._loop = loop = asyncio.get_running_loop()
         self.armed = True
         self.gone = False
+        self.slow = False
+        self.reading = body_timeout is not None
+        self._body_by = loop.time() + body_timeout if body_timeout is not None else 0.0
         self._watcher: asyncio.Future[Message] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        if delay > 0:
-            self._timer = asyncio.get_running_loop().call_later(delay, self._start)
+        self._delayed = False  # the delay has passed
+        wait = delay if body_timeout is None else min(delay, body_timeout)
+        self._timer: asyncio.TimerHandle | None = loop.call_later(wait, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._delayed = True
+        if self.reading:
+            if self._loop.time() >= self._body_by:
+                self.slow = True
+                self._task.cancel()
+            else:
+                self._timer = self._loop.call_at(self._body_by, self._tick)
         else:
             self._start()
 
+    def body_read(self) -> None:
+        """The body is in: no deadline for it any more; watch the connection from now, or
+        from the delay on."""
+        self.reading = False
+        if self._delayed:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._start()
+
+    def watch_now(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._delayed = True
+        if not self.reading:
+            self._start()
+
     def _start(self) -> None:
-        self._timer = None
-        if self.armed:
+        if self.armed and self._watcher is None:
             self._watcher = asyncio.ensure_future(self._receive())
             self._watcher.add_done_callback(self._on_message)
 
@@ -75,11 +124,12 @@ class DisconnectWatch:
             self._task.cancel()
 
     def uncancel(self) -> None:
-        """Take back our own cancel, for the client that left: nothing is left to answer."""
+        """Take back our own cancel (the client that left, the body too slow)."""
         self._task.uncancel()
 
     def close(self) -> None:
         self.armed = False
+        self.reading = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from ._answer import Answer, answer_headers
-from ._asgi import DisconnectWatch, Receive, Send, json_error, send_json
+from ._asgi import RequestWatch, Send, json_error, send_json
 from ._batch import Fetch, Reply, fail
 from ._degrade import Dispatcher
 from ._refusals import Refusal
@@ -75,10 +75,10 @@ async def _read(answer: Answer) -> Reply:
     return Reply(200, parsed, headers=tuple(headers))
 
 
-async def unless_gone(receive: Receive, work: Awaitable[Reply]) -> Reply | None:
+async def unless_gone(watch: RequestWatch, work: Awaitable[Reply]) -> Reply | None:
     """``work``'s reply, or None when the client disconnects first (``work`` is cancelled,
     which takes the caller out of its batch)."""
-    watch = DisconnectWatch(receive, delay=0)  # a batch waits its window: watch from the start
+    watch.watch_now()  # a batch waits its window: watch from the start
     try:
         return await work
     except asyncio.CancelledError:

@@ -10,14 +10,14 @@ import time
 import aiohttp
 
 from ._answer import Answer, answer_headers
-from ._asgi import DisconnectWatch, Receive, Scope, Send, send_json, send_refusal
+from ._asgi import Receive, RequestWatch, Scope, Send, send_json, send_refusal
 from ._balancer import HOP_BY_HOP, Balancer
 from ._batch import Batcher, batch_key, string_inputs
 from ._batch_io import respond, unless_gone, upstream
 from ._cache import CacheEntry
 from ._config import Config
 from ._degrade import Dispatcher
-from ._refusals import Refusal
+from ._refusals import Refusal, SlowBody
 from ._replies import SSE, Body, send_cached
 from ._request import Request, RequestReader
 from ._sse import StreamAssembler
@@ -40,6 +40,7 @@ class Proxy:
         self._dispatch = dispatcher
         self._reader = reader
         self._retry_after = dispatcher.retry_after
+        self._body_timeout = config.requests.body_timeout
         cache = config.cache
         self._entry_limit = cache.max_entry_bytes if cache is not None else 0
         batching = config.batching
@@ -51,23 +52,36 @@ class Proxy:
         self._keyed_auth = config.forward_authorization
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = RequestWatch(receive, self._body_timeout)
         try:
-            request = await self._reader.read(scope, receive)
-        except Refusal as exc:
-            return await send_refusal(send, exc, self._retry_after)
-        if request is None:
-            return None  # the client left while sending
-        if self._batcher is not None and request.path.endswith("/embeddings"):
-            return await self._batched(receive, send, request)
-        await self.forward(receive, send, request)
+            try:
+                request = await self._reader.read(scope, receive)
+            except asyncio.CancelledError:
+                if not watch.slow:
+                    raise
+                watch.uncancel()
+                return await send_refusal(send, SlowBody(self._body_timeout), self._retry_after)
+            except Refusal as exc:
+                watch.close()  # no deadline runs out while it is told
+                return await send_refusal(send, exc, self._retry_after)
+            if request is None:
+                return None  # the client left while sending
+            watch.body_read()
+            if self._batcher is not None and request.path.endswith("/embeddings"):
+                return await self._batched(receive, send, request, watch)
+            await self.forward(send, request, watch)
+        finally:
+            watch.close()
         return None
 
-    async def _batched(self, receive: Receive, send: Send, request: Request) -> None:
+    async def _batched(
+        self, receive: Receive, send: Send, request: Request, watch: RequestWatch
+    ) -> None:
         batcher = self._batcher
         assert batcher is not None
         inputs = string_inputs(request.body)
         if inputs is None or len(inputs) > batcher.max_batch or request.target != request.path:
-            return await self.forward(receive, send, request)
+            return await self.forward(send, request, watch)
         auth = None
         if self._keyed_auth:
             auth = next((v for k, v in request.headers if k == b"authorization"), None)
@@ -81,15 +95,14 @@ class Proxy:
             auth,
         )
         fetch = upstream(self._dispatch, request)
-        reply = await unless_gone(receive, batcher.submit(key, dict(request.body), inputs, fetch))
+        reply = await unless_gone(watch, batcher.submit(key, dict(request.body), inputs, fetch))
         if reply is not None:
             await respond(send, reply)
         return None
 
-    async def forward(self, receive: Receive, send: Send, request: Request) -> None:
+    async def forward(self, send: Send, request: Request, watch: RequestWatch) -> None:
         # A client that goes away cancels this task, so the upstream try is cancelled too and
         # the balancer's bookkeeping (in-flight, results) unwinds exactly.
-        watch = DisconnectWatch(receive)
         started = False
         try:
             async with self._dispatch.answer(request) as answer:
@@ -109,8 +122,6 @@ class Proxy:
             if started:
                 raise
             await send_refusal(send, exc, self._retry_after)
-        finally:
-            watch.close()
 
     async def _pass_on(self, send: Send, path: str, answer: Answer) -> None:
         up = answer.upstream

@@ -7,7 +7,6 @@ connection, the in-app client builds it from a body, and both get the same `Requ
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from ._asgi import Receive, Scope
 from ._classify import Classifier, load_classifier
 from ._config import Config, RequestsConfig
 from ._prefix import prompt_blocks
-from ._refusals import BadRequest, SlowBody, TooLarge
+from ._refusals import BadRequest, TooLarge
 from ._shedding import Admission
 from ._view import Priority, RouteRequest
 
@@ -146,14 +145,12 @@ class RequestReader:
                     no_fallback = value.strip() in _YES
             if name == class_header:
                 asked_class = value.decode("latin-1").strip()
-        timeout = self.checks.body_timeout
+        # Its deadline (``requests.body_timeout``) is the caller's `RequestWatch`: one timer
+        # per request for that and the disconnect watch.
         try:
-            async with asyncio.timeout(timeout):
-                raw = await _read_body(receive, self.limit)
+            raw = await _read_body(receive, self.limit)
         except _ClientGone:
             return None
-        except TimeoutError:
-            raise SlowBody(timeout) from None
         rank: Priority = "standard"
         if priority is not None:
             rank = self._admission.priority(priority, token, scope.get("client"))

@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
+from promptlb.middleware._asgi import Receive, RequestWatch
 from promptlb.middleware._batch import (
     Batcher,
     Fetch,
@@ -279,10 +280,11 @@ async def test_a_client_disconnect_takes_its_caller_out_of_the_batch() -> None:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    gone, stay = await asyncio.gather(
-        unless_gone(disconnect, submit(batcher, node, "gone")),
-        unless_gone(never, submit(batcher, node, "stay")),
-    )
+    async def watched(receive: Receive, name: str) -> Reply | None:
+        # The watch belongs to the task that serves the request.
+        return await unless_gone(RequestWatch(receive), submit(batcher, node, name))
+
+    gone, stay = await asyncio.gather(watched(disconnect, "gone"), watched(never, "stay"))
     assert gone is None
     assert stay is not None
     own(stay, "stay")
