@@ -1,17 +1,28 @@
 """The middleware's Prometheus metrics, in a registry of its own (two middlewares in one
-process do not collide)."""
+process do not collide).
+
+The four series every request touches (picks, tries by outcome, latency, time to first byte)
+are plain numbers turned into Prometheus families at scrape time: prometheus-client's
+``Counter.inc`` takes a lock and checks the labels on every call, a tenth of the hop's own cost.
+The rest, touched on rarer events, are prometheus-client's own."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from ._nodes import NodeTable
 
-__all__ = ["Metrics", "NodeMetrics"]
+__all__ = ["Metrics", "NodeMetrics", "Spread", "Tally"]
 
 # LLM answers: milliseconds (a cached or tiny answer) to minutes (a long generation behind a
 # queue). Doubling from 1 s keeps P99 readable where SLOs sit; the last bound is 10 minutes.
@@ -56,26 +67,90 @@ class _Live(Collector):
         yield ramp
 
 
-class NodeMetrics:
-    """One node's labelled series, looked up once: ``labels()`` costs a lock and a tuple per
-    call, and the hot path touches four series per request."""
+class Tally:
+    """A counter's value, kept without a lock: the middleware counts from one event loop."""
 
-    __slots__ = ("_metrics", "_name", "_outcomes", "latency", "picks", "ttft")
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Spread:
+    """A histogram's buckets (non-cumulative; the last one past every bound) and sum."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, Prometheus' "le".
+        self.counts[bisect_left(_LATENCY_BUCKETS, value)] += 1
+        self.sum += value
+
+
+# As prometheus-client spells a bound ("1.0", "0.005"): the same series as its own histograms.
+_BOUNDS = [str(float(b)) for b in _LATENCY_BUCKETS] + ["+Inf"]
+
+
+class _PerNode(Collector):
+    """The hot series, as Prometheus families at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        # Copied first: a scrape from another thread must not see the dicts change under it.
+        requests = CounterMetricFamily(
+            "promptlb_requests", "Tries sent to a node, by outcome.", labels=["node", "outcome"]
+        )
+        for (node, outcome), tally in list(m.outcomes.items()):
+            requests.add_metric([node, outcome], tally.value)
+        yield requests
+        picks = CounterMetricFamily(
+            "promptlb_picks", "Strategy picks.", labels=["strategy", "node"]
+        )
+        for (strategy, node), tally in list(m.picks.items()):
+            picks.add_metric([strategy, node], tally.value)
+        yield picks
+        for name, doc, spreads in (
+            ("promptlb_latency_seconds", "Time to the end of the answer.", m.latency),
+            ("promptlb_ttft_seconds", "Time to the first byte of the answer.", m.ttft),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["node"])
+            for node, spread in list(spreads.items()):
+                total, buckets = 0, []
+                for bound, count in zip(_BOUNDS, list(spread.counts), strict=True):
+                    total += count
+                    buckets.append((bound, float(total)))
+                family.add_metric([node], buckets, spread.sum)
+            yield family
+
+
+class NodeMetrics:
+    """One node's hot series, looked up once per try."""
+
+    __slots__ = ("_metrics", "_name", "latency", "picks", "ttft")
 
     def __init__(self, metrics: Metrics, name: str, strategy: str) -> None:
         self._metrics = metrics
         self._name = name
-        self.picks: Counter = metrics.picks.labels(strategy, name)
-        self.latency: Histogram = metrics.latency.labels(name)
-        self.ttft: Histogram = metrics.ttft.labels(name)
-        self._outcomes: dict[str, Counter] = {}
+        self.picks = metrics.picks.setdefault((strategy, name), Tally())
+        self.latency = metrics.latency.setdefault(name, Spread())
+        self.ttft = metrics.ttft.setdefault(name, Spread())
 
-    def outcome(self, outcome: str) -> Counter:
-        counter = self._outcomes.get(outcome)
-        if counter is None:
-            counter = self._metrics.requests.labels(self._name, outcome)
-            self._outcomes[outcome] = counter
-        return counter
+    def outcome(self, outcome: str) -> Tally:
+        key = (self._name, outcome)
+        found = self._metrics.outcomes.get(key)
+        if found is None:
+            found = self._metrics.outcomes[key] = Tally()
+        return found
 
 
 class Metrics:
@@ -84,33 +159,18 @@ class Metrics:
         self._nodes: dict[str, NodeMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "promptlb_requests",
-            "Tries sent to a node, by outcome.",
-            ["node", "outcome"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "promptlb_latency_seconds",
-            "Time to the end of the answer.",
-            ["node"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "promptlb_ttft_seconds",
-            "Time to the first byte of the answer.",
-            ["node"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        # The hot series (see the module's docstring): by (node, outcome), (strategy, node), node.
+        self.outcomes: dict[tuple[str, str], Tally] = {}
+        self.picks: dict[tuple[str, str], Tally] = {}
+        self.latency: dict[str, Spread] = {}
+        self.ttft: dict[str, Spread] = {}
+        r.register(_PerNode(self))
         self.retries = Counter(
             "promptlb_retries",
             "Tries that were retries, by the node that failed.",
             ["node"],
             registry=r,
         )
-        self.picks = Counter("promptlb_picks", "Strategy picks.", ["strategy", "node"], registry=r)
         self.snapshot_errors = Counter(
             "promptlb_snapshot_errors",
             "Snapshots not taken: unreachable or rejected.",

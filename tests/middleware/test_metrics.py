@@ -1,0 +1,54 @@
+"""The hot series kept as plain numbers expose what prometheus-client's own would."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from promptlb.middleware._metrics import _LATENCY_BUCKETS, Metrics
+
+
+def samples(text: bytes, family: str) -> set[tuple[str, tuple[tuple[str, str], ...], float]]:
+    return {
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for f in text_string_to_metric_families(text.decode())
+        if f.name == family
+        for s in f.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_hot_series_match_prometheus_clients_own() -> None:
+    ours = Metrics(lambda: None, "p2c")
+    theirs = CollectorRegistry()
+    requests = Counter("promptlb_requests", "x", ["node", "outcome"], registry=theirs)
+    picks = Counter("promptlb_picks", "x", ["strategy", "node"], registry=theirs)
+    latency = Histogram(
+        "promptlb_latency_seconds", "x", ["node"], buckets=_LATENCY_BUCKETS, registry=theirs
+    )
+    # On a bound, between bounds, past the last one, and below the first.
+    observed = {"a": [0.005, 0.3, 1.0, 700.0, 0.0001], "b": [2.5]}
+    for node, values in observed.items():
+        mine = ours.node(node)
+        for value in values:
+            mine.picks.inc()
+            picks.labels("p2c", node).inc()
+            mine.outcome("200").inc()
+            requests.labels(node, "200").inc()
+            mine.latency.observe(value)
+            latency.labels(node).observe(value)
+    ours.node("a").outcome("500").inc(2)
+    requests.labels("a", "500").inc(2)
+    rendered, expected = ours.render(), generate_latest(theirs)
+    for family in ("promptlb_requests", "promptlb_picks", "promptlb_latency_seconds"):
+        assert samples(rendered, family) == samples(expected, family)
+        assert samples(rendered, family)
+
+
+def test_picks_stay_counted_under_the_strategy_that_made_them() -> None:
+    metrics = Metrics(lambda: None, "least_conn")
+    metrics.node("a").picks.inc()
+    metrics.use_strategy("weighted")
+    metrics.node("a").picks.inc(2)
+    text = metrics.render().decode()
+    assert 'promptlb_picks_total{node="a",strategy="least_conn"} 1.0' in text
+    assert 'promptlb_picks_total{node="a",strategy="weighted"} 2.0' in text
