@@ -203,7 +203,9 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
     """The body, if it is one no node should fail on: `BadRequest` otherwise."""
     try:
-        body = json.loads(raw)
+        # Decoded first: JSON between systems is UTF-8 (RFC 8259), and json.loads of bytes
+        # guesses the encoding on every call.
+        body = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError, RecursionError):
         # RecursionError: a deeply nested body is bad input, not a crash.
         raise BadRequest("request body is not valid JSON") from None
