@@ -21,23 +21,42 @@ Memory: two dict entries per coarse block and node (see `bench/pick_bench.py` fo
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import count, repeat
+from typing import Any
 
-from promptlb.shared import BLOCK_TOKENS, block_hashes
+from promptlb.shared import BLOCK_BYTES, BLOCK_TOKENS, block_hashes, prompt_bytes
 
 from ._view import NodeView
 
-__all__ = ["INDEX_BLOCKS", "INDEX_TOKENS", "PrefixIndex", "prompt_blocks"]
+__all__ = [
+    "INDEX_BLOCKS",
+    "INDEX_BYTES",
+    "INDEX_TOKENS",
+    "PrefixIndex",
+    "body_blocks",
+    "prompt_blocks",
+]
 
 INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
+INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
 _DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
 
 
 def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
     """The prompt's coarse block hashes, for `RouteRequest.blocks`."""
     return tuple(block_hashes(prompt, every=INDEX_BLOCKS))
+
+
+def body_blocks(body: Mapping[str, Any], size: int) -> tuple[int, ...]:
+    """`prompt_blocks` of a request body of ``size`` bytes as sent. The prompt as the engine
+    sees it is never longer than the JSON that carries it (the markup around each turn is
+    longer than the newlines that replace it), so a body under one coarse block has none, and
+    most short requests skip the walk."""
+    if size < INDEX_BYTES:
+        return ()
+    return prompt_blocks(prompt_bytes(body))
 
 
 def first_choice(first_block: int, candidates: Sequence[NodeView]) -> NodeView:

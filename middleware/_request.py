@@ -13,13 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from promptlb.shared import prompt_bytes
-
 from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
 from ._classify import Classifier, load_classifier
 from ._config import Config, RequestsConfig
-from ._prefix import prompt_blocks
+from ._prefix import body_blocks
 from ._refusals import BadRequest, TooLarge
 from ._shedding import Admission
 from ._view import Priority, RouteRequest
@@ -99,7 +97,7 @@ def route_of(
         prompt_class=prompt_class,
         # Hashed as the engine will see the prompt (its chat template's text, not this JSON):
         # the same conversation sent with other spacing or key order is the same prefix.
-        blocks=prompt_blocks(prompt_bytes(body)),
+        blocks=body_blocks(body, size),
     )
 
 

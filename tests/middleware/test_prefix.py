@@ -8,15 +8,24 @@ import random
 from collections import Counter
 
 import aiohttp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from promptlb.middleware._config import load_config
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._predictive import Predictive
-from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, first_choice, prompt_blocks
+from promptlb.middleware._prefix import (
+    INDEX_BYTES,
+    INDEX_TOKENS,
+    PrefixIndex,
+    body_blocks,
+    first_choice,
+    prompt_blocks,
+)
 from promptlb.middleware._request import RequestReader
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._shedding import Admission
 from promptlb.middleware._view import NodeView, RouteRequest
-from promptlb.shared import BYTES_PER_TOKEN
+from promptlb.shared import BYTES_PER_TOKEN, prompt_bytes
 
 from tests.middleware.conftest import MakeCluster, MakeNode, Messages
 
@@ -243,3 +252,41 @@ def test_the_model_learns_prefill_from_what_was_not_cached(node: MakeNode) -> No
     again = chat("f" * CHUNK * 6, 20)
     strategy.pick(again, [a], random.Random(1))
     assert strategy._uncached[id(again)] == again.input_tokens - 6 * INDEX_TOKENS
+
+
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=700)
+_PART = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT})))
+_BODIES = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["system", "user"]), "content": _PART}
+                ),
+                max_size=4,
+            ),
+        }
+    ),
+    st.fixed_dictionaries({"model": st.just("m"), "prompt": st.one_of(_TEXT, st.lists(_TEXT))}),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_BODIES, st.booleans())
+def test_a_body_shorter_than_a_block_carries_no_prompt_block(
+    body: dict[str, object], ascii_only: bool
+) -> None:
+    # The shortcut for short bodies must never hide a block the prompt has, however the body
+    # is spelt (escaped or raw UTF-8, any spacing).
+    raw = json.dumps(body, ensure_ascii=ascii_only, separators=(",", ":")).encode()
+    whole = prompt_blocks(prompt_bytes(body))
+    assert body_blocks(body, len(raw)) == whole
+    if len(raw) < INDEX_BYTES:
+        assert whole == ()
+
+
+def test_a_long_body_gets_its_blocks() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * (3 * INDEX_BYTES)}]}
+    size = len(json.dumps(body))
+    assert len(body_blocks(body, size)) == 3
