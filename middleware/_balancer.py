@@ -56,6 +56,8 @@ HOP_BY_HOP = frozenset(
 # configured, its claims about its own address.
 _CLIENT_ONLY = frozenset({"cookie"})
 _CLIENT_ADDRESS = frozenset({"x-forwarded-for", "forwarded", "x-real-ip"})
+_NAMES_KEPT = 256
+_UNSEEN = ""  # not a header name: no name is empty
 _OURS = "x-promptlb-"  # promptlb's control headers: for the gateway (a priority token is a secret)
 
 
@@ -131,6 +133,7 @@ class Balancer:
         if not config.forward_client_address:
             dropped |= _CLIENT_ADDRESS
         self._dropped = dropped
+        self._names: dict[bytes, str | None] = {}  # see _name_of
         self._assumed_rate = config.outlier.assumed_tokens_per_s
         self._api_headers = {
             name: ("authorization", f"Bearer {n.api_key}")
@@ -202,14 +205,17 @@ class Balancer:
     def forward_headers(
         self, node: Node, headers: Iterable[tuple[bytes, bytes]]
     ) -> list[tuple[str, str]]:
-        dropped = self._dropped
+        names = self._names
         out = []
         listed: set[str] = set()  # headers the Connection header names are hop-by-hop too
         for raw_name, raw_value in headers:
-            name = raw_name.decode("latin-1").lower()
-            if name == "connection":
-                listed.update(t.strip().lower() for t in raw_value.decode("latin-1").split(","))
-            if name in dropped or name.startswith(_OURS):
+            name = names.get(raw_name, _UNSEEN)
+            if name is _UNSEEN:
+                name = self._name_of(raw_name)
+            if name is None:
+                if raw_name.lower() == b"connection":
+                    value = raw_value.decode("latin-1")
+                    listed.update(t.strip().lower() for t in value.split(","))
                 continue
             out.append((name, raw_value.decode("latin-1")))
         if listed:
@@ -219,6 +225,15 @@ class Balancer:
             out = [h for h in out if h[0] != "authorization"]
             out.append(api)
         return out
+
+    def _name_of(self, raw_name: bytes) -> str | None:
+        """A client header's name as forwarded, or None when it is not; remembered for the
+        names clients send (a few dozen), not for every name a client can make up."""
+        name = raw_name.decode("latin-1").lower()
+        forwarded = None if name in self._dropped or name.startswith(_OURS) else name
+        if len(self._names) < _NAMES_KEPT:
+            self._names[raw_name] = forwarded
+        return forwarded
 
     def open(
         self,
@@ -345,140 +360,140 @@ class _Try:
         self._whole = 0.0
 
     async def __aenter__(self) -> Upstream:
+        # The retry loop is written out here, not in a coroutine of its own: every resume of a
+        # try passes through each coroutine that awaits it.
         lb = self._lb
         if lb._session is None:
             await lb.start()
+        session = lb._session
+        assert session is not None
         budget = lb._budget
         budget.active += 1
         try:
-            upstream = await self._tries(lb, budget)
+            cfg = lb.config.retry
+            loop = asyncio.get_running_loop()
+            # seconds for the answer
+            self._whole = whole = self._total if self._total is not None else cfg.total_timeout
+            deadline = loop.time() + whole
+            first_deadline = self._first
+            try_by = deadline if first_deadline is None else min(deadline, first_deadline)
+            request = self._request
+            route = request.route
+            admit = self._admit
+            table, metrics = lb.table, lb.metrics
+            tried: list[str] = []
+            avoid = self._avoid
+            if avoid is None:
+                avoid = set()
+            upstream: Upstream | None = None
+            last = "no try made"
+            status = 502
+            # A 5xx not judged yet: the node's fault, or the request's? A second node failing the
+            # request the same way says the request's; any other outcome says the node's.
+            suspect: tuple[Node, float, int] | None = None
+            try:
+                while len(tried) < cfg.attempts:
+                    candidates = table.candidates(route.model)
+                    if candidates is None:
+                        raise UnknownModel(route.model)
+                    if avoid:
+                        candidates = [c for c in candidates if c.name not in avoid]
+                    if tried:
+                        if not candidates:
+                            break
+                        if not budget.allow():
+                            metrics.retry_budget_exhausted.inc()
+                            break
+                    elif not candidates:
+                        metrics.unavailable.labels(route.model).inc()
+                        raise NoNodeAvailable(route.model)
+                    remaining = try_by - loop.time()
+                    if remaining <= 0:
+                        status, last = 504, "deadline passed before a try could start"
+                        break
+                    if admit is not None:
+                        candidates = [c for c in candidates if admit(c)] or candidates
+                    view = lb.strategy.pick(route, candidates, lb.rng)
+                    node = table.nodes[view.name]
+                    metrics.node(node.name).picks.inc()
+                    if tried:
+                        metrics.retries.labels(tried[-1]).inc()
+                        budget.retrying += 1
+                    tried.append(node.name)
+                    avoid.add(node.name)
+                    queued = view.effective_queue
+                    view.in_flight += 1
+                    started = time.monotonic()
+                    given = min(cfg.per_try_timeout, remaining)
+                    try:
+                        async with asyncio.timeout(given):
+                            response = await session.post(
+                                node.config.url + request.target,
+                                data=request.raw,
+                                headers=lb.forward_headers(node, request.headers),
+                            )
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        view.in_flight -= 1
+                        # The detail names the node's address: for the log, not the client.
+                        _log.debug("try on node %s failed: %r", node.name, exc)
+                        if not isinstance(exc, TimeoutError):
+                            status, last = 502, "could not reach a node"
+                        elif not route.stream and lb._needs_longer(node, route, given):
+                            # A non-streamed answer comes whole: at the node's speed this one
+                            # could not have come in time, and would not elsewhere either.
+                            status = 504
+                            last = (
+                                f"max_tokens {route.max_tokens} takes longer than the {given:g}s"
+                                " a try is given; stream it, or ask for fewer tokens"
+                            )
+                            lb._finish(node, ok=None, started=started, ttft=None)
+                            break
+                        else:
+                            status, last = 504, "timed out"
+                        lb._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                        continue
+                    except BaseException:
+                        # Cancelled before the headers (a hedge's loser, a client gone): the
+                        # try holds no place on the node any more.
+                        view.in_flight -= 1
+                        raise
+                    finally:
+                        if len(tried) > 1:
+                            budget.retrying -= 1
+                    code = response.status
+                    if code >= 500 and suspect is not None and suspect[2] == code:
+                        # Two nodes failed this request the same way: it is the request (a
+                        # poison prompt), not either node. No third try, no failure counted.
+                        lb._finish(suspect[0], ok=None, started=suspect[1], ttft=None)
+                        suspect = None
+                        upstream = Upstream(node, response, len(tried), started, deadline)
+                        upstream.request_fault = True
+                        break
+                    retryable = code >= 500 or code == 429
+                    if retryable and len(tried) < cfg.attempts and lb._more(route.model, avoid):
+                        response.release()
+                        view.in_flight -= 1
+                        last = f"a node answered {code}"
+                        if code == 429:
+                            lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
+                        else:
+                            if suspect is not None:
+                                lb._fault(suspect)
+                            suspect = (node, started, code)
+                        continue
+                    upstream = Upstream(
+                        node, response, len(tried), started, deadline, queued=queued
+                    )
+                    break
+            finally:
+                if suspect is not None:  # no second node failed it alike: the node's fault
+                    lb._fault(suspect)
+            if upstream is None:
+                raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
         except BaseException:
             budget.active -= 1
             raise
         self._upstream = upstream
-        return upstream
-
-    async def _tries(self, lb: Balancer, budget: RetryBudget) -> Upstream:
-        session = lb._session
-        assert session is not None
-        cfg = lb.config.retry
-        loop = asyncio.get_running_loop()
-        # seconds for the answer
-        self._whole = whole = self._total if self._total is not None else cfg.total_timeout
-        deadline = loop.time() + whole
-        first_deadline = self._first
-        try_by = deadline if first_deadline is None else min(deadline, first_deadline)
-        request = self._request
-        route = request.route
-        admit = self._admit
-        table, metrics = lb.table, lb.metrics
-        tried: list[str] = []
-        avoid = self._avoid
-        if avoid is None:
-            avoid = set()
-        upstream: Upstream | None = None
-        last = "no try made"
-        status = 502
-        # A 5xx not judged yet: the node's fault, or the request's? A second node failing the
-        # request the same way says the request's; any other outcome says the node's.
-        suspect: tuple[Node, float, int] | None = None
-        try:
-            while len(tried) < cfg.attempts:
-                candidates = table.candidates(route.model)
-                if candidates is None:
-                    raise UnknownModel(route.model)
-                if avoid:
-                    candidates = [c for c in candidates if c.name not in avoid]
-                if tried:
-                    if not candidates:
-                        break
-                    if not budget.allow():
-                        metrics.retry_budget_exhausted.inc()
-                        break
-                elif not candidates:
-                    metrics.unavailable.labels(route.model).inc()
-                    raise NoNodeAvailable(route.model)
-                remaining = try_by - loop.time()
-                if remaining <= 0:
-                    status, last = 504, "deadline passed before a try could start"
-                    break
-                if admit is not None:
-                    candidates = [c for c in candidates if admit(c)] or candidates
-                view = lb.strategy.pick(route, candidates, lb.rng)
-                node = table.nodes[view.name]
-                metrics.node(node.name).picks.inc()
-                if tried:
-                    metrics.retries.labels(tried[-1]).inc()
-                    budget.retrying += 1
-                tried.append(node.name)
-                avoid.add(node.name)
-                queued = view.effective_queue
-                view.in_flight += 1
-                started = time.monotonic()
-                given = min(cfg.per_try_timeout, remaining)
-                try:
-                    async with asyncio.timeout(given):
-                        response = await session.post(
-                            node.config.url + request.target,
-                            data=request.raw,
-                            headers=lb.forward_headers(node, request.headers),
-                        )
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    view.in_flight -= 1
-                    # The detail names the node's address: for the log, not the client.
-                    _log.debug("try on node %s failed: %r", node.name, exc)
-                    if not isinstance(exc, TimeoutError):
-                        status, last = 502, "could not reach a node"
-                    elif not route.stream and lb._needs_longer(node, route, given):
-                        # A non-streamed answer comes whole: at the node's speed this one
-                        # could not have come in time, and would not elsewhere either.
-                        status = 504
-                        last = (
-                            f"max_tokens {route.max_tokens} takes longer than the {given:g}s"
-                            " a try is given; stream it, or ask for fewer tokens"
-                        )
-                        lb._finish(node, ok=None, started=started, ttft=None)
-                        break
-                    else:
-                        status, last = 504, "timed out"
-                    lb._finish(node, ok=False, started=started, ttft=None, outcome="error")
-                    continue
-                except BaseException:
-                    # Cancelled before the headers (a hedge's loser, a client gone): the
-                    # try holds no place on the node any more.
-                    view.in_flight -= 1
-                    raise
-                finally:
-                    if len(tried) > 1:
-                        budget.retrying -= 1
-                code = response.status
-                if code >= 500 and suspect is not None and suspect[2] == code:
-                    # Two nodes failed this request the same way: it is the request (a
-                    # poison prompt), not either node. No third try, no failure counted.
-                    lb._finish(suspect[0], ok=None, started=suspect[1], ttft=None)
-                    suspect = None
-                    upstream = Upstream(node, response, len(tried), started, deadline)
-                    upstream.request_fault = True
-                    break
-                retryable = code >= 500 or code == 429
-                if retryable and len(tried) < cfg.attempts and lb._more(route.model, avoid):
-                    response.release()
-                    view.in_flight -= 1
-                    last = f"a node answered {code}"
-                    if code == 429:
-                        lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
-                    else:
-                        if suspect is not None:
-                            lb._fault(suspect)
-                        suspect = (node, started, code)
-                    continue
-                upstream = Upstream(node, response, len(tried), started, deadline, queued=queued)
-                break
-        finally:
-            if suspect is not None:  # no second node failed it alike: the node's fault
-                lb._fault(suspect)
-        if upstream is None:
-            raise UpstreamError(status, f"every try failed; last: {last}", len(tried))
         return upstream
 
     async def __aexit__(
