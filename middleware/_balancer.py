@@ -469,8 +469,15 @@ class _Try:
                         upstream = Upstream(node, response, len(tried), started, deadline)
                         upstream.request_fault = True
                         break
-                    retryable = code >= 500 or code == 429
-                    if retryable and len(tried) < cfg.attempts and lb._more(route.model, avoid):
+                    # Retried only when a retry can be made: a final 5xx or 429 let go of and
+                    # then no try (budget spent, deadline passed) would answer 502 for it.
+                    retryable = (code >= 500 or code == 429) and (
+                        len(tried) < cfg.attempts
+                        and lb._more(route.model, avoid)
+                        and budget.allow()
+                        and try_by > loop.time()
+                    )
+                    if retryable:
                         response.release()
                         view.in_flight -= 1
                         last = f"a node answered {code}"

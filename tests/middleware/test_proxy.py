@@ -182,3 +182,37 @@ def test_forwarded_headers_are_believed_only_from_the_configured_proxies() -> No
     behind = server_config(noop, "127.0.0.1", 0, "warning", forwarded_allow_ips="10.0.0.1")
     assert behind.proxy_headers is True
     assert behind.forwarded_allow_ips == "10.0.0.1"
+
+
+@pytest.fixture
+async def busy(serve: Serve) -> AsyncIterator[str]:
+    """A node that answers every request 429, with its own error and Retry-After."""
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path != "/v1/chat/completions":
+            return web.json_response({"ok": True})  # its health checks pass
+        error = {"error": {"message": "node busy", "type": "rate_limit"}}
+        return web.json_response(error, status=429, headers={"Retry-After": "7"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    async with serve(app) as url:
+        yield url
+
+
+async def test_a_final_answer_is_passed_on_when_no_retry_can_be_made(busy: str) -> None:
+    # The budget allows no retry: the node's own 429 is the answer, not a 502 for a response
+    # let go of before the retry turned out impossible.
+    nodes = [{"name": n, "url": busy, "models": ["m"]} for n in ("a", "b")]
+    app = PromptLBMiddleware(
+        noop,
+        config={"retry": {"budget_percent": 0, "min_concurrent": 0}, "nodes": nodes},
+    )
+    try:
+        response = await post(app, {})
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "7"
+        assert response.json()["error"]["message"] == "node busy"
+        assert response.headers["x-promptlb-attempts"] == "1"
+    finally:
+        await app.balancer.stop()
