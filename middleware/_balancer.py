@@ -76,6 +76,7 @@ class Upstream:
     queued: int = 0  # the node's effective queue when it was picked, for learning strategies
     request_fault: bool = False  # a second node failed it the same way: the request's fault
     overran: bool = False  # the stream ran past its deadline (it may have asked for that much)
+    client_slow: bool = False  # ... while the client was not taking what the node had sent
 
 
 class _PassThrough(aiohttp.ClientRequest):
@@ -263,7 +264,8 @@ class Balancer:
             self._finish(node, ok=None, started=upstream.started, ttft=None)
         elif upstream.timed_out:
             self._finish(node, ok=False, started=upstream.started, ttft=None, outcome="timeout")
-        elif aborted:
+        elif aborted or upstream.client_slow:
+            # Given up by the caller, or out of time waiting on the client: not the node's doing.
             self.metrics.node(node.name).outcome("aborted").inc()
         elif upstream.failed and upstream.overran and self._needs_longer(node, route, whole):
             # The stream ran out of time generating what it asked for: its size, not the node.

@@ -161,17 +161,21 @@ class Proxy:
         response = up.response
         if answer.first:
             await send({"type": "http.response.body", "body": answer.first, "more_body": True})
+        sending = False  # the deadline may pass while a slow client holds a send back
         try:
             async with asyncio.timeout_at(up.deadline):
                 async for chunk in response.content.iter_any():
                     if recorder is not None:
                         recorder.feed(chunk)
+                    sending = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    sending = False
         except (aiohttp.ClientError, TimeoutError) as exc:
             # After the first byte nothing is retried: end the stream, say why (not how: the
             # exception may name the node's address, which is for the log).
             up.failed = True
             up.overran = isinstance(exc, TimeoutError)
+            up.client_slow = up.overran and sending
             _log.debug("stream from node %s broke: %r", up.node.name, exc)
             if sse:
                 why = "ran past its deadline" if up.overran else "broke"

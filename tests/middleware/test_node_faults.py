@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from promptlb.middleware import PromptLBMiddleware
 
 from tests.conftest import Launcher
 from tests.middleware.conftest import Flags, MakeCluster, Messages
@@ -272,3 +273,61 @@ def test_the_gateway_refuses_a_bad_header_timeout() -> None:
 
     with pytest.raises(SystemExit):
         main(["--config", "x.toml", "--header-timeout", "soon"])
+
+
+async def test_a_client_too_slow_to_take_a_stream_is_not_the_nodes_failure(
+    launch: Launcher,
+) -> None:
+    # The answer's deadline passes while the client holds a send back: the stream ends, and
+    # the node, which sent everything in time, is not charged with a failure.
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "200")
+
+    async def app_behind(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("balanced routes do not reach the app")
+
+    app = PromptLBMiddleware(
+        app_behind,
+        config={
+            "retry": {"total_timeout": "1s"},
+            "nodes": [{"name": "a", "url": model.url, "models": ["m"]}],
+        },
+    )
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    given = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if given:
+            return given.pop()
+        await asyncio.Event().wait()  # connected, saying nothing
+        raise AssertionError("unreachable")
+
+    sent: list[Mapping[str, Any]] = []
+
+    async def send(message: Mapping[str, Any]) -> None:
+        sent.append(message)
+        if message.get("more_body") and len(sent) >= 3:
+            await asyncio.sleep(1.5)  # a client that stopped reading
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+    }
+    try:
+        await app(scope, receive, send)
+        node = app.balancer.table.nodes["a"]
+        assert sent[0]["status"] == 200
+        assert b"ran past its deadline" in b"".join(m.get("body", b"") for m in sent)
+        assert (node.failures, node.consecutive_failures, node.view.error_rate) == (0, 0, 0.0)
+        metrics = app.balancer.metrics.render().decode()
+        assert 'promptlb_requests_total{node="a",outcome="aborted"} 1.0' in metrics
+    finally:
+        await app.balancer.stop()
