@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     faults = sub.add_parser("faults", help="one fault after another under steady load")
     faults.add_argument("--quick", action="store_true", help="hold each fault a few seconds")
     faults.add_argument("--out", default=None, help="results folder (default bench/results)")
+    faults.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated parts of fault names to run, e.g. 'leak' or 'kill a node,streams' "
+        "(the closing soak is 'streams'); such a run writes under bench/results/quick/",
+    )
 
     endpoint = sub.add_parser("endpoint", help="capacity planning against any OpenAI endpoint")
     endpoint.add_argument("url", help="base URL, e.g. http://127.0.0.1:8000")
@@ -75,12 +81,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "faults":
             from ._faultsuite import run_faults
 
-            report = run_faults(args.quick, Path(args.out) if args.out else None)
+            only = [p.strip() for p in args.only.split(",") if p.strip()] if args.only else None
+            report = run_faults(args.quick, Path(args.out) if args.out else None, only)
             for row in report["faults"]:
                 print(
                     f"{row['fault']:<36} sent {row['sent']:>5}  failed {row['failed']:>3}  "
                     f"cut streams {row['broken_streams']:>3}  detect {row.get('detect_s')}  "
                     f"recover {row.get('recover_s')}"
+                    + (f"  states {' > '.join(row['states'])}" if row.get("states") else "")
                 )
             print(f"gateway RSS growth: {100 * report['gateway_rss_growth']:.1f}%")
         elif args.command == "sim":

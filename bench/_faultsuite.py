@@ -10,7 +10,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import aiohttp
 from ._faults import BODY, Cluster, Tally, load, node_states, post_fault, rss_mb, until
 from ._report import RESULTS, environment, write_json
 
-__all__ = ["run_faults"]
+__all__ = ["SOAK", "run_faults", "selected"]
 
 Step = Callable[[], Awaitable[None]]
 Check = Callable[[], Awaitable[bool]]
@@ -35,14 +35,28 @@ class Fault:
     recover: Check
 
 
-async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
+SOAK = "streams"  # what ``only`` names the closing soak by
+
+
+def selected(name: str, only: Sequence[str] | None) -> bool:
+    """Whether a run limited to ``only`` (parts of fault names, any case) includes ``name``."""
+    return only is None or any(part.lower() in name.lower() for part in only)
+
+
+async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> dict[str, Any]:
     hold = 5.0 if quick else 10.0
     rate = 20.0 if quick else 40.0
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     url = cluster.url
+    # The states the faulty node went through while the suite waited to see the fault: a
+    # fault not seen as expected shows what it was seen as instead.
+    seen_states: list[str] = []
 
     async def state(name: str) -> str:
-        return (await node_states(http, url))[name]
+        now = (await node_states(http, url))[name]
+        if not seen_states or seen_states[-1] != now:
+            seen_states.append(now)
+        return now
 
     def is_(name: str, *wanted: str) -> Check:
         async def check() -> bool:
@@ -163,6 +177,9 @@ async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
         Fault("poison requests", poison_on, poison_off, None, all_ready()),
         Fault("a slow client flood", slow_clients, slow_clients_gone, None, all_ready()),
     ]
+    if not any(selected(f.name, only) for f in faults) and not selected(SOAK, only):
+        await http.close()
+        raise SystemExit(f"promptlb-bench faults: --only {only} names no fault")
     assert cluster.gateway is not None
     tallies = [Tally()]
     stop = asyncio.Event()
@@ -172,7 +189,10 @@ async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
         await asyncio.sleep(2.0)  # the load settles, and the gateway is warm
         rss_before = rss_mb(cluster.gateway.pid)
         for fault in faults:
+            if not selected(fault.name, only):
+                continue
             tallies.append(Tally())
+            seen_states.clear()
             started = time.monotonic()
             await fault.apply()
             # Seen within 15 s, however long the hold: a loaded machine (CI) is slower to tell.
@@ -191,18 +211,21 @@ async def _suite(cluster: Cluster, quick: bool) -> dict[str, Any]:
                     "statuses": seen.statuses,
                     "detect_s": None if detect is None else round(detect, 2),
                     "recover_s": None if recover is None else round(recover, 2),
+                    "states": list(seen_states),
                 }
             )
-        tallies.append(Tally())  # the steady load during the soak counts apart from the faults
-        soak_before = rss_mb(cluster.gateway.pid)
-        rows.append(await _streams(url, 200 if quick else 1000, 5.0 if quick else 600.0))
-        soak_after = rss_mb(cluster.gateway.pid)
+        soak_before = soak_after = rss_mb(cluster.gateway.pid)
+        if selected(SOAK, only):
+            tallies.append(Tally())  # the steady load during the soak counts apart
+            rows.append(await _streams(url, 200 if quick else 1000, 5.0 if quick else 600.0))
+            soak_after = rss_mb(cluster.gateway.pid)
     finally:
         stop.set()
         await loading
         await http.close()
     rss_after = rss_mb(cluster.gateway.pid)
     return {
+        "only": None if only is None else list(only),
         "hold_s": hold,
         "rate_rps": rate,
         "faults": rows,
@@ -245,7 +268,10 @@ async def _streams(url: str, count: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def run_faults(quick: bool, out: Path | None) -> dict[str, Any]:
+def run_faults(quick: bool, out: Path | None, only: Sequence[str] | None = None) -> dict[str, Any]:
+    """The suite, or with ``only`` the faults whose names contain one of its parts (``streams``
+    for the closing soak). A partial run writes under ``bench/results/quick/`` unless ``out``
+    says otherwise: it must not replace the committed full run."""
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("promptlb-bench faults: redis-server is not installed")
@@ -253,10 +279,10 @@ def run_faults(quick: bool, out: Path | None) -> dict[str, Any]:
         cluster = Cluster(Path(tmp), redis)
         try:
             cluster.start()
-            report = asyncio.run(_suite(cluster, quick))
+            report = asyncio.run(_suite(cluster, quick, only))
         finally:
             cluster.stop()
     result = {"benchmark": "faults", **environment(), "quick": quick, **report}
-    folder = out or (RESULTS / "quick" if quick else RESULTS)
+    folder = out or (RESULTS / "quick" if quick or only is not None else RESULTS)
     write_json(folder / "faults.json", result)
     return result

@@ -23,6 +23,14 @@ from ._view import NodeView
 __all__ = ["Node", "NodeTable"]
 
 _EWMA = 0.2  # weight of the newest latency/TTFT/error observation
+# A node's error rate also fades with time, halving every this many seconds, and reads 0 below
+# ERROR_FLOOR. Over answers alone it never fell for a node sent nothing: the predictive strategy
+# sends a node that failed a few tries nothing while others serve (after a ten-second hang in the
+# fault suite, none while watched, its rate stuck at 0.59), and a node sent nothing cannot show a
+# leak or a recovery. Faded, it is tried again within half a minute; if it still fails, that
+# costs a retry (Finagle's peak EWMA latency decays with time for the same reason).
+ERROR_HALF_LIFE = 5.0
+ERROR_FLOOR = 0.01
 # Recent answers kept per node for the status page's percentiles: appending to a bounded deque
 # is all a request pays; sorting 256 floats happens at status time, about once a second.
 RECENT = 256
@@ -54,6 +62,7 @@ class Node:
     # generated) leaves it as it was: a hung node must not look as if it were merely slow.
     decode_rate: float | None = None
     picks: int = 0
+    faded_at: float | None = None  # when the error rate last faded; None: not yet
     # (boot, RSS) when a leak projected its model server out of memory: drained until a new
     # boot or less memory than that.
     leak_mark: tuple[str, int] | None = None
@@ -286,6 +295,7 @@ class NodeTable:
         """A finished try. Failures in a row may eject the node (Envoy's outlier detection)."""
         view = node.view
         node.requests += 1
+        _fade(node, now)  # the rate as of now, before this answer moves it
         view.error_rate += _EWMA * ((0.0 if ok else 1.0) - view.error_rate)
         if latency_s is not None:
             view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
@@ -334,6 +344,7 @@ class NodeTable:
         slow_start = self._config.slow_start
         for node in self.nodes.values():
             view = node.view
+            _fade(node, now)
             fresh = node.snapshot if now - node.snapshot_at <= stale_after else None
             if fresh is not view.snapshot:
                 view.snapshot = fresh
@@ -401,6 +412,19 @@ class NodeTable:
         if self._dirty:
             self.tick(self._clock())
         return sorted(self._candidates)
+
+
+def _fade(node: Node, now: float) -> None:
+    since = node.faded_at
+    if since is not None and now <= since:
+        return
+    node.faded_at = now
+    view = node.view
+    if view.error_rate and since is not None:
+        rate = view.error_rate * 0.5 ** ((now - since) / ERROR_HALF_LIFE)
+        # Read as none at all: the predictive strategy weighs any rate above 0, and a node kept
+        # a hair behind equal ones would still lose every pick between the best two.
+        view.error_rate = rate if rate >= ERROR_FLOOR else 0.0
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -4,6 +4,7 @@ stores, and a stored answer replayed as SSE events the openai client parses."""
 from __future__ import annotations
 
 import json
+import mmap
 from typing import Any
 
 from ._cache import CacheEntry
@@ -11,6 +12,54 @@ from ._cache import CacheEntry
 __all__ = ["StreamAssembler", "replay_sse", "replayable"]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
+_FIRST_MAP = 64 * 1024  # a text's first memory map: address space only until written
+_UTF8 = "surrogatepass"  # JSON may carry a lone surrogate: kept as it came, not an error
+
+
+class _Text:
+    """One choice's text so far, as UTF-8 in an anonymous memory map of its own, doubled when
+    full. Not a list of the pieces as they came: a piece per token costs an object of about
+    50 bytes for a few bytes of text, and whatever their size the allocator kept the memory
+    once the streams ended (RSS 52 -> 914 MB over a soak of 1,000 ten-minute streams; 300
+    streams that each let go of 200 KB of text left it 60 MB bigger, 12 MB with maps). A map
+    goes back to the system as soon as it is closed or dropped, and only pages written count.
+    The text never outgrows the raw bytes that carried it (a JSON string is at least as long
+    as its UTF-8), so ``max_bytes`` bounds it too."""
+
+    __slots__ = ("_map", "size")
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+        self.size = 0  # bytes of UTF-8 written
+
+    def add(self, piece: str) -> None:
+        data = piece.encode("utf-8", _UTF8)
+        end = self.size + len(data)
+        mapped = self._map
+        if mapped is None or end > len(mapped):
+            mapped = self._grow(end)
+        mapped[self.size : end] = data
+        self.size = end
+
+    def _grow(self, need: int) -> mmap.mmap:
+        capacity = max(_FIRST_MAP, 1 << (need - 1).bit_length())
+        grown = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)
+        if self._map is not None:
+            grown[: self.size] = self._map[: self.size]
+            self._map.close()
+        self._map = grown
+        return grown
+
+    def text(self) -> str:
+        if self._map is None:
+            return ""
+        return self._map[: self.size].decode("utf-8", _UTF8)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        self.size = 0
 
 
 class StreamAssembler:
@@ -53,9 +102,10 @@ class StreamAssembler:
             if line.startswith(b"data:"):
                 try:
                     self._event(line[5:].strip())
-                except (TypeError, AttributeError, ValueError):
-                    # An event of a shape we do not know: never break the client's stream
-                    # for the cache's sake; just do not keep this one.
+                except (TypeError, AttributeError, ValueError, OSError):
+                    # An event of a shape we do not know, or a memory map refused (past the
+                    # system's count of maps): never break the client's stream for the
+                    # cache's sake; just do not keep this one.
                     self._give_up()
                     return
 
@@ -64,6 +114,8 @@ class StreamAssembler:
         holding their text until they end kept the gateway a gigabyte bigger after a soak."""
         self._failed = True
         self._buffer = b""
+        for choice in self._choices.values():
+            choice["text"].close()
         self._choices = {}
         self._head = {}
         self._usage = None
@@ -89,7 +141,9 @@ class StreamAssembler:
             if not isinstance(choice, dict):
                 continue
             index = choice.get("index", 0)
-            into = self._choices.setdefault(index, {"text": [], "role": "assistant"})
+            into = self._choices.get(index)
+            if into is None:
+                into = self._choices[index] = {"text": _Text(), "role": "assistant"}
             if choice.get("logprobs") is not None:
                 self._give_up()  # not kept: the whole answer would lose them
                 return
@@ -101,9 +155,9 @@ class StreamAssembler:
                 if delta.get("role"):
                     into["role"] = delta["role"]
                 if delta.get("content"):
-                    into["text"].append(delta["content"])
+                    into["text"].add(delta["content"])
             elif choice.get("text"):
-                into["text"].append(choice["text"])
+                into["text"].add(choice["text"])
             if choice.get("finish_reason"):
                 into["finish_reason"] = choice["finish_reason"]
 
@@ -121,7 +175,7 @@ class StreamAssembler:
             c = self._choices[index]
             if "finish_reason" not in c:
                 return None
-            text = "".join(c["text"])
+            text = c["text"].text()
             if self._chat:
                 message = {"role": c["role"], "content": text}
                 choices.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from promptlb.bench._faultsuite import run_faults
+from promptlb.bench._faultsuite import SOAK, run_faults, selected
 
 from tests.conftest import need_binary
 
@@ -27,3 +27,11 @@ def test_the_quick_fault_suite_keeps_serving_through_every_fault(tmp_path: Path)
         # Nothing the gateway can route around fails a request; a node dying under a request
         # may cost one on this shared 2-core machine.
         assert row["failed"] <= (2 if name in ("kill a node", "SIGSTOP a node") else 0), row
+
+
+def test_a_partial_run_names_faults_by_parts_of_their_names_in_any_case() -> None:
+    assert selected("a leaking node", None)  # no ``only``: everything
+    assert selected("a leaking node", ["LEAK"])
+    assert selected("kill a node", ["leak", "kill"])
+    assert not selected("kill a node", ["leak"])
+    assert selected(SOAK, ["Streams"]) and not selected(SOAK, ["leak"])  # the closing soak

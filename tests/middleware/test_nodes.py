@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import random
+from collections import Counter
 
 import pytest
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._config import HealthConfig, OutlierConfig
-from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._nodes import ERROR_FLOOR, ERROR_HALF_LIFE, NodeTable
+from promptlb.middleware._predictive import Predictive
+from promptlb.middleware._scoring import PowerOfTwoChoices
+from promptlb.middleware._view import RouteRequest
 
 from tests.middleware.conftest import MakeSnapshot
 
@@ -99,6 +104,52 @@ def test_a_request_fault_counts_neither_way() -> None:
     assert (n0.consecutive_failures, n0.failures, n0.request_faults) == (1, 1, 10)
     assert n0.view.error_rate == pytest.approx(0.2)
     assert "n0" in names(t)
+
+
+def test_the_error_rate_halves_with_each_half_life_and_reads_zero_below_the_floor() -> None:
+    t = table()
+    n0 = t.nodes["n0"]
+    for _ in range(4):
+        t.record_result(n0, False, None, None, 1.0)
+    hurt = 1 - 0.8**4
+    assert n0.view.error_rate == pytest.approx(hurt)
+    assert "n0" in names(t, 1.0)  # four failures in a row: not yet ejected
+    names(t, 1.0 + ERROR_HALF_LIFE)
+    assert n0.view.error_rate == pytest.approx(hurt / 2)
+    names(t, 1.0 + ERROR_HALF_LIFE)  # the same time again fades nothing more
+    assert n0.view.error_rate == pytest.approx(hurt / 2)
+    names(t, 1.0 + 2 * ERROR_HALF_LIFE)
+    assert n0.view.error_rate == pytest.approx(hurt / 4)
+    names(t, 1.0 + 5 * ERROR_HALF_LIFE)
+    assert n0.view.error_rate == pytest.approx(hurt / 32)
+    assert hurt / 64 < ERROR_FLOOR
+    names(t, 1.0 + 6 * ERROR_HALF_LIFE)
+    assert n0.view.error_rate == 0.0
+
+
+def test_a_node_sent_nothing_for_its_failures_is_tried_again_once_they_fade() -> None:
+    # Predictive weighs the error rate and picks between the two best nodes: a node that failed
+    # a few tries (a hang: its tries timed out) gets nothing while two others serve, so no answer
+    # ever lowered its rate. It got no request again for the rest of a fault suite, and did not
+    # leak when that was the next fault.
+    t = table()
+    strategy = Predictive(PowerOfTwoChoices())
+    asked = RouteRequest(model="m", input_tokens=20, max_tokens=8, stream=False)
+    for node in t.nodes.values():
+        for _ in range(10):
+            strategy.observe(asked, node.view, 0.05, None, 0)
+    n0 = t.nodes["n0"]
+    for _ in range(4):
+        t.record_result(n0, False, None, None, 1.0)
+    rng = random.Random(7)
+
+    def picks(now: float) -> Counter[str]:
+        candidates = [t.nodes[n].view for n in sorted(names(t, now))]
+        return Counter(strategy.pick(asked, candidates, rng).name for _ in range(200))
+
+    assert picks(1.0)["n0"] == 0
+    assert picks(1.0 + 2 * ERROR_HALF_LIFE)["n0"] == 0  # still fading
+    assert picks(1.0 + 8 * ERROR_HALF_LIFE)["n0"] > 0
 
 
 def test_the_decode_rate_follows_snapshots_and_survives_a_stall(snap: MakeSnapshot) -> None:

@@ -3,7 +3,10 @@ emulator writes them (compact JSON, role chunk, usage chunk) assembled and repla
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -152,3 +155,70 @@ def test_a_stream_too_long_to_store_lets_go_of_what_it_assembled() -> None:
     for _ in range(10):
         recorder.feed(event)
     assert recorder._choices == {} and recorder.result() is None
+
+
+def _token_by_token(pieces: list[str]) -> list[bytes]:
+    """A chat stream of one event per piece, as a server streaming token by token sends it."""
+    events = [_chunk({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})]
+    events += [_chunk({"index": 0, "delta": {"content": p}, "finish_reason": None}) for p in pieces]
+    end = _chunk({"index": 0, "delta": {}, "finish_reason": "stop"})
+    return [*events, end, b"data: [DONE]\n\n"]
+
+
+# Multi-byte text, a surrogate pair's character and a lone surrogate (JSON may carry one as
+# \ud800): the kept text must come out as it went in.
+PIECES = ["Hé", "llo", " 世界", " 🙂", "\ud800", " ok", "\n"]
+
+
+def test_a_token_by_token_stream_holds_no_object_per_token_and_comes_out_byte_identical() -> None:
+    pieces = PIECES * 3000  # 21,000 tokens, 76 KB of UTF-8: past the first memory map
+    text = "".join(pieces)
+    recorder = StreamAssembler(True, max_bytes=16 * 1024 * 1024)
+    events = _token_by_token(pieces)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for event in events:
+            recorder.feed(event)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # A str per token would be over a megabyte here (about 50 bytes an object).
+    assert held < 16 * 1024, held
+    whole = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        "object": "chat.completion",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        ],
+    }
+    assert recorder.result() == json.dumps(whole).encode()
+    assert recorder.result() == json.dumps(whole).encode()  # asked again: the same
+
+
+def test_giving_up_a_stream_empties_the_text_it_kept_at_once() -> None:
+    recorder = StreamAssembler(True, max_bytes=4096)
+    events = _token_by_token(PIECES * 100)
+    for event in events[:10]:
+        recorder.feed(event)
+    kept = recorder._choices[0]["text"]
+    assert kept.size > 0
+    for event in events[10:]:
+        recorder.feed(event)
+    assert recorder.result() is None
+    assert kept.size == 0 and kept.text() == ""
+
+
+def test_a_memory_map_refused_leaves_the_stream_out_of_the_cache_without_raising(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    recorder = StreamAssembler(True)
+    for event in _token_by_token(PIECES):
+        recorder.feed(event)
+    assert recorder.result() is None
