@@ -101,12 +101,13 @@ class RequestWatch:
             self._start()
 
     def watch_now(self) -> None:
+        if self.reading:
+            return  # the body's deadline stands; the watch starts once the body is in
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._delayed = True
-        if not self.reading:
-            self._start()
+        self._start()
 
     def _start(self) -> None:
         if self.armed and self._watcher is None:
@@ -123,9 +124,11 @@ class RequestWatch:
             self.gone = True
             self._task.cancel()
 
-    def uncancel(self) -> None:
-        """Take back our own cancel (the client that left, the body too slow)."""
-        self._task.uncancel()
+    def uncancel(self) -> bool:
+        """Take back our own cancel (the client that left, the body too slow); False when
+        another cancel is pending too (a shutdown in the same instant), which the caller must
+        let through."""
+        return self._task.uncancel() == 0
 
     def close(self) -> None:
         self.armed = False

@@ -228,12 +228,14 @@ class Balancer:
         return out
 
     def _name_of(self, raw_name: bytes) -> str | None:
-        """A client header's name as forwarded, or None when it is not; remembered for the
-        names clients send (a few dozen), not for every name a client can make up."""
+        """A client header's name as forwarded, or None when it is not; remembered, up to
+        `_NAMES_KEPT` names (clients send a few dozen) and then forgotten all at once."""
         name = raw_name.decode("latin-1").lower()
         forwarded = None if name in self._dropped or name.startswith(_OURS) else name
-        if len(self._names) < _NAMES_KEPT:
-            self._names[raw_name] = forwarded
+        names = self._names
+        if len(names) >= _NAMES_KEPT:
+            names.clear()  # made-up names must not keep the common ones out for good
+        names[raw_name] = forwarded
         return forwarded
 
     def open(
@@ -473,12 +475,15 @@ class _Try:
                         break
                     # Retried only when a retry can be made: a final 5xx or 429 let go of and
                     # then no try (budget spent, deadline passed) would answer 502 for it.
-                    retryable = (code >= 500 or code == 429) and (
-                        len(tried) < cfg.attempts
-                        and lb._more(route.model, avoid)
-                        and budget.allow()
+                    retryable = (
+                        (code >= 500 or code == 429)
+                        and len(tried) < cfg.attempts
                         and try_by > loop.time()
+                        and lb._more(route.model, avoid)
                     )
+                    if retryable and not budget.allow():
+                        metrics.retry_budget_exhausted.inc()
+                        retryable = False
                     if retryable:
                         response.release()
                         view.in_flight -= 1

@@ -82,9 +82,8 @@ async def unless_gone(watch: RequestWatch, work: Awaitable[Reply]) -> Reply | No
     try:
         return await work
     except asyncio.CancelledError:
-        if not watch.gone:
+        if not watch.gone or not watch.uncancel():
             raise
-        watch.uncancel()
         return None
     finally:
         watch.close()  # never cancel once the reply is in

@@ -57,9 +57,8 @@ class Proxy:
             try:
                 request = await self._reader.read(scope, receive)
             except asyncio.CancelledError:
-                if not watch.slow:
+                if not watch.slow or not watch.uncancel():
                     raise
-                watch.uncancel()
                 return await send_refusal(send, SlowBody(self._body_timeout), self._retry_after)
             except Refusal as exc:
                 watch.close()  # no deadline runs out while it is told
@@ -114,9 +113,8 @@ class Proxy:
             watch.armed = False
         except asyncio.CancelledError:
             watch.armed = False
-            if not watch.gone:
+            if not watch.gone or not watch.uncancel():
                 raise
-            watch.uncancel()
         except Refusal as exc:
             watch.armed = False
             if started:
@@ -161,21 +159,29 @@ class Proxy:
         response = up.response
         if answer.first:
             await send({"type": "http.response.body", "body": answer.first, "more_body": True})
-        sending = False  # the deadline may pass while a slow client holds a send back
+        # The deadline may pass while a slow client holds a send back: the time spent in sends
+        # tells whether the client, not the node, took most of it.
+        clock = asyncio.get_running_loop().time
+        begun = clock()
+        blocked = 0.0
+        sending: float | None = None  # when the send under way began
         try:
             async with asyncio.timeout_at(up.deadline):
                 async for chunk in response.content.iter_any():
                     if recorder is not None:
                         recorder.feed(chunk)
-                    sending = True
+                    sending = clock()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    sending = False
+                    blocked += clock() - sending
+                    sending = None
         except (aiohttp.ClientError, TimeoutError) as exc:
             # After the first byte nothing is retried: end the stream, say why (not how: the
             # exception may name the node's address, which is for the log).
             up.failed = True
             up.overran = isinstance(exc, TimeoutError)
-            up.client_slow = up.overran and sending
+            if up.overran and sending is not None:
+                now = clock()
+                up.client_slow = blocked + (now - sending) > (now - begun) / 2
             _log.debug("stream from node %s broke: %r", up.node.name, exc)
             if sse:
                 why = "ran past its deadline" if up.overran else "broke"

@@ -200,10 +200,10 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 
 def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
     """The body, if it is one no node should fail on: `BadRequest` otherwise."""
+    text = None
     try:
-        # Decoded first: JSON between systems is UTF-8 (RFC 8259), and json.loads of bytes
-        # guesses the encoding on every call.
-        body = json.loads(raw.decode())
+        text = _text(raw)
+        body = json.loads(text)
     except (ValueError, UnicodeDecodeError, RecursionError):
         # RecursionError: a deeply nested body is bad input, not a crash.
         raise BadRequest("request body is not valid JSON") from None
@@ -221,12 +221,26 @@ def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
     depth = checks.max_json_depth
     # The walk visits every value, so it runs only when it can find something: a body with
     # fewer brackets than the depth limit is not too deep, and one without a \ud escape holds
-    # no lone surrogate (raw UTF-8 cannot encode one; json.loads refused such bytes above).
-    deep = raw.count(b"[") + raw.count(b"{") > depth
-    escaped = b"\\ud" in raw or b"\\uD" in raw
+    # no lone surrogate (UTF-8 cannot encode one; `_text` refused such bytes above). A UTF-16
+    # or UTF-32 body spells neither in these bytes: it is walked whole.
+    other = isinstance(text, bytes)
+    deep = other or raw.count(b"[") + raw.count(b"{") > depth
+    escaped = other or b"\\ud" in raw or b"\\uD" in raw
     if deep or escaped:
         _walk(body, depth if deep else None, escaped)
     return body
+
+
+def _text(raw: bytes) -> str | bytes:
+    """The body as text for `json.loads`: decoded here when it is UTF-8 (what JSON between
+    systems is, RFC 8259), since json.loads of bytes guesses the encoding on every call. A UTF-8
+    byte-order mark is dropped; UTF-16 and UTF-32 (a zero byte among the first four) go to
+    json.loads as bytes, which reads them as before. Bytes that are none of these are not JSON:
+    UTF-8 text cannot hold a lone surrogate, which no node's tokenizer takes."""
+    if b"\x00" in raw[:4]:
+        return raw
+    text = raw.decode()
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def _walk(body: dict[str, Any], max_depth: int | None, surrogates: bool) -> None:

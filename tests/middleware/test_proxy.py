@@ -214,5 +214,7 @@ async def test_a_final_answer_is_passed_on_when_no_retry_can_be_made(busy: str) 
         assert response.headers["retry-after"] == "7"
         assert response.json()["error"]["message"] == "node busy"
         assert response.headers["x-promptlb-attempts"] == "1"
+        metrics = app.balancer.metrics.render().decode()
+        assert "promptlb_retry_budget_exhausted_total 1.0" in metrics
     finally:
         await app.balancer.stop()

@@ -79,6 +79,14 @@ NESTED = b'{"model": "m", "x": ' + b"[" * 100 + b"]" * 100 + b"}"
         (NESTED, None, "nests deeper than 64 levels"),
         (b"[" * 1000, None, "not valid JSON"),  # the probe: 2 KB of brackets, once a 500
         (b"[" * 100_000 + b"]" * 100_000, None, "not valid JSON"),  # a RecursionError
+        # A lone surrogate written raw (CESU-style bytes, not UTF-8): no escape to see.
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+            None,
+            "not valid JSON",
+        ),
+        # UTF-16 spells no `\ud` escape in its bytes: walked whole, the surrogate is found.
+        ('{"model": "m", "x": "\\ud800"}'.encode("utf-16"), "x", "unpaired UTF-16 surrogate"),
     ],
 )
 async def test_what_no_node_should_see_is_a_400_in_the_openai_shape(
@@ -106,6 +114,8 @@ async def test_what_is_well_formed_passes(upstream: tuple[str, Seen]) -> None:
         chat(max_tokens=10_000_000),
         json.dumps({"model": "small", "max_tokens": 4096}).encode(),
         b'{"model": "m", "x": ' + b"[" * 60 + b"]" * 60 + b"}",
+        b"\xef\xbb\xbf" + chat(),  # with a UTF-8 byte-order mark
+        json.dumps({"model": "m", "messages": []}).encode("utf-16"),  # UTF-16, as JSON allows
     ]
     for body in ok:
         assert (await post_raw(app, body)).status_code == 200, body[:80]
