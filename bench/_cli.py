@@ -91,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     + (f"  states {' > '.join(row['states'])}" if row.get("states") else "")
                 )
             print(f"gateway RSS growth: {100 * report['gateway_rss_growth']:.1f}%")
+            if report.get("soak_held_growth") is not None:
+                held = report["soak_held_rss_mb"]
+                print(
+                    f"while every stream was open: {held[0]} -> {held[1]} MB"
+                    f" ({100 * report['soak_held_growth']:.1f}%)"
+                )
         elif args.command == "sim":
             from ._sim import run_sim
 

@@ -215,9 +215,17 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
                 }
             )
         soak_before = soak_after = rss_mb(cluster.gateway.pid)
+        held: list[float] = []  # the gateway's RSS with every stream open, early and late
         if selected(SOAK, only):
             tallies.append(Tally())  # the steady load during the soak counts apart
-            rows.append(await _streams(url, 200 if quick else 1000, 5.0 if quick else 600.0))
+            gateway = cluster.gateway
+            assert gateway is not None
+
+            def sample() -> None:
+                held.append(rss_mb(gateway.pid))
+
+            seconds = 5.0 if quick else 600.0
+            rows.append(await _streams(url, 200 if quick else 1000, seconds, sample))
             soak_after = rss_mb(cluster.gateway.pid)
     finally:
         stop.set()
@@ -233,11 +241,18 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
         "gateway_rss_mb": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
         "gateway_rss_growth": round(rss_after / rss_before - 1.0, 3),
         "soak_rss_growth": round(soak_after / soak_before - 1.0, 3),
+        # While every stream is open, from a tenth of the soak in to nineteen twentieths: what
+        # holding them costs over time (a leak), apart from what opening them took.
+        "soak_held_rss_mb": [round(mb, 1) for mb in held],
+        "soak_held_growth": round(held[-1] / held[0] - 1.0, 3) if len(held) == 2 else None,
     }
 
 
-async def _streams(url: str, count: int, seconds: float) -> dict[str, Any]:
-    """``count`` concurrent streams, each lasting about ``seconds``."""
+async def _streams(
+    url: str, count: int, seconds: float, sample: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """``count`` concurrent streams, each lasting about ``seconds``; ``sample`` is called a
+    tenth of the way in and nineteen twentieths of the way."""
     tally = Tally()
     body = {**BODY, "max_tokens": max(8, int(400 * seconds)), "stream": True}
     timeout = aiohttp.ClientTimeout(total=seconds + 60)
@@ -258,7 +273,15 @@ async def _streams(url: str, count: int, seconds: float) -> dict[str, Any]:
             except (aiohttp.ClientError, TimeoutError):
                 tally.failed += 1
 
-        await asyncio.gather(*(one() for _ in range(count)))
+        async def probe() -> None:
+            if sample is None:
+                return
+            await asyncio.sleep(seconds * 0.1)
+            sample()
+            await asyncio.sleep(seconds * 0.85)
+            sample()
+
+        await asyncio.gather(probe(), *(one() for _ in range(count)))
     return {
         "fault": f"{count} concurrent streams for {seconds:g}s",
         "sent": tally.sent,

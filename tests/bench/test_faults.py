@@ -27,6 +27,8 @@ def test_the_quick_fault_suite_keeps_serving_through_every_fault(tmp_path: Path)
         # Nothing the gateway can route around fails a request; a node dying under a request
         # may cost one on this shared 2-core machine.
         assert row["failed"] <= (2 if name in ("kill a node", "SIGSTOP a node") else 0), row
+    # The soak's memory is read twice while every stream is open (growth, not only the rise).
+    assert len(report["soak_held_rss_mb"]) == 2 and report["soak_held_growth"] is not None
 
 
 def test_a_partial_run_names_faults_by_parts_of_their_names_in_any_case() -> None:
