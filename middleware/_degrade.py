@@ -172,7 +172,9 @@ class Dispatcher:
             answer.attempts += attempts
             if answer.model != route.model:
                 answer.degraded = "fallback"
-            if answer.upstream is not None and answer.upstream.response.status == 200:
+            # Stored only if some hop may ever serve it: with both cache_sampled and
+            # degraded_sampled off, a sampled answer would only take a deterministic one's room.
+            if stale_ok and answer.upstream is not None and answer.upstream.response.status == 200:
                 answer.store_key = key_of(answer.model)
             return answer
         if outage_cache and CACHE_HOP not in hops:

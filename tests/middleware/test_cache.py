@@ -8,9 +8,11 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio
 from openai.types.chat import ChatCompletionChunk
+from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._cache import (
     CacheEntry,
     MemoryCache,
@@ -20,7 +22,7 @@ from promptlb.middleware._cache import (
 )
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
-from tests.conftest import RedisServer
+from tests.conftest import Launcher, RedisServer
 from tests.middleware.conftest import OpenAIOver
 
 CHAT = "/v1/chat/completions"
@@ -229,3 +231,37 @@ async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServ
     nowhere = RedisCache("redis://127.0.0.1:1/0", prefix="t:", ttl=30, timeout=0.05)
     assert await nowhere.get("k") is None
     await nowhere.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "stored"),
+    [
+        ({}, 2),  # degraded_sampled is on by default: a sample may stand in when all is down
+        ({"degraded_sampled": False}, 1),  # no hop would ever serve the sample: not kept
+        ({"degraded_sampled": False, "cache_sampled": True}, 2),
+    ],
+)
+async def test_a_sampled_answer_is_stored_only_when_some_hop_may_serve_it(
+    launch: Launcher, options: dict[str, Any], stored: int
+) -> None:
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5")
+    app = PromptLBMiddleware(
+        noop,
+        config={"cache": options, "nodes": [{"name": "a", "url": model.url, "models": ["m"]}]},
+    )
+    chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test"
+        ) as http:
+            for body in ({**chat, "temperature": 0}, chat):  # deterministic, then a sample
+                response = await http.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200
+        await asyncio.sleep(0.1)  # the store is written in the background
+        assert len(app.dispatcher.cache) == stored  # type: ignore[arg-type]
+    finally:
+        await app.dispatcher.stop()
+
+
+async def noop(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("balanced routes do not reach the app")
