@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -25,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 from promptlb.emulator import Service, start_service
+
+from ._peers import free_port
 
 __all__ = [
     "BODY",
@@ -47,12 +49,6 @@ BODY: dict[str, Any] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class Tally:
     """What the load saw while one fault was on."""
@@ -69,8 +65,8 @@ class Cluster:
     def __init__(self, workdir: Path, redis: str) -> None:
         self.workdir = workdir
         self.redis_binary = redis
-        self.ports = {n: (_free_port(), _free_port()) for n in NODES}
-        self.redis_port = _free_port()
+        self.ports = {n: (free_port(), free_port()) for n in NODES}
+        self.redis_port = free_port()
         self.models: dict[str, Service] = {}
         self.sidecars: dict[str, Service] = {}
         self.redis: subprocess.Popen[bytes] | None = None
@@ -187,11 +183,7 @@ async def until(check: Callable[[], Awaitable[bool]], limit: float) -> float | N
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
 async def post_fault(http: aiohttp.ClientSession, model: Service, **faults: Any) -> None:

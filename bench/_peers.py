@@ -86,7 +86,7 @@ def litellm_missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free 127.0.0.1 port for a peer that cannot take port 0 and tell (nginx). Another
     process could take it before nginx binds; on a benchmark machine that is rare, and the
     start then fails loudly rather than measuring the wrong thing."""
@@ -161,7 +161,7 @@ def start_nginx(strategy: str, nodes: Mapping[str, str]) -> Target:
     for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (workdir / sub).mkdir(mode=0o777)
         (workdir / sub).chmod(0o777)
-    port = _free_port()
+    port = free_port()
     conf = workdir / "nginx.conf"
     conf.write_text(nginx_config(strategy, nodes, port, workdir), encoding="utf-8")
     argv = [binary, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")]

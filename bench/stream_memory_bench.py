@@ -18,32 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from promptlb.bench._faults import rss_mb
 from promptlb.bench._report import RESULTS, environment, write_json
+from promptlb.bench.degrade_bench import Redis
 from promptlb.emulator import Service, start_service
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def one_round(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -128,11 +113,10 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after each round")
     parser.add_argument("--out", type=Path, default=RESULTS / "quick" / "stream_memory.json")
     args = parser.parse_args()
-    redis_binary = shutil.which("redis-server")
-    if args.cache == "redis" and redis_binary is None:
+    if args.cache == "redis" and shutil.which("redis-server") is None:
         raise SystemExit("stream_memory_bench: redis-server is not installed")
     services: list[Service] = []
-    redis: subprocess.Popen[bytes] | None = None
+    redis: Redis | None = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             model = start_service(
@@ -146,17 +130,8 @@ def main() -> None:
             if args.cache != "none":
                 backend = "memory"
                 if args.cache == "redis":
-                    assert redis_binary is not None
-                    port = free_port()
-                    redis = subprocess.Popen(
-                        [
-                            *(redis_binary, "--port", str(port), "--bind", "127.0.0.1"),
-                            *("--save", "", "--appendonly", "no", "--dir", tmp),
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                    backend = f"redis://127.0.0.1:{port}/0"
+                    redis = Redis()
+                    backend = f"redis://127.0.0.1:{redis.port}/0"
                 config += f"[cache]\nbackend = '{backend}'\n"
                 if args.entry_bytes is not None:
                     config += f"max_entry_bytes = {args.entry_bytes}\n"
@@ -170,9 +145,7 @@ def main() -> None:
             for service in reversed(services):
                 service.stop()
             if redis is not None:
-                with contextlib.suppress(OSError):
-                    redis.kill()
-                redis.wait(5)
+                redis.stop()
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     write_json(args.out, {"benchmark": "stream_memory", **environment(), **settings, **report})
 
