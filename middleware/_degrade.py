@@ -104,12 +104,10 @@ class Dispatcher:
             chain = None
         if chain is None and self.cache is None:
             # Nothing to degrade to: the plain path, without the chain's per-request state.
-            admission = self._lb.admission
-            if admission.enabled:
-                try:
-                    await admission.admit(route.model, route.priority)
-                except QueueTimeout:
-                    raise Shed(route.model, self.config.shedding.retry_after) from None
+            try:
+                await self._lb.admission.admit(route.model, route.priority)
+            except QueueTimeout:
+                raise Shed(route.model, self.config.shedding.retry_after) from None
             return await self._attempt(request, None, None, set(), False)
         path = request.path
         hops: tuple[str, ...] = (request.model, *chain.then) if chain else (request.model,)
