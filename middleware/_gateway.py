@@ -148,6 +148,20 @@ def server_config(
     )
 
 
+def _settle_heap() -> None:
+    """Once the server is up: out of the collector's way with what startup built, and young
+    collections sized for a busy server's live set."""
+    # Everything built so far (modules, the app, its config and node table) lives as long
+    # as the server: out of the collector's way, a full collection walks only what
+    # requests allocate.
+    gc.freeze()
+    # A young collection starts every 700 net allocations by default, and what a few
+    # dozen requests in flight hold alive crosses that again and again: ~1 collection per
+    # 15 requests, 5-10 us a request, for objects that refcounting frees a moment later.
+    # Past the live set of a busy server, collections come when garbage does (cycles).
+    gc.set_threshold(_YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def _serve(
     config: uvicorn.Config, name: str, on_hangup: Callable[[], Awaitable[object]] | None = None
 ) -> None:
@@ -169,15 +183,7 @@ async def _serve(
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        # Everything built so far (modules, the app, its config and node table) lives as long
-        # as the server: out of the collector's way, a full collection walks only what
-        # requests allocate.
-        gc.freeze()
-        # A young collection starts every 700 net allocations by default, and what a few
-        # dozen requests in flight hold alive crosses that again and again: ~1 collection per
-        # 15 requests, 5-10 us a request, for objects that refcounting frees a moment later.
-        # Past the live set of a busy server, collections come when garbage does (cycles).
-        gc.set_threshold(_YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+        _settle_heap()
         bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
         shown = f"[{host}]" if ":" in host else host
         print(f"{name} listening on http://{shown}:{bound}", flush=True)

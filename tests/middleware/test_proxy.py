@@ -184,6 +184,23 @@ def test_forwarded_headers_are_believed_only_from_the_configured_proxies() -> No
     assert behind.forwarded_allow_ips == "10.0.0.1"
 
 
+def test_a_started_server_freezes_its_startup_heap_and_collects_young_objects_less_often() -> None:
+    import gc
+
+    from promptlb.middleware._gateway import _YOUNG_GC_THRESHOLD, _settle_heap
+
+    before = gc.get_threshold()
+    try:
+        _settle_heap()
+        assert gc.get_freeze_count() > 0
+        # The young threshold rises past a busy server's live set; the older ones stay.
+        assert gc.get_threshold() == (_YOUNG_GC_THRESHOLD, *before[1:])
+        assert before[0] < _YOUNG_GC_THRESHOLD
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+
+
 @pytest.fixture
 async def busy(serve: Serve) -> AsyncIterator[str]:
     """A node that answers every request 429, with its own error and Retry-After."""
