@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+from aiohttp import web
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._balancer import _NAMES_KEPT, Balancer
+from promptlb.middleware._config import RetryConfig
+from promptlb.middleware._refusals import UpstreamError
+from promptlb.middleware._request import RequestReader
+
+from tests.conftest import Serve
 
 
 def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_them() -> None:
@@ -24,3 +33,52 @@ def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_t
         assert sent["content-type"] == "application/json"
         assert sent[f"x-made-up-{3 * _NAMES_KEPT - 1}"] == "v"
         assert not {"cookie", "x-promptlb-priority-token", "connection", "x-hop"} & set(sent)
+
+
+async def test_a_try_past_its_time_is_a_timeout_and_a_cancel_from_outside_stays_a_cancel(
+    serve: Serve,
+) -> None:
+    hold = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await hold.wait()  # never set: the node answers nothing
+        return web.Response()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", hang)
+    app.router.add_get("/health", health)
+    async with serve(app) as url:
+        config = Config(
+            nodes=(NodeConfig(name="a", url=url, models=("m",)),),
+            retry=RetryConfig(per_try_timeout=0.2, total_timeout=5.0),
+        )
+        lb = Balancer(config)
+        reader = RequestReader(config, lb.admission)
+        request = reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+        try:
+            # The try's own timer: a 504, the task not left cancelled.
+            with pytest.raises(UpstreamError) as raised:
+                async with lb.open(request):
+                    pass
+            assert raised.value.status == 504
+            task = asyncio.current_task()
+            assert task is not None and task.cancelling() == 0
+            assert lb.table.nodes["a"].view.in_flight == 0
+
+            # Cancelled from outside before its time (a client gone, a hedge lost): a cancel.
+            async def enter() -> None:
+                async with lb.open(request):
+                    pass
+
+            outside = asyncio.create_task(enter())
+            await asyncio.sleep(0.05)
+            outside.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await outside
+            assert lb.table.nodes["a"].view.in_flight == 0
+        finally:
+            hold.set()  # the node's handlers end, so that the server stops at once
+            await lb.stop()
