@@ -79,6 +79,22 @@ MakeNode = Callable[..., NodeView]
 OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
 
 
+Handler = Callable[[web.Request], Any]
+
+
+def chat_node(chat: Handler) -> web.Application:
+    """A node's HTTP face for in-process tests: ``chat`` answers chat completions, and
+    ``/health`` says ok, so the balancer's health check takes it in."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
 @pytest.fixture
 def openai_over(serve: Serve) -> OpenAIOver:
     """``async with openai_over(path, events) as api:`` an openai client whose ``path`` answers

@@ -13,6 +13,7 @@ from promptlb.middleware._refusals import UpstreamError
 from promptlb.middleware._request import RequestReader
 
 from tests.conftest import Serve
+from tests.middleware.conftest import chat_node
 
 
 def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_them() -> None:
@@ -44,13 +45,7 @@ async def test_a_try_past_its_time_is_a_timeout_and_a_cancel_from_outside_stays_
         await hold.wait()  # never set: the node answers nothing
         return web.Response()
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", hang)
-    app.router.add_get("/health", health)
-    async with serve(app) as url:
+    async with serve(chat_node(hang)) as url:
         config = Config(
             nodes=(NodeConfig(name="a", url=url, models=("m",)),),
             retry=RetryConfig(per_try_timeout=0.2, total_timeout=5.0),

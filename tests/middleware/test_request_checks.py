@@ -15,6 +15,7 @@ from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 
 from tests.conftest import Serve
+from tests.middleware.conftest import chat_node
 
 Seen = list[dict[str, str]]
 
@@ -28,13 +29,7 @@ async def upstream(serve: Serve) -> AsyncIterator[tuple[str, Seen]]:
         seen.append({k.lower(): v for k, v in request.headers.items()})
         return web.json_response({"choices": []})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    app.router.add_get("/health", health)
-    async with serve(app) as url:
+    async with serve(chat_node(handler)) as url:
         yield url, seen
 
 
