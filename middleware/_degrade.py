@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -97,17 +97,20 @@ class Dispatcher:
         A plain class rather than a generator context manager: it is on every request."""
         return _Answering(self, request)
 
-    def _chain(self, request: Request) -> FallbackConfig | None:
-        """The request's fallback chain, None without one (or when the client opted out)."""
+    def _finding(self, request: Request) -> Coroutine[None, None, Answer]:
+        """The coroutine that finds the request's answer, for `answer` to await directly:
+        the plain one when there is nothing to degrade to, without `_find` around it (one
+        coroutine fewer that every resume of the try passes through)."""
         chain = self._chains.get(request.route.model)
         if chain is not None and request.no_fallback and chain.allow_opt_out:
-            return None
-        return chain
+            chain = None
+        if chain is None and self.cache is None:
+            return self._plain(request)
+        return self._find(request, chain)
 
     async def _plain(self, request: Request) -> Answer:
         """Nothing to degrade to: admitted, then one attempt, without the chain's per-request
-        state. Awaited by `answer` itself, not through `_find`: one coroutine fewer that every
-        resume of the try passes through."""
+        state."""
         route = request.route
         try:
             await self._lb.admission.admit(route.model, route.priority)
@@ -326,12 +329,7 @@ class _Answering:
 
     async def __aenter__(self) -> Answer:
         try:
-            dispatcher, request = self._dispatcher, self._request
-            chain = dispatcher._chain(request)
-            if chain is None and dispatcher.cache is None:
-                found = await dispatcher._plain(request)
-            else:
-                found = await dispatcher._find(request, chain)
+            found = await self._dispatcher._finding(self._request)
         except Shed:
             self._dispatcher._lb.metrics.shed.labels(self._request.route.priority).inc()
             raise

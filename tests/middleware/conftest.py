@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator import Service, start_command, start_service
 from promptlb.middleware._view import NodeView
@@ -77,9 +78,6 @@ Messages = list[ChatCompletionMessageParam]
 MakeSnapshot = Callable[..., Snapshot]
 MakeNode = Callable[..., NodeView]
 OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
-
-
-Handler = Callable[[web.Request], Any]
 
 
 def chat_node(chat: Handler) -> web.Application:
