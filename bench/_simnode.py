@@ -9,7 +9,7 @@ from collections import deque
 
 from promptlb.emulator._kv import KVCache, Lease
 from promptlb.middleware._view import RouteRequest
-from promptlb.shared import EngineSample, Snapshot
+from promptlb.shared import BLOCK_TOKENS, EngineSample, Snapshot
 
 from ._scenario import Arrival, NodeSpec
 from ._simprompt import Prompted, kv_capacity
@@ -218,7 +218,13 @@ class Node:
                 ts=0.0,
                 ready=True,
                 warm=True,
-                engine=EngineSample(running=self.running, waiting=waiting, tps=tps, kv_cache=kv),
+                engine=EngineSample(
+                    running=self.running,
+                    waiting=waiting,
+                    tps=tps,
+                    kv_cache=kv,
+                    kv_tokens=None if self.kv is None else self.kv.capacity * BLOCK_TOKENS,
+                ),
             )
             self.snaps[key] = snap
         self.cur = snap

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from promptlb.shared import BLOCK_TOKENS
 
 from ._capacity import Capacity
 from ._config import EmulatorConfig
@@ -87,6 +88,13 @@ class VllmMetrics(Collector):
         yield gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", cap.waiting
         )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(BLOCK_TOKENS), str(self._kv.capacity)], 1.0)
+        yield info
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",

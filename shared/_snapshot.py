@@ -187,9 +187,12 @@ class EngineSample:
     waiting: int
     kv_cache: float | None = None
     tps: float | None = None
+    # The KV cache's capacity in tokens (vLLM: its blocks times their size; SGLang: its token
+    # pool): what a router's index of cached prefixes can hold for this node.
+    kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        kv, tps = self.kv_cache, self.tps
+        kv, tps, cap = self.kv_cache, self.tps, self.kv_tokens
         if (
             type(self.running) is int
             and 0 <= self.running <= MAX_COUNT
@@ -197,25 +200,29 @@ class EngineSample:
             and 0 <= self.waiting <= MAX_COUNT
             and (kv is None or ((type(kv) is float or type(kv) is int) and 0 <= kv <= 1))
             and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps <= MAX_TPS))
+            and (cap is None or (type(cap) is int and 1 <= cap <= MAX_COUNT))
         ):
             return
         _int("engine.running", self.running)
         _int("engine.waiting", self.waiting)
         _opt_float("engine.kv_cache", self.kv_cache, 0.0, 1.0)
         _opt_float("engine.tps", self.tps, 0.0, MAX_TPS)
+        if cap is not None:
+            _int("engine.kv_tokens", cap, 1)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
         if isinstance(raw, EngineSample):
             return raw
         if not isinstance(raw, Mapping):
-            raise _bad("engine", raw, "a map {running, waiting, kv_cache?, tps?}")
+            raise _bad("engine", raw, "a map {running, waiting, kv_cache?, tps?, kv_tokens?}")
         try:
             return cls(
                 running=raw["running"],
                 waiting=raw["waiting"],
                 kv_cache=raw.get("kv_cache"),
                 tps=raw.get("tps"),
+                kv_tokens=raw.get("kv_tokens"),
             )
         except KeyError as exc:
             raise SnapshotError(f"snapshot field 'engine.{exc.args[0]}' is missing") from None
@@ -372,6 +379,8 @@ class Snapshot:
                 wire["engine"]["kv_cache"] = engine.kv_cache
             if engine.tps is not None:
                 wire["engine"]["tps"] = engine.tps
+            if engine.kv_tokens is not None:
+                wire["engine"]["kv_tokens"] = engine.kv_tokens
         return wire
 
     @classmethod

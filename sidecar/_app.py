@@ -209,7 +209,11 @@ class _Collectors:
             reading = parse_engine_metrics(text, cfg.engine)  # type: ignore[arg-type]
             tps = self._tokens_per_s(reading.tokens_total)
             engine = EngineSample(
-                running=reading.running, waiting=reading.waiting, kv_cache=reading.kv_cache, tps=tps
+                running=reading.running,
+                waiting=reading.waiting,
+                kv_cache=reading.kv_cache,
+                tps=tps,
+                kv_tokens=reading.kv_tokens,
             )
             self.engine_problem.clear()
         except (EngineMetricsError, SnapshotError) as exc:  # unreadable, or out of range

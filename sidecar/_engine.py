@@ -27,6 +27,9 @@ class _Families:
     waiting: tuple[str, ...]
     kv_cache: tuple[str, ...] = ()  # fraction 0..1 in every engine that has one
     tokens: tuple[str, ...] = ()  # a counter of generated tokens, for tokens/s
+    kv_tokens: tuple[str, ...] = ()  # a gauge of the KV cache's capacity in tokens
+    # An info gauge whose labels give the capacity as num_gpu_blocks x block_size (vLLM).
+    kv_info: tuple[str, ...] = ()
 
 
 # The first name present wins, so newer names go first (vLLM renamed its KV gauge in V1).
@@ -36,6 +39,7 @@ ENGINES: Final[dict[EngineName, _Families]] = {
         waiting=("vllm:num_requests_waiting",),
         kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         tokens=("vllm:generation_tokens",),
+        kv_info=("vllm:cache_config_info",),
     ),
     "tgi": _Families(running=("tgi_batch_current_size",), waiting=("tgi_queue_size",)),
     "llamacpp": _Families(
@@ -49,12 +53,14 @@ ENGINES: Final[dict[EngineName, _Families]] = {
         waiting=("sglang:num_queue_reqs",),
         kv_cache=("sglang:token_usage",),
         tokens=("sglang:generation_tokens",),
+        kv_tokens=("sglang:max_total_num_tokens",),
     ),
 }
 
 
 def _text_names(families: _Families) -> set[str]:
-    names = {*families.running, *families.waiting, *families.kv_cache}
+    names = {*families.running, *families.waiting, *families.kv_cache, *families.kv_tokens}
+    names.update(families.kv_info)
     # A counter's samples are written with _total; the parser reports the family without it.
     names.update(n for t in families.tokens for n in (t, t + "_total"))
     return names
@@ -76,6 +82,7 @@ class EngineReading:
     waiting: int
     kv_cache: float | None
     tokens_total: float | None
+    kv_tokens: int | None = None  # the KV cache's capacity in tokens, when the engine says
 
 
 def _name_of(line: str) -> str:
@@ -116,22 +123,43 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
             )
         engine = seen.pop()
     values: dict[str, list[float]] = {}
+    fam = ENGINES[engine]
     try:
         for family in text_string_to_metric_families("\n".join(kept) + "\n"):
+            info = family.name in fam.kv_info
             for sample in family.samples:
-                if math.isnan(sample.value):
-                    continue  # NaN means "not measured yet": leave the field out
-                values.setdefault(family.name, []).append(sample.value)
+                if info:
+                    value = _blocks_times_size(sample.labels)
+                    if value is not None:
+                        values.setdefault(family.name, []).append(value)
+                elif not math.isnan(sample.value):  # NaN: "not measured yet", left out
+                    values.setdefault(family.name, []).append(sample.value)
     except ValueError as exc:
         raise EngineMetricsError(f"{engine} /metrics does not parse: {exc}") from None
-    fam = ENGINES[engine]
     return EngineReading(
         engine=engine,
         running=_count(values, fam.running, engine, "running"),
         waiting=_count(values, fam.waiting, engine, "waiting"),
         kv_cache=_fraction(_first(values, fam.kv_cache, max)),
         tokens_total=_finite(_first(values, fam.tokens, sum)),
+        # Summed: an engine's data-parallel ranks each keep a cache of their own.
+        kv_tokens=_capacity(_first(values, fam.kv_info + fam.kv_tokens, sum)),
     )
+
+
+def _blocks_times_size(labels: dict[str, str]) -> float | None:
+    try:
+        blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    except (KeyError, ValueError):  # "None" before the engine has profiled its memory
+        return None
+    return float(blocks * size) if blocks > 0 and size > 0 else None
+
+
+def _capacity(value: float | None) -> int | None:
+    # No cache, or a capacity no cache has: unknown, never a bound to trim an index to.
+    if value is None or not 1 <= value <= MAX_COUNT:
+        return None
+    return int(value)
 
 
 def _first(

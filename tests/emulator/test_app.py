@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from promptlb.sidecar import parse_engine_metrics
 
 if TYPE_CHECKING:
     from tests.emulator.conftest import Emulator, StartEmulator
@@ -494,3 +495,5 @@ async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
     assert hits >= 480  # the whole history but its last partial block
     assert queried > hits + 480  # the first turn found nothing
     assert 0 < metrics["vllm:kv_cache_usage_perc"] <= 0.1
+    # Its capacity as vLLM publishes it, which the sidecar reads into the snapshot.
+    assert parse_engine_metrics(text).kv_tokens == 1000 * 16

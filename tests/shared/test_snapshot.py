@@ -134,6 +134,7 @@ engines = st.builds(
     waiting=counts,
     kv_cache=st.none() | numbers(0, 1),
     tps=st.none() | numbers(0, 1e9),  # the schema bounds tokens/s at 1e9,
+    kv_tokens=st.none() | st.integers(1, 2**53),
 )
 
 snapshots = st.builds(
@@ -528,6 +529,10 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("engine.tps", {"running": 0, "waiting": 0, "tps": math.inf}),
     ("engine.tps", {"running": 0, "waiting": 0, "tps": True}),
     ("engine.tps", {"running": 0, "waiting": 0, "tps": "1"}),
+    ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": 0}),
+    ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": 1.5}),
+    ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": True}),
+    ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": 2**53 + 1}),
 ]
 
 
@@ -602,6 +607,7 @@ def test_bad_gpu_sample_is_refused(gpu: GpuSample, name: str) -> None:
         ({"running": 0, "waiting": 0.5}, "engine.waiting"),
         ({"running": 0, "waiting": 0, "kv_cache": 1.01}, "engine.kv_cache"),
         ({"running": 0, "waiting": 0, "tps": math.nan}, "engine.tps"),
+        ({"running": 0, "waiting": 0, "kv_tokens": -16}, "engine.kv_tokens"),
     ],
 )
 def test_bad_engine_sample_is_refused(fields: dict[str, Any], name: str) -> None:

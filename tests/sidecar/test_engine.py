@@ -15,7 +15,8 @@ def fixture(name: str) -> str:
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("vllm-v0.txt", EngineReading("vllm", 0, 0, 0.0, 7.0)),
+        # 7,281 blocks of 16 tokens, from vllm:cache_config_info's labels.
+        ("vllm-v0.txt", EngineReading("vllm", 0, 0, 0.0, 7.0, 116_496)),
         ("vllm-v1.txt", EngineReading("vllm", 0, 0, 0.0, 0.0)),
         ("tgi.txt", EngineReading("tgi", 0, 0, None, None)),
         ("llamacpp.txt", EngineReading("llamacpp", 0, 0, 0.491063, 3469.0)),
@@ -139,3 +140,50 @@ def test_an_infinite_token_counter_is_left_out() -> None:
     assert parse_engine_metrics(text) == EngineReading("vllm", 1, 0, None, None)
     finite = text.replace("+Inf", "12")
     assert parse_engine_metrics(finite) == EngineReading("vllm", 1, 0, None, 12.0)
+
+
+def test_kv_capacity_is_blocks_times_block_size_summed_over_engines() -> None:
+    text = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="500"} 1.0
+"""
+    assert parse_engine_metrics(text).kv_tokens == 16_000 + 16_000
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        'block_size="16",num_gpu_blocks="None"',  # before the engine profiled its memory
+        'block_size="16",num_gpu_blocks="0"',
+        'block_size="16"',
+        'num_gpu_blocks="10"',
+    ],
+)
+def test_a_capacity_the_labels_do_not_give_is_unknown(labels: str) -> None:
+    text = f"""\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running 0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting 0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{{labels}}} 1.0
+"""
+    reading = parse_engine_metrics(text)
+    assert reading.kv_tokens is None and reading.running == 0
+
+
+def test_sglang_capacity_is_its_token_pool() -> None:
+    text = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 2.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 0.0
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="m"} 161721.0
+"""
+    assert parse_engine_metrics(text).kv_tokens == 161_721
