@@ -32,9 +32,11 @@ from ._report import RESULTS, environment
 from ._scenario import Scenario, load_scenario, scaled
 from ._simcache import CACHE_BASELINES, cache_lines, cache_ratios, cache_targets, plot_cache
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
-from ._simparams import AFFINITY
+from ._simparams import AFFINITY, SHARED
 from ._simprompt import prefix_load, prepare
 from ._stats import jain, percentile
+
+DEFAULT_SHARED = DEFAULT_STRATEGY + SHARED
 
 __all__ = [
     "by_class",
@@ -166,7 +168,8 @@ def _strategies(raw: str, prompted: bool = False) -> list[str]:
             raise ConfigError("strategies", name, "one of " + ", ".join(SIM_STRATEGIES))
         if name not in names:
             names.append(name)
-    for name in BASELINES + (CACHE_BASELINES if prompted else ()):
+    # With prompts, the default both as replicas run it alone and sharing through Redis.
+    for name in BASELINES + ((DEFAULT_SHARED, *CACHE_BASELINES) if prompted else ()):
         if name not in names:
             names.append(name)
     return names
@@ -292,7 +295,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             name,
             duration=scenario.duration,
             params=params,
-            options=scenario.strategy_options.get(name.removesuffix(AFFINITY)),
+            options=scenario.strategy_options.get(name.removesuffix(AFFINITY).removesuffix(SHARED)),
             prepared=prepared,
         )
         rows.append(summarise(result, classes))
@@ -349,6 +352,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             scenario.nodes, arrivals, prepared, scenario.duration
         )
         report["cache_targets"] = cache_targets(rows, scenario.targets, applies)
+        report["cache_targets_shared"] = cache_targets(
+            rows, scenario.targets, applies, DEFAULT_SHARED
+        )
     header = (
         f"sim {label}: {len(scenario.nodes)} nodes, {params.replicas} replicas, staleness "
         f"{params.staleness:g}s, {len(arrivals)} requests in {scenario.duration:g}s "
@@ -362,6 +368,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         print(line)
     if prompted:
         for line in cache_lines(rows, report["cache_targets"]):
+            print(line)
+        for line in cache_lines(rows, report["cache_targets_shared"])[len(rows) + 2 :]:
             print(line)
     if len(scenario.nodes) > _PER_NODE_JSON:
         report["per_node"] = f"summed up per node class above {_PER_NODE_JSON} nodes"

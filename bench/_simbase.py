@@ -11,13 +11,13 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from promptlb.middleware._config import OutlierConfig
+from promptlb.middleware._config import INDEX_SHARE_EVERY, OutlierConfig
 from promptlb.middleware._rules import RetryBudget, ejection_cap
 from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
 from ._simnode import Group, Node
-from ._simparams import AFFINITY, ORACLE, PERFECT, SIM_STRATEGIES, ServiceFn, SimParams
+from ._simparams import AFFINITY, ORACLE, PERFECT, SHARED, SIM_STRATEGIES, ServiceFn, SimParams
 from ._simprompt import Prompted
 from ._simreplica import Replica, View, build_strategy
 
@@ -29,13 +29,14 @@ __all__ = [
     "MARK",
     "OUTLIER",
     "REFRESH",
+    "SHARE",
     "TIMEOUT",
     "UNEJECT",
     "SimState",
 ]
 
 # Event kinds. Ties in time are broken by a sequence number, so the order is deterministic.
-FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK = range(8)
+FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK, SHARE = range(9)
 # The middleware's ejection defaults: SimParams sets only how many failures eject.
 OUTLIER = OutlierConfig()
 
@@ -64,6 +65,9 @@ class SimState:
         self.oracle = strategy == ORACLE
         self.perfect = strategy == PERFECT or self.oracle
         self.keyed = strategy.endswith(AFFINITY)  # routes carry [affinity]'s key
+        shared = strategy.endswith(SHARED)
+        self.share_every = params.share_every or (INDEX_SHARE_EVERY if shared else 0.0)
+        built = strategy.removesuffix(SHARED)
         # Per arrival, its prompt read by engine and gateway (`_simprompt`); with any, every
         # node keeps the emulator's KV cache.
         self.prepared = prepared
@@ -108,10 +112,21 @@ class SimState:
                 # Seeded per replica and alike for every strategy: runs differ in the policy.
                 rng = random.Random(params.seed * 1_000_003 + r)
                 budget = RetryBudget(params.budget_percent, params.budget_min)
-                self.replicas.append(Replica(build_strategy(strategy, options), rng, views, budget))
+                self.replicas.append(Replica(build_strategy(built, options), rng, views, budget))
                 if params.staleness > 0:
                     phase = params.staleness * r / count
                     self._push(phase if phase > 0 else params.staleness, REFRESH, r)
+        # The replicas' shared store of prefix records, as Redis holds them: (replica, node,
+        # blocks) in the order written, and how far each replica has read.
+        self.shared: list[tuple[int, str, Sequence[int]]] = []
+        self.read_upto = [0] * len(self.replicas)
+        every = self.share_every
+        if every > 0:
+            for r, replica in enumerate(self.replicas):
+                index = replica.strategy.prefix_index
+                if index is not None:
+                    index.share()
+                    self._push(every * (r + 1) / len(self.replicas), SHARE, r)
         for node in self.nodes:
             for fault in node.spec.faults:
                 self._push(fault.at, FAULT, (node, fault))

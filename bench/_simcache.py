@@ -45,12 +45,18 @@ def cache_ratios(rows: Sequence[dict[str, Any]]) -> None:
             row[name] = _ratio(row[key], other[key] if other else None)
 
 
-def cache_targets(rows: Sequence[dict[str, Any]], goals: Mapping[str, float], applies: bool) -> Any:
-    """The default strategy's cache ratios, each with the scenario's target and verdict."""
-    row = next((r for r in rows if r["strategy"] == DEFAULT_STRATEGY), None)
+def cache_targets(
+    rows: Sequence[dict[str, Any]],
+    goals: Mapping[str, float],
+    applies: bool,
+    strategy: str = DEFAULT_STRATEGY,
+) -> Any:
+    """``strategy``'s cache ratios (the default's), each with the scenario's target and
+    verdict."""
+    row = next((r for r in rows if r["strategy"] == strategy), None)
     if row is None:
-        return {"strategy": DEFAULT_STRATEGY, "ran": False}
-    out: dict[str, Any] = {"strategy": DEFAULT_STRATEGY, "ran": True, "applies": applies}
+        return {"strategy": strategy, "ran": False}
+    out: dict[str, Any] = {"strategy": strategy, "ran": True, "applies": applies}
     for name, (_, _, at_least) in CACHE_TARGETS.items():
         value = row.get(name)
         out[name] = value

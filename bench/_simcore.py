@@ -61,7 +61,17 @@ from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
-from ._simbase import CONNECT_FAIL, DETECT, FAULT, FINISH, MARK, REFRESH, TIMEOUT, UNEJECT
+from ._simbase import (
+    CONNECT_FAIL,
+    DETECT,
+    FAULT,
+    FINISH,
+    MARK,
+    REFRESH,
+    SHARE,
+    TIMEOUT,
+    UNEJECT,
+)
 from ._simfaults import Faults
 from ._simnode import Req
 from ._simparams import ORACLE, PERFECT, RANDOM, SIM_STRATEGIES, ServiceFn, SimParams, SimResult
@@ -103,6 +113,7 @@ class _Sim(Faults):
         prepared = self.prepared
         keyed = self.keyed
         refresh = self.params.staleness
+        share_every = self.share_every
         seq = self.seq
         i = 0
         events = 0
@@ -118,6 +129,9 @@ class _Sim(Faults):
                 elif kind == REFRESH:
                     self._refresh(replicas[obj], t)
                     push(heap, (t + refresh, next(seq), REFRESH, obj, 0))
+                elif kind == SHARE:
+                    self._share(obj)
+                    push(heap, (t + share_every, next(seq), SHARE, obj, 0))
                 elif kind == CONNECT_FAIL:
                     req: Req = obj
                     if not req.done and req.try_no == try_no:

@@ -25,6 +25,20 @@ class Detection(SimState):
         if replica.ramping:
             self._ramp(replica, now)
 
+    def _share(self, r: int) -> None:
+        """Replica ``r``'s exchange with the shared store: what it sent since, out; what the
+        others wrote since its last read, into its index."""
+        replica = self.replicas[r]
+        index = replica.strategy.prefix_index
+        if index is None:
+            return
+        shared = self.shared
+        shared.extend((r, name, blocks) for name, blocks in index.sent())
+        start = self.read_upto[r]
+        self.read_upto[r] = len(shared)
+        known = {view.name for view in replica.views}
+        index.learn(((name, blocks) for w, name, blocks in shared[start:] if w != r), known)
+
     def _ramp(self, replica: Replica, now: float) -> None:
         ramping = replica.ramping
         views = replica.views

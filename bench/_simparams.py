@@ -18,6 +18,7 @@ __all__ = [
     "ORACLE",
     "PERFECT",
     "RANDOM",
+    "SHARED",
     "SIM_STRATEGIES",
     "ServiceFn",
     "SimParams",
@@ -29,9 +30,19 @@ ORACLE = "oracle"
 RANDOM = "random"
 # A strategy under [affinity] at its defaults, as the gateway wraps it: "<strategy>+affinity".
 AFFINITY = "+affinity"
-# Every name `simulate` accepts: the middleware's strategies, each with [affinity] too, and the
-# simulator's extras.
-SIM_STRATEGIES = (*STRATEGIES, *(s + AFFINITY for s in STRATEGIES), RANDOM, PERFECT, ORACLE)
+# A strategy whose replicas share their prefix index as ``[index_share]`` does (every
+# ``INDEX_SHARE_EVERY`` unless `SimParams.share_every` says otherwise): "<strategy>+shared".
+SHARED = "+shared"
+# Every name `simulate` accepts: the middleware's strategies, each with [affinity] and shared
+# too, and the simulator's extras.
+SIM_STRATEGIES = (
+    *STRATEGIES,
+    *(s + AFFINITY for s in STRATEGIES),
+    *(s + SHARED for s in STRATEGIES),
+    RANDOM,
+    PERFECT,
+    ORACLE,
+)
 
 # A replacement for the deterministic service time (seconds at slow factor 1), for tests that
 # need a textbook distribution: called once per try, when the try reaches its node.
@@ -56,6 +67,10 @@ class SimParams:
     outlier_failures: int = 5  # 0 disables ejection
     connect_fail_s: float = 0.005  # a refused connection to a dead process: a few ms
     slow_start: float = 30.0
+    # Seconds between a replica's exchanges of its prefix index with the others (what the
+    # gateway's `[index_share]` does through Redis); 0: every replica keeps its own, unless
+    # the strategy's name ends in "+shared".
+    share_every: float = 0.0
     seed: int = 1
     model: str = "bench"
 
@@ -68,7 +83,7 @@ class SimParams:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(key, value, "an integer >= 0")
-        for key in ("staleness", "slow_start", "connect_fail_s", "budget_percent"):
+        for key in ("staleness", "slow_start", "connect_fail_s", "budget_percent", "share_every"):
             value = getattr(self, key)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(key, value, "a number >= 0")

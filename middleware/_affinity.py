@@ -25,6 +25,7 @@ from typing import Any
 from promptlb.shared import ConfigError, prompt_prefix
 
 from ._config import AffinityConfig
+from ._prefix import PrefixIndex
 from ._strategy import NoNodeAvailable, Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
@@ -97,6 +98,10 @@ class Affinity:
     @property
     def scoring(self) -> Scoring | None:
         return self._inner.scoring
+
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        return self._inner.prefix_index
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random

@@ -25,6 +25,7 @@ from ._metrics import Metrics
 from ._nodes import Node, NodeTable
 from ._refusals import NoNodeAvailable, UnknownModel, UpstreamError
 from ._rules import RetryBudget
+from ._share import IndexShare
 from ._shedding import Admission
 from ._strategies import make_strategy
 from ._strategy import Strategy
@@ -105,6 +106,11 @@ class Balancer:
         self.config = config
         same = previous is not None and _same_strategy(previous.config, config)
         self.strategy: Strategy = previous.strategy if previous and same else _strategy_for(config)
+        if config.index_share is not None and self.strategy.prefix_index is None:
+            raise ConfigError(
+                "index_share", config.index_share.redis, "a cache-aware strategy to share"
+            )
+        self._share: IndexShare | None = None
         self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
@@ -172,6 +178,10 @@ class Balancer:
                 previous._evidence = None
             self._evidence = evidence
             await evidence.start()
+            if previous._share is not None:
+                await previous._share.stop()
+                previous._share = None
+            self._start_share()
         return changed
 
     @property
@@ -194,8 +204,18 @@ class Balancer:
             )
             self._evidence = Evidence(self.config, self.table, self._session, self.metrics)
             await self._evidence.start()
+            self._start_share()
+
+    def _start_share(self) -> None:
+        index = self.strategy.prefix_index
+        if self.config.index_share is not None and index is not None:
+            self._share = IndexShare(self.config.index_share, index, self.table.nodes, self.metrics)
+            self._share.start()
 
     async def stop(self) -> None:
+        if self._share is not None:
+            await self._share.stop()
+            self._share = None
         if self._evidence is not None:
             await self._evidence.stop()
             self._evidence = None

@@ -31,6 +31,7 @@ __all__ = [
     "DiscoveryConfig",
     "FallbackConfig",
     "HealthConfig",
+    "IndexShareConfig",
     "NodeConfig",
     "OutlierConfig",
     "RequestsConfig",
@@ -253,6 +254,35 @@ class BatchingConfig:
             raise ConfigError("max_batch", self.max_batch, "an integer >= 2 (1 batches nothing)")
 
 
+INDEX_SHARE_EVERY = 0.25  # seconds; the simulator's "+shared" runs exchange as often
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexShareConfig:
+    """Gateway replicas share what the cache-aware strategy records (which prompt prefixes
+    went to which node) through a Redis stream, so that each routes by every replica's traffic
+    and counts the others' requests since a node's last snapshot. Every ``every`` a replica
+    writes what it sent since and reads what the others wrote. Redis down costs hit rate, never
+    a request: the exchange is skipped until it answers again."""
+
+    redis: str  # redis://host:port/db, rediss:// or unix://
+    every: float = field(default=INDEX_SHARE_EVERY, metadata=DURATION)
+    key: str = "promptlb:prefixes"  # one stream per deployment: the replicas that share
+    max_entries: int = 10_000  # the stream is trimmed to about this many batches
+    timeout: float = field(default=0.2, metadata=DURATION)  # each Redis call
+
+    def __post_init__(self) -> None:
+        if not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("redis", self.redis, "a redis://host:port/db URL")
+        if not 0.01 <= self.every <= 60:
+            raise ConfigError("every", self.every, "a duration in 10ms..60s")
+        if not self.key:
+            raise ConfigError("key", self.key, "a non-empty Redis key")
+        if self.max_entries < 100:
+            raise ConfigError("max_entries", self.max_entries, ">= 100")
+        positive("timeout", self.timeout)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
@@ -290,6 +320,7 @@ class Config:
     classifier: str | None = None  # "package.module:callable"; None: the rules-based default
     class_header: str | None = None  # a trusted header (set by your edge) that names the class
     affinity: AffinityConfig | None = None  # no session/prefix affinity unless configured
+    index_share: IndexShareConfig | None = None  # replicas keep their own index unless set
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

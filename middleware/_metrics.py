@@ -205,6 +205,13 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.index_share_errors = Counter(
+            "promptlb_index_share_errors",
+            "Exchanges of the prefix index through Redis that failed (write, read) or entries "
+            "skipped (decode).",
+            ["op"],
+            registry=r,
+        )
         self.hedges = Counter(
             "promptlb_hedges", "Hedged attempts: sent, won_first, won_hedge.", ["event"], registry=r
         )

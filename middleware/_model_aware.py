@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from promptlb.shared import ConfigError
 
+from ._prefix import PrefixIndex
 from ._strategy import Scoring, Strategy
 from ._view import NodeView, RouteRequest
 
@@ -41,6 +42,10 @@ class ModelAware:
     @property
     def scoring(self) -> Scoring | None:
         return self.inner.scoring
+
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        return self.inner.prefix_index
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random

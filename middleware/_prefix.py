@@ -16,12 +16,16 @@ What it holds, and how it forgets (the guards that keep it close to the node's r
 - a node that restarts (a new ``boot`` in its snapshot) starts empty.
 Memory: two dict entries per coarse block and node (see `bench/pick_bench.py` for the bytes);
 ``capacity`` bounds it per node.
+
+Replicas that share (`share`): each keeps an outbox of what it recorded, and `learn` takes what
+the others recorded, stamped with this index's own clock at its last record (each replica's
+clock is its own count of picks). What moves them, Redis or the simulator, is not here.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from itertools import count, repeat
 from typing import Any
 
@@ -42,6 +46,7 @@ INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
 INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
 _DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
+_OUTBOX = 4096  # records kept for the others between two drains: beyond, they are dropped
 
 
 def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
@@ -92,6 +97,11 @@ class PrefixIndex:
         self.ttl = ttl
         self._pairs: dict[tuple[int, str], float] = {}
         self._nodes: dict[str, _Node] = {}
+        self._now = 0.0  # the caller's clock at its last record: what `learn` stamps with
+        self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
+        # Per node, the records learnt from the other replicas since the caller last reset
+        # it (at each new snapshot of the node): their requests the snapshot does not show yet.
+        self.others_sent: dict[str, int] = {}
 
     def __len__(self) -> int:
         """Entries held, over all nodes: what the memory bound counts."""
@@ -129,11 +139,50 @@ class PrefixIndex:
         return found
 
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
-        """``blocks`` were sent to ``node``: it will hold them once it has prefilled."""
-        if not blocks:
-            return
-        state = self._state(node)
-        name = node.name
+        """``blocks`` were sent to ``node``: it will hold them once it has prefilled. A request
+        with none is recorded only for the other replicas, which count it as load."""
+        self._now = now
+        if blocks:
+            self._add(self._state(node), node.name, blocks, now)
+        outbox = self._outbox
+        if outbox is not None and len(outbox) < _OUTBOX:
+            outbox.append((node.name, blocks))
+
+    @property
+    def sharing(self) -> bool:
+        return self._outbox is not None
+
+    def share(self) -> None:
+        """Keep what is recorded from now on for `sent` (until drained): the replicas share."""
+        if self._outbox is None:
+            self._outbox = []
+
+    def sent(self) -> list[tuple[str, Sequence[int]]]:
+        """The (node, blocks) recorded since the last call, for the other replicas."""
+        outbox = self._outbox
+        if not outbox:
+            return []
+        self._outbox = []
+        return outbox
+
+    def learn(self, records: Iterable[tuple[str, Sequence[int]]], known: Container[str]) -> None:
+        """What another replica sent where: entries as if recorded now. Only nodes in ``known``
+        (this replica's own nodes): a peer's view must not grow this one's memory."""
+        now = self._now
+        nodes = self._nodes
+        others = self.others_sent
+        for name, blocks in records:
+            if name not in known:
+                continue
+            others[name] = others.get(name, 0) + 1
+            if not blocks:
+                continue
+            state = nodes.get(name)
+            if state is None:
+                state = nodes[name] = _Node(self.capacity)
+            self._add(state, name, blocks, now)
+
+    def _add(self, state: _Node, name: str, blocks: Sequence[int], now: float) -> None:
         # A chain's deeper blocks count as a hair older, so that trimming eats a chain from its
         # tail: the head alone is still a usable prefix, the tail alone matches nothing.
         self._pairs.update(zip(zip(blocks, repeat(name)), count(now, -_DEPTH)))
@@ -152,8 +201,15 @@ class PrefixIndex:
             if state.boot is not None and snap.boot != state.boot:
                 self._forget(state, node.name, 0)  # restarted: its cache is gone
             state.boot = snap.boot
-            kv = snap.engine.kv_cache if snap.engine is not None else None
-            if kv is not None and state.sent:
+            engine = snap.engine
+            kv = engine.kv_cache if engine is not None else None
+            if engine is not None and engine.kv_tokens is not None:
+                # The engine says what it holds: as many coarse blocks as fit, ours or the other
+                # replicas' (with an index shared, an estimate from our share would drift).
+                state.cap = min(self.capacity, max(1, engine.kv_tokens // INDEX_TOKENS))
+                if len(state.sent) > state.cap:
+                    self._forget(state, node.name, state.cap)
+            elif kv is not None and state.sent:
                 # Our blocks fill ``kv`` of the node as far as our traffic goes, so it holds
                 # about len / kv of ours. Below full that is room to grow into; once full, the
                 # engine evicts, and so do we, never growing on a full node.

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from promptlb.shared import ConfigError
 
+from ._prefix import PrefixIndex
 from ._refusals import NoNodeAvailable
 from ._view import NodeView, RouteRequest
 
@@ -66,6 +67,11 @@ class Strategy(Protocol):
         """The resource-score settings the strategy ranks by (a wrapper: its inner
         strategy's), for the status page; None when it does not score."""
 
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        """The index of prompt prefixes sent to each node, for the replicas to share (a
+        wrapper: its inner strategy's); None when the strategy keeps none."""
+
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
     ) -> NodeView: ...
@@ -87,6 +93,7 @@ class Static:
     """Strategies that decide from the views alone and learn nothing from outcomes."""
 
     scoring: Scoring | None = None
+    prefix_index: PrefixIndex | None = None
 
     def observe(
         self,

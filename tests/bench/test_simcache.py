@@ -119,6 +119,28 @@ def test_the_oracle_caches_more_and_answers_sooner_than_round_robin() -> None:
     assert 0 < load["ideal_hit_rate"] < 1
 
 
+def test_replicas_that_share_their_index_hit_more_than_alone() -> None:
+    # Each of 4 replicas routes a quarter of the turns: alone it rarely knows where a
+    # conversation's history is; sharing (every 0.25 s, as [index_share] does) it does.
+    scenario = _chat()
+    arrivals = scenario.arrivals()
+    prepared = prepare(arrivals, scenario.model)
+    hit = {}
+    for name in ("predictive", "predictive+shared"):
+        params = SimParams(replicas=4, seed=scenario.seed)
+        run = simulate(
+            scenario.nodes,
+            arrivals,
+            name,
+            duration=scenario.duration,
+            params=params,
+            prepared=prepared,
+        )
+        assert run.ok == len(arrivals)
+        hit[name] = run.hit_tokens / run.query_tokens
+    assert hit["predictive+shared"] > 1.5 * hit["predictive"]  # 0.67 against 0.22
+
+
 def test_cli_sim_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "chat.toml"
     path.write_text(
@@ -134,11 +156,15 @@ def test_cli_sim_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "prefix cache" in out and "hit/orc" in out
     report = json.loads((tmp_path / "sim-chat.json").read_text())
     rows = {r["strategy"]: r for r in report["results"]}
-    assert {"round_robin", "perfect", "oracle", "predictive+affinity", "predictive"} == set(rows)
+    assert set(rows) == {
+        *("round_robin", "perfect", "oracle", "predictive+affinity", "predictive"),
+        "predictive+shared",  # with prompts, the default also as replicas sharing its index
+    }
     assert rows["oracle"]["ttft_p90_vs_oracle"] == 1.0
     assert 0 < rows["predictive"]["hit_rate"] <= 1
     assert report["parameters"]["prefix_load"]["kv_capacity_blocks"] == 600
     # 2 replicas, not the 8 the targets speak of: the ratio is given, not judged.
     assert report["cache_targets"]["applies"] is False
     assert "ttft_p90_vs_oracle_met" not in report["cache_targets"]
+    assert report["cache_targets_shared"]["strategy"] == "predictive+shared"
     assert (tmp_path / "sim-chat.png").stat().st_size > 0

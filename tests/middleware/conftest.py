@@ -176,7 +176,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
 
 SNAPSHOT_KEYS = frozenset(
     {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
-    | {"running", "waiting", "kv_cache", "tps"}
+    | {"running", "waiting", "kv_cache", "tps", "kv_tokens"}
 )
 
 
@@ -195,10 +195,13 @@ def _snapshot(
     waiting: int = 0,
     kv_cache: float | None = None,
     tps: float | None = None,
+    kv_tokens: int | None = None,
 ) -> Snapshot:
     engine = None
     if running is not None:
-        engine = EngineSample(running=running, waiting=waiting, kv_cache=kv_cache, tps=tps)
+        engine = EngineSample(
+            running=running, waiting=waiting, kv_cache=kv_cache, tps=tps, kv_tokens=kv_tokens
+        )
     return Snapshot(
         node=name,
         boot=boot,

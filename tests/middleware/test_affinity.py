@@ -46,6 +46,7 @@ class Recording:
 
     name = "recording"
     scoring = None
+    prefix_index = None
 
     def __init__(self) -> None:
         self.picks: list[RouteRequest] = []

@@ -1,0 +1,170 @@
+"""Gateway replicas share their prefix index through a Redis stream (``[index_share]``).
+
+Each replica routes 1/N of the traffic and so, alone, knows 1/N of what each node holds in its
+KV cache: in the simulator, 8 independent replicas on multi-tenant-chat hit 0.25 of the prompt
+tokens where one replica routing everything hit 0.57. Every ``every`` a replica appends what it
+recorded since (node, coarse block hashes) as one stream entry, and reads the entries the
+others appended since its last read into its own index. The same records count the others'
+requests sent to each node since that node's last snapshot: load the snapshot cannot show yet.
+
+One task per balancer, never per request; the request path only appends to a list. Redis down,
+slow or answering garbage costs hit rate, never a request: the batch is dropped, the failure
+counted (``promptlb_index_share_errors_total{op}``) and logged once per outage, and the next
+round tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Container, Sequence
+from typing import Any
+
+import msgpack
+
+from ._config import IndexShareConfig
+from ._metrics import Metrics
+from ._prefix import PrefixIndex
+
+__all__ = ["IndexShare", "decode_records", "encode_records"]
+
+log = logging.getLogger("promptlb.middleware")
+
+_READ_COUNT = 512  # entries per XREAD; a round reads at most a few of those
+_READS_PER_ROUND = 8
+_MAX_RECORDS = 4096  # per entry, as the index's outbox bounds them
+_MAX_BLOCKS = 4096  # per record: a 1M-token prompt in 256-token blocks
+
+
+def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
+    packed: bytes = msgpack.packb(
+        [[name, list(blocks)] for name, blocks in records], use_bin_type=True
+    )
+    return packed
+
+
+def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
+    """The records of one entry; `ValueError` for anything not written by `encode_records`
+    (a peer on another version, a stray writer): one bad entry must not poison the index."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(data, list) or len(data) > _MAX_RECORDS:
+        raise ValueError("not a list of records")
+    records: list[tuple[str, tuple[int, ...]]] = []
+    for item in data:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], list)
+            or len(item[1]) > _MAX_BLOCKS
+            or not all(type(b) is int for b in item[1])
+        ):
+            raise ValueError("a record is not [node, [block, ...]]")
+        records.append((item[0], tuple(item[1])))
+    return records
+
+
+class IndexShare:
+    """Exchanges ``index``'s records with the other replicas every ``config.every``; only
+    records about nodes in ``known`` (this replica's node table) are learnt."""
+
+    def __init__(
+        self,
+        config: IndexShareConfig,
+        index: PrefixIndex,
+        known: Container[str],
+        metrics: Metrics,
+    ) -> None:
+        import redis.asyncio  # only a shared index needs the extra
+
+        self._config = config
+        self._index = index
+        self._known = known
+        self._metrics = metrics
+        self._client: Any = redis.asyncio.Redis.from_url(
+            config.redis, socket_timeout=config.timeout, socket_connect_timeout=config.timeout
+        )
+        self._errors: tuple[type[BaseException], ...] = (
+            OSError,
+            TimeoutError,
+            redis.exceptions.RedisError,
+        )
+        self.replica = secrets.token_hex(8)  # to skip our own entries when reading
+        self._last_id: bytes | None = None  # None: read from the stream's end at first
+        self._down = False
+        self._task: asyncio.Task[None] | None = None
+        index.share()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="promptlb-index-share")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self._client.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.every)
+            await self.exchange()
+
+    async def exchange(self) -> None:
+        """One round: write what was recorded since the last, then read the others'."""
+        records = self._index.sent()
+        op = "write"
+        try:
+            if records:
+                await self._client.xadd(
+                    self._config.key,
+                    {b"r": self.replica, b"d": encode_records(records)},
+                    maxlen=self._config.max_entries,
+                    approximate=True,
+                )
+            op = "read"
+            await self._read()
+        except self._errors as exc:
+            self._metrics.index_share_errors.labels(op).inc()
+            if not self._down:
+                self._down = True
+                log.warning(
+                    "promptlb: index sharing through Redis failed (%s: %s); routing goes on "
+                    "with this replica's own records until it answers again",
+                    type(exc).__name__,
+                    exc,
+                )
+            return
+        if self._down:
+            self._down = False
+            log.info("promptlb: index sharing through Redis works again")
+
+    async def _read(self) -> None:
+        client, key = self._client, self._config.key
+        if self._last_id is None:
+            # A replica starting learns from now on: older entries name requests long done,
+            # and would count as load on nodes that finished them.
+            newest = await client.xrevrange(key, count=1)
+            self._last_id = newest[0][0] if newest else b"0-0"
+            return
+        for _ in range(_READS_PER_ROUND):
+            got = await client.xread({key: self._last_id}, count=_READ_COUNT)
+            entries = got[0][1] if got else []
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                if fields.get(b"r") == self.replica.encode():
+                    continue
+                try:
+                    records = decode_records(fields.get(b"d", b""))
+                except ValueError as exc:
+                    self._metrics.index_share_errors.labels("decode").inc()
+                    log.debug("promptlb: index share entry %r skipped: %s", entry_id, exc)
+                    continue
+                self._index.learn(records, self._known)
+            if len(entries) < _READ_COUNT:
+                return

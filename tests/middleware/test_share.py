@@ -1,0 +1,180 @@
+"""Replicas sharing their prefix index through a real Redis: the exchange, what a broken
+Redis or a stray entry costs (hit rate, never a request), and a conversation whose turns reach
+two gateways, each routing by what the other sent."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio
+from promptlb.middleware._balancer import Balancer
+from promptlb.middleware._config import IndexShareConfig, load_config
+from promptlb.middleware._metrics import Metrics
+from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, prompt_blocks
+from promptlb.middleware._share import IndexShare, decode_records, encode_records
+from promptlb.shared import BYTES_PER_TOKEN, ConfigError
+
+from tests.conftest import RedisServer
+from tests.middleware.conftest import MakeCluster, MakeNode, Messages
+
+CHUNK = INDEX_TOKENS * BYTES_PER_TOKEN
+NODES = {"a", "b", "c"}
+
+
+def blocks(text: str) -> tuple[int, ...]:
+    return prompt_blocks(text.encode())
+
+
+def errors(metrics: Metrics, op: str) -> float:
+    value = metrics.registry.get_sample_value("promptlb_index_share_errors_total", {"op": op})
+    return value or 0.0
+
+
+def share(url: str, index: PrefixIndex, metrics: Metrics, **options: Any) -> IndexShare:
+    return IndexShare(IndexShareConfig(redis=url, **options), index, NODES, metrics)
+
+
+def test_records_survive_the_wire_and_anything_else_is_refused() -> None:
+    records = [("a", (1, 2**64 - 1)), ("b", ())]
+    assert decode_records(encode_records(records)) == records
+    for bad in (b"\xc1", encode_records([]) + b"x", b"\x91\x92\xa1a\x91\xa1x", b"\x81\xa1a\x01"):
+        with pytest.raises(ValueError, match=r"msgpack|list|record"):
+            decode_records(bad)
+
+
+async def test_a_replica_learns_what_another_sent(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    metrics = Metrics(lambda: None)
+    one, two = PrefixIndex(), PrefixIndex()
+    first, second = share(redis_server.url, one, metrics), share(redis_server.url, two, metrics)
+    try:
+        await first.exchange()  # each starts reading at the stream's end
+        await second.exchange()
+        prompt = blocks("s" * CHUNK * 3)
+        one.record(node("b"), prompt, 1)
+        one.record(node("c"), (), 2)
+        one.record(node("elsewhere"), prompt, 3)  # not one of the reader's nodes
+        await first.exchange()
+        await second.exchange()
+        assert two.matches(prompt, [node("a"), node("b")], 4) == {"b": 3}
+        assert two.others_sent == {"b": 1, "c": 1}
+        await first.exchange()  # its own entry, read back, is skipped
+        assert one.others_sent == {}
+        assert errors(metrics, "read") == errors(metrics, "write") == 0
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def test_a_stray_entry_is_skipped_and_counted(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    metrics = Metrics(lambda: None)
+    index = PrefixIndex()
+    reader = share(redis_server.url, index, metrics, key="k")
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await reader.exchange()
+        await raw.xadd("k", {b"r": b"someone", b"d": b"not msgpack \xc1"})
+        await raw.xadd("k", {b"r": b"someone", b"d": encode_records([("a", blocks("x" * CHUNK))])})
+        await reader.exchange()
+        assert errors(metrics, "decode") == 1
+        assert index.matches(blocks("x" * CHUNK), [node("a")], 1) == {"a": 1}  # the next one
+    finally:
+        await raw.aclose()
+        await reader.stop()
+
+
+async def test_redis_down_costs_the_batch_never_an_error(
+    redis_server: RedisServer, node: MakeNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics(lambda: None)
+    index = PrefixIndex()
+    replica = share(redis_server.url, index, metrics, timeout=0.1)
+    try:
+        await replica.exchange()
+        redis_server.kill()
+        for i in range(3):
+            index.record(node("a"), blocks(f"{i}" * CHUNK), i)
+            await replica.exchange()  # raises nothing
+        assert errors(metrics, "write") == 3
+        assert index.sent() == []  # dropped, not piled up for a Redis that may never return
+        assert index.matches(blocks("2" * CHUNK), [node("a")], 9) == {"a": 1}  # own records stay
+        warned = [r for r in caplog.records if "index sharing through Redis failed" in r.message]
+        assert len(warned) == 1  # once per outage, not once per round
+    finally:
+        await replica.stop()
+
+
+def test_the_config_names_what_is_wrong() -> None:
+    nodes = [{"name": "a", "url": "http://127.0.0.1:9"}]
+    cases = [
+        ({"redis": "http://x"}, "index_share.redis"),
+        ({"redis": "redis://x", "every": "1ms"}, "index_share.every"),
+        ({"redis": "redis://x", "max_entries": 10}, "index_share.max_entries"),
+        ({}, "index_share.redis"),
+    ]
+    for table, key in cases:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config({"nodes": nodes, "index_share": table})
+    # Only a cache-aware strategy has an index to share.
+    plain = load_config(
+        {"nodes": nodes, "strategy": "p2c", "index_share": {"redis": "redis://127.0.0.1:9"}}
+    )
+    with pytest.raises(ConfigError, match="index_share"):
+        Balancer(plain)
+    off = load_config(
+        {
+            "nodes": nodes,
+            "strategy_options": {"cache_aware": False},
+            "index_share": {"redis": "redis://127.0.0.1:9"},
+        }
+    )
+    with pytest.raises(ConfigError, match="index_share"):
+        Balancer(off)
+
+
+async def test_a_conversation_follows_its_cache_across_two_gateways(
+    cluster: MakeCluster, redis_server: RedisServer
+) -> None:
+    """Turn 1 through one gateway, turn 2 through another: the second routes by what the
+    first sent. ``cold_slack = 0`` turns off the rendezvous agreement on new prefixes, so
+    without the shared index the second gateway would follow by chance (one in three)."""
+    node_flags = ("--ttft-ms", "5", "--prefill-tokens-per-s", "5000", "--tokens-per-s", "2000")
+    config = (
+        "strategy = 'predictive'\n"
+        "[strategy_options]\ncold_slack = 0\n"
+        f"[index_share]\nredis = '{redis_server.url}'\nevery = '50ms'\n"
+    )
+    c = cluster({n: node_flags for n in "abc"}, config)
+    other = c.another_app()
+    rng = random.Random(3)
+
+    async def ask(http: aiohttp.ClientSession, url: str, messages: Messages) -> str:
+        body = {"model": "m", "messages": messages, "max_tokens": 4}
+        async with http.post(url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            return response.headers["x-promptlb-node"]
+
+    async with aiohttp.ClientSession() as http:
+        for i in range(12):  # both learn every node's speed, from misses of all sizes
+            for url in (c.app.url, other.url):
+                content = f"{i} " + "w" * rng.randint(100, 8000)
+                await ask(http, url, [{"role": "user", "content": content}])
+        followed = 0
+        for conv in range(9):
+            messages: Messages = [{"role": "system", "content": f"tenant {conv}: " + "r " * 5000}]
+            messages.append({"role": "user", "content": "first question"})
+            first = await ask(http, c.app.url, messages)
+            await asyncio.sleep(0.3)  # a few exchanges
+            messages += [
+                {"role": "assistant", "content": "an answer"},
+                {"role": "user", "content": "a follow-up"},
+            ]
+            followed += await ask(http, other.url, messages) == first
+    assert followed >= 8  # of 9; by chance, about 3
