@@ -14,7 +14,7 @@ What it holds, and how it forgets (the guards that keep it close to the node's r
   traffic goes, so when its cache is full, ours is trimmed to what it can hold;
 - entries not sent again for ``ttl`` (in the caller's clock) do not match;
 - a node that restarts (a new ``boot`` in its snapshot) starts empty.
-Memory: two dict entries per coarse block and node (see `bench/pick_bench.py` for the bytes);
+Memory: one dict entry per coarse block and node (about 100 bytes; `bench/pick_bench.py`);
 ``capacity`` bounds it per node.
 
 Replicas that share (`share`): each keeps an outbox of what it recorded, and `learn` takes what
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Container, Iterable, Mapping, Sequence
-from itertools import count, repeat
+from itertools import count
 from typing import Any
 
 from promptlb.shared import BLOCK_BYTES, BLOCK_TOKENS, block_hashes, prompt_bytes
@@ -89,14 +89,14 @@ class _Node:
 
 
 class PrefixIndex:
-    """Blocks per node, stored as (block, node) pairs so that recording a prompt is one dict
-    update in C, and a node's match is a binary search down the prompt's chain."""
+    """Per node, a dict of the blocks sent there, so that recording a prompt is one dict
+    update in C, and a node's match is a binary search down the prompt's chain in its dict."""
 
     def __init__(self, *, capacity: int = 8192, ttl: float = 1e18) -> None:
         self.capacity = capacity
         self.ttl = ttl
-        self._pairs: dict[tuple[int, str], float] = {}
         self._nodes: dict[str, _Node] = {}
+        self._entries = 0  # blocks held over all nodes, kept as they change
         self._now = 0.0  # the caller's clock at its last record: what `learn` stamps with
         self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
         # Per node, the records learnt from the other replicas since the caller last reset
@@ -105,7 +105,7 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Entries held, over all nodes: what the memory bound counts."""
-        return len(self._pairs)
+        return self._entries
 
     def matches(
         self, blocks: Sequence[int], candidates: Sequence[NodeView], now: float
@@ -117,25 +117,27 @@ class PrefixIndex:
         lookups a node, whatever the prompt's length."""
         if not blocks:
             return {}
-        pairs = self._pairs
-        get = pairs.get
+        nodes = self._nodes
         oldest = now - self.ttl - 0.5  # half a tick: the depth offsets stay inside it
         found: dict[str, int] = {}
         first = blocks[0]
         for node in candidates:
-            name = node.name
-            sent = get((first, name))
+            state = nodes.get(node.name)
+            if state is None:
+                continue
+            get = state.sent.get
+            sent = get(first)
             if sent is None or sent < oldest:
                 continue
             low, high = 1, len(blocks)  # blocks[:low] held; is blocks[:high]?
             while low < high:
                 mid = (low + high + 1) // 2
-                sent = get((blocks[mid - 1], name))
+                sent = get(blocks[mid - 1])
                 if sent is not None and sent >= oldest:
                     low = mid
                 else:
                     high = mid - 1
-            found[name] = low
+            found[node.name] = low
         return found
 
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
@@ -143,7 +145,7 @@ class PrefixIndex:
         with none is recorded only for the other replicas, which count it as load."""
         self._now = now
         if blocks:
-            self._add(self._state(node), node.name, blocks, now)
+            self._add(self._state(node), blocks, now)
         outbox = self._outbox
         if outbox is not None and len(outbox) < _OUTBOX:
             outbox.append((node.name, blocks))
@@ -180,16 +182,17 @@ class PrefixIndex:
             state = nodes.get(name)
             if state is None:
                 state = nodes[name] = _Node(self.capacity)
-            self._add(state, name, blocks, now)
+            self._add(state, blocks, now)
 
-    def _add(self, state: _Node, name: str, blocks: Sequence[int], now: float) -> None:
+    def _add(self, state: _Node, blocks: Sequence[int], now: float) -> None:
         # A chain's deeper blocks count as a hair older, so that trimming eats a chain from its
         # tail: the head alone is still a usable prefix, the tail alone matches nothing.
-        self._pairs.update(zip(zip(blocks, repeat(name)), count(now, -_DEPTH)))
         sent = state.sent
+        held = len(sent)
         sent.update(zip(blocks, count(now, -_DEPTH)))
+        self._entries += len(sent) - held
         if len(sent) > state.cap + (state.cap >> 3):
-            self._forget(state, name, state.cap)
+            self._forget(state, state.cap)
 
     def _state(self, node: NodeView) -> _Node:
         state = self._nodes.get(node.name)
@@ -199,7 +202,7 @@ class PrefixIndex:
         if snap is not None and snap is not state.seen:
             state.seen = snap
             if state.boot is not None and snap.boot != state.boot:
-                self._forget(state, node.name, 0)  # restarted: its cache is gone
+                self._forget(state, 0)  # restarted: its cache is gone
             state.boot = snap.boot
             engine = snap.engine
             kv = engine.kv_cache if engine is not None else None
@@ -208,7 +211,7 @@ class PrefixIndex:
                 # replicas' (with an index shared, an estimate from our share would drift).
                 state.cap = min(self.capacity, max(1, engine.kv_tokens // INDEX_TOKENS))
                 if len(state.sent) > state.cap:
-                    self._forget(state, node.name, state.cap)
+                    self._forget(state, state.cap)
             elif kv is not None and state.sent:
                 # Our blocks fill ``kv`` of the node as far as our traffic goes, so it holds
                 # about len / kv of ours. Below full that is room to grow into; once full, the
@@ -217,22 +220,22 @@ class PrefixIndex:
                 cap = estimate if kv < 0.9 else min(state.cap, estimate)
                 state.cap = min(self.capacity, cap)
                 if len(state.sent) > state.cap:
-                    self._forget(state, node.name, state.cap)
+                    self._forget(state, state.cap)
         return state
 
-    def _forget(self, state: _Node, name: str, keep: int) -> None:
+    def _forget(self, state: _Node, keep: int) -> None:
         """Down to ``keep`` blocks, the least recently sent first (sorted here, not kept in
         order per record: the index lets a node run an eighth over before it trims)."""
-        sent, pairs = state.sent, self._pairs
+        sent = state.sent
         if len(sent) <= keep:
             return
         by_age = sorted(sent, key=sent.__getitem__)
+        self._entries -= len(sent) - keep
         for block in by_age[: len(sent) - keep]:
             del sent[block]
-            pairs.pop((block, name), None)
 
     def keep_only(self, names: set[str]) -> None:
         """Forget every node not in ``names``: nodes that left (discovery, a reload) must not
         keep their entries, nor hand them to a newcomer reusing the name."""
         for name in [n for n in self._nodes if n not in names]:
-            self._forget(self._nodes.pop(name), name, 0)
+            self._forget(self._nodes.pop(name), 0)
