@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--peers",
         default="nginx,litellm",
-        help="comma-separated peers to run too (nginx, litellm), or none",
+        help="comma-separated peers to run too (nginx, litellm, oracle), or none; scenarios "
+        "with prompts always run the oracle",
     )
     cluster.add_argument("--duration", default=None, help="override the scenario's duration")
     cluster.add_argument("--out", default=None, help="results folder (default bench/results)")

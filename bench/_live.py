@@ -464,8 +464,10 @@ def plan(strategies: str, peers: str) -> Plan:
         elif peer == "litellm":
             why = _peers.litellm_missing()
             strategies_of = _peers.LITELLM_STRATEGIES
+        elif peer == "oracle":  # the emulators answer it: never missing
+            why, strategies_of = None, ("oracle",)
         else:
-            raise ConfigError("peers", peer, "nginx, litellm or none")
+            raise ConfigError("peers", peer, "nginx, litellm, oracle or none")
         if why:
             missing.append(f"missing: {why}")
         else:
@@ -478,6 +480,8 @@ def _start_target(kind: str, strategy: str, cluster: Cluster, workdir: Path) -> 
         return start_gateway(strategy, cluster, workdir)
     if kind == "nginx":
         return _peers.start_nginx(strategy, cluster.urls)
+    if kind == "oracle":
+        return _peers.start_oracle(cluster.urls)
     return _peers.start_litellm(strategy, cluster.urls, cluster.scenario.model)
 
 
@@ -665,11 +669,11 @@ async def run_all(
 def live_cache(
     runs: Mapping[str, Mapping[str, Any]], goals: Mapping[str, float], applies: bool
 ) -> dict[str, Any]:
-    """Our runs' TTFT and hit rate with the simulator's ratios and verdicts (no oracle runs
-    live: its ratios stay empty)."""
+    """Our runs' and the oracle's TTFT and hit rate with the simulator's ratios and verdicts
+    (the oracle's stay empty when it did not run)."""
     rows: list[dict[str, Any]] = []
     for run in runs.values():
-        if run["kind"] != "promptlb":
+        if run["kind"] not in ("promptlb", "oracle"):
             continue
         ttft = {p: run["ttft_ms"][p] for p in ("p50", "p90", "p99")}
         row = {f"ttft_{p}_s": None if v is None else v / 1000 for p, v in ttft.items()}
@@ -699,6 +703,8 @@ def run_cluster(args: argparse.Namespace) -> None:
     chosen = plan(args.strategies, args.peers)
     if scenario.workload.prompts is not None:
         chosen.ours = _livecache.cache_strategies(chosen.ours)
+        if ("oracle", "oracle") not in chosen.peers:  # the reference the default is held to
+            chosen.peers.append(("oracle", "oracle"))
     out = Path(args.out) if args.out else RESULTS
     try:
         report, plots = _run(lambda: run_all(scenario, chosen, meta))

@@ -7,8 +7,11 @@
   promptlb.bench._peers litellm ...`` (LiteLLM's own proxy server pulls in a database and much
   else; the Router is the part that routes).
 
+- the live oracle (`_oracle`), over emulators only: each request where the nodes' own
+  forecast and cache say it finishes first, the reference for prefix caching.
+
 Nothing here installs anything: a peer that is not there is reported as missing.
-Both answer the upstream in ``x-bench-upstream`` so the report knows each request's node.
+All answer the upstream in ``x-bench-upstream`` so the report knows each request's node.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "nginx_missing",
     "start_litellm",
     "start_nginx",
+    "start_oracle",
 ]
 
 NGINX = "/usr/sbin/nginx"
@@ -230,6 +234,23 @@ def start_litellm(strategy: str, nodes: Mapping[str, str], model: str) -> Target
         name=f"litellm {strategy}",
         kind="litellm",
         strategy=strategy,
+        url=service.url,
+        stop=service.stop,
+        upstreams={name: name for name in nodes},
+        log=service.log,
+    )
+
+
+def start_oracle(nodes: Mapping[str, str]) -> Target:
+    """The live oracle (`_oracle`): routes by each emulator's true queue and cache."""
+    service = start_command(
+        "oracle-peer",
+        ["-m", "promptlb.bench._oracle", "--port", "0", "--nodes", json.dumps(dict(nodes))],
+    )
+    return Target(
+        name="oracle",
+        kind="oracle",
+        strategy="oracle",
         url=service.url,
         stop=service.stop,
         upstreams={name: name for name in nodes},

@@ -16,10 +16,12 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
+from promptlb.shared import BLOCK_TOKENS
 
 from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
 from ._faults import Faults, check_faults
+from ._forecast import Forecast
 from ._kv import KVCache
 from ._metrics import Stats, VllmMetrics
 from ._prompt import estimate_tokens, prompt_blocks
@@ -41,6 +43,7 @@ class _State:
     faults: Faults
     stats: Stats
     kv: KVCache
+    forecast: Forecast
 
 
 STATE = web.AppKey("promptlb_emulator_state", _State)
@@ -49,6 +52,17 @@ STATE = web.AppKey("promptlb_emulator_state", _State)
 def _error(status: int, message: str, kind: str) -> web.Response:
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status)
+
+
+async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request's JSON object, or the 400 that says why there is none."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "request body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object", "invalid_request_error")
+    return body
 
 
 class _Handlers:
@@ -69,12 +83,9 @@ class _Handlers:
         if cfg.hang_after and seen > cfg.hang_after:
             await asyncio.get_running_loop().create_future()  # until the client gives up
         await state.faults.running.wait()  # a runtime hang: until it is lifted or the client goes
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
         model = body.get("model", cfg.models[0])
         if model not in cfg.models:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
@@ -122,6 +133,8 @@ class _Handlers:
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
         reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
+        forecast, token = state.forecast, object()
+        forecast.queued(token, self._service(n_in, self._cached(blocks, n_in), n_out, slow))
         try:
             async with state.capacity.slot():
                 # Looked up when prefill starts (the slot is ours): the blocks are then held
@@ -130,6 +143,7 @@ class _Handlers:
                 state.stats.looked_up(n_in, lease.cached_tokens)
                 if cfg.prefill_tokens_per_s:
                     ttft += (n_in - lease.cached_tokens) / cfg.prefill_tokens_per_s * slow
+                forecast.started(token, time.monotonic() + ttft + n_out / rate)
                 try:
                     await asyncio.sleep(ttft)
                     state.stats.prompt_tokens += n_in
@@ -147,8 +161,41 @@ class _Handlers:
                     state.kv.finish(lease)
         except QueueFull:
             return _error(429, "queue is full", "rate_limit_error")
+        finally:
+            forecast.done(token)
         state.stats.success += 1
         return response
+
+    def _cached(self, blocks: list[int], n_in: int) -> int:
+        """The prompt tokens the cache holds now."""
+        return min(n_in, self.state.kv.cached_prefix(blocks) * BLOCK_TOKENS)
+
+    def _service(self, n_in: int, cached: int, n_out: int, slow: float) -> float:
+        """Seconds in a slot: the first token (prefill of what is not cached), then the answer."""
+        cfg = self.cfg
+        prefill = (n_in - cached) / cfg.prefill_tokens_per_s if cfg.prefill_tokens_per_s else 0.0
+        return (cfg.ttft_ms / 1000 + prefill + n_out / cfg.tokens_per_s) * slow
+
+    async def oracle(self, request: web.Request) -> web.Response:
+        """``POST /_emulator/oracle`` with a request's body: what it would cost here now, for
+        the bench's oracle router: ``wait_s`` before a slot (by the true queue), ``service_s``
+        in it (by the true cache), and the prompt tokens cached of all."""
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        chat = "messages" in body
+        n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
+        asked = body.get("max_tokens", body.get("max_completion_tokens"))
+        n_out = asked if type(asked) is int and asked > 0 else self.cfg.output_tokens
+        cached = self._cached(blocks, n_in)
+        return web.json_response(
+            {
+                "wait_s": self.state.forecast.wait(time.monotonic()),
+                "service_s": self._service(n_in, cached, n_out, self.state.faults.slow_factor),
+                "cached_tokens": cached,
+                "prompt_tokens": n_in,
+            }
+        )
 
     async def _stream(self, request: web.Request, reply: Reply, rate: float) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -237,12 +284,9 @@ class _Handlers:
         """``POST /_emulator/faults`` with any of ``slow_factor`` (> 0), ``hang`` (bool),
         ``leak_mb_per_req`` (>= 0), ``error_rate`` (0..1) and ``free_leaked`` (true drops the
         memory leaked so far). All are checked before any applies; answers the new state."""
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
         problem = check_faults(body)
         if problem:
             return _error(400, problem, "invalid_request_error")
@@ -282,6 +326,7 @@ def create_app(config: EmulatorConfig) -> web.Application:
         ),
         stats=stats,
         kv=kv,
+        forecast=Forecast(config.slots),
     )
     registry = CollectorRegistry(auto_describe=True)
     registry.register(VllmMetrics(config, capacity, kv, stats))
@@ -298,4 +343,5 @@ def create_app(config: EmulatorConfig) -> web.Application:
     app.router.add_get("/_emulator/faults", handlers.get_faults)
     app.router.add_get("/_emulator/stats", handlers.stats)
     app.router.add_post("/_emulator/faults", handlers.set_faults)
+    app.router.add_post("/_emulator/oracle", handlers.oracle)
     return app

@@ -12,7 +12,8 @@ Expected completion on a node = expected queue wait + expected service time:
   learnt from snapshots (the running count whenever the engine reports a waiting queue).
 
 The two best candidates are sampled in inverse proportion to the fourth powers of their
-expected times, so that replicas sharing one stale view do not all pour onto the same node. A
+expected times, so that replicas sharing one stale view do not all pour onto the same node;
+unless the best holds more of the prompt in its KV cache than the other, then it is taken. A
 node with fewer than ``warmup`` observations is cold: it gets a request of no more than the
 usual length whenever it has none of ours in flight (a probe: its model is learnt within a few
 requests without flooding it). A cold node whose snapshot shows its engine's tokens/s and
@@ -28,7 +29,9 @@ sent where, so c is learnt as the node's prefill time per uncached token (from e
 head: its TTFT less the predicted wait) and a node holding a prompt's prefix wins by the
 prefill it saves, weighed against its queue like everything else. A prefix no candidate holds
 goes, unless that costs over ``cold_slack`` more than the best, to the node that rendezvous
-hashing of its first block names, so independent replicas agree where it starts.
+hashing of its first block names, so independent replicas agree where it starts. With the
+index shared (`_share`), the other replicas' records are load too: counted into a node's queue
+until its next snapshot.
 """
 # Over 350 lines: the service model and the strategy that reads it; the prefix index is in
 # _prefix.

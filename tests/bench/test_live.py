@@ -168,12 +168,21 @@ def test_live_cache_ratios_and_hit_rate() -> None:
     assert t["ttft_p90_vs_round_robin"] == pytest.approx(0.2)
     assert t["ttft_p90_vs_round_robin_met"] is True
     assert t["ttft_p90_vs_affinity"] == pytest.approx(0.4) and t["ttft_p90_vs_affinity_met"]
-    assert t["hit_rate_vs_oracle"] is None  # no oracle runs live
+    assert t["hit_rate_vs_oracle"] is None  # the oracle did not run
     assert [r["strategy"] for r in cache["rows"]] == [
         "round_robin",
         "predictive",
         "predictive+affinity",
     ]
+    runs["oracle"] = run("oracle", 400, 0.9, kind="oracle")
+    t = live_cache(runs, {"ttft_p90_vs_oracle": 1.3}, True)["targets"]
+    assert t["ttft_p90_vs_oracle"] == pytest.approx(2.0) and t["ttft_p90_vs_oracle_met"] is False
+    assert t["hit_rate_vs_oracle"] == pytest.approx(0.8 / 0.9)
+
+
+def test_the_oracle_is_a_peer_that_is_never_missing() -> None:
+    chosen = plan("predictive", "oracle")
+    assert chosen.peers == [("oracle", "oracle")] and chosen.missing == []
 
 
 def test_a_nodes_memory_limit_goes_to_its_sidecar_with_a_short_rss_window() -> None:

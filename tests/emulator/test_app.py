@@ -460,6 +460,35 @@ async def test_full_queue_is_429_and_clients_going_away_free_their_places(
         await _wait_for_load(session, emu.url, running=0, waiting=0)
 
 
+async def test_the_oracle_endpoint_tells_the_true_wait_and_cache(
+    start_emulator: StartEmulator,
+) -> None:
+    """What the bench's live oracle asks each node: the wait a newcomer would have (one slot,
+    held for a second by an answer of 100 tokens at 100/s) and what of its prompt is cached."""
+    emu = start_emulator(
+        *("--slots", "1", "--ttft-ms", "0", "--prefill-tokens-per-s", "20000"),
+        *("--tokens-per-s", "100", "--kv-blocks", "1000", "--stream-interval-ms", "20"),
+    )
+    history = [{"role": "system", "content": "You are terse. " * 140}]  # ~500 tokens
+    first = {"messages": [*history, {"role": "user", "content": "q1"}], "max_tokens": 100}
+    oracle = f"{emu.url}/_emulator/oracle"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        status, idle = await _post(http, oracle, first)
+        assert status == 200 and idle["wait_s"] == 0 and idle["cached_tokens"] == 0
+        assert idle["service_s"] == pytest.approx(idle["prompt_tokens"] / 20000 + 1.0, rel=0.01)
+        async with http.post(f"{emu.url}/v1/chat/completions", json={**first, "stream": True}) as r:
+            await r.content.readline()  # streaming: its slot is held until the last token
+            nxt = {"messages": [*history, {"role": "user", "content": "q2"}], "max_tokens": 10}
+            _, busy = await _post(http, oracle, nxt)
+            _, other = await _post(http, oracle, {"messages": [{"role": "user", "content": "x"}]})
+            await r.read()
+        _, after = await _post(http, oracle, nxt)
+    assert 0.5 < busy["wait_s"] <= 1.0
+    assert busy["cached_tokens"] >= 480  # the history, held by the running request
+    assert other["cached_tokens"] == 0 and other["wait_s"] == pytest.approx(busy["wait_s"], abs=0.1)
+    assert after["wait_s"] == 0 and after["cached_tokens"] == busy["cached_tokens"]
+
+
 async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
     start_emulator: StartEmulator,
 ) -> None:
