@@ -348,6 +348,8 @@ class Run:
     faults: list[dict[str, Any]]
     # Our gateways only: per node, its state's changes as ``[t, state]`` on the run's clock.
     states: dict[str, list[list[Any]]] | None = None
+    # Scenarios with prompts: per node, its KV cache use as ``[t, use]`` once a second.
+    kv_use: dict[str, list[list[float]]] | None = None
 
 
 async def watch_states(
@@ -383,6 +385,8 @@ async def measure(
     )
     applied: list[dict[str, Any]] = []
     states: dict[str, list[list[Any]]] | None = {} if target.kind == "promptlb" else None
+    prompted = any(a.messages for a in trace)
+    kv_use: dict[str, list[list[float]]] | None = {} if prompted else None
     progress = Progress()
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
@@ -416,6 +420,9 @@ async def measure(
         tasks.append(asyncio.create_task(play()))
         if states is not None:
             tasks.append(asyncio.create_task(watch_states(http, target.url, clock, states)))
+        if kv_use is not None:
+            watch = _livecache.watch_kv(http, cluster.urls, clock, kv_use)
+            tasks.append(asyncio.create_task(watch))
 
     bar = ProgressBar(target.name, scenario.duration, progress)
     drawing = asyncio.create_task(bar.run())
@@ -436,7 +443,7 @@ async def measure(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         bar.close()
-    return Run(target.name, target.kind, target.strategy, results, applied, states)
+    return Run(target.name, target.kind, target.strategy, results, applied, states, kv_use)
 
 
 @dataclass
@@ -569,7 +576,7 @@ async def run_all(
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 todo = [("promptlb", s) for s in chosen.ours] + chosen.peers
                 for kind, strategy in todo:
-                    name = f"{kind} {strategy}"
+                    name = kind if kind == strategy else f"{kind} {strategy}"
                     if prompted:  # every router starts on cold caches
                         await asyncio.to_thread(_livecache.restart_all, cluster)
                     await cluster.reset(http)
@@ -611,6 +618,7 @@ async def run_all(
             # for its leak before it; then every node state change seen.
             "crashes": crashes(run.results, run.faults, run.states),
             "node_states": run.states,
+            "kv_use": run.kv_use,
         }
         for name, run in runs.items()
     }
@@ -723,7 +731,11 @@ def run_cluster(args: argparse.Namespace) -> None:
                 n: [r.ttft for r in rs if r.ok and r.ttft is not None] for n, rs in plots.items()
             }
             hit = {n: r["hit_rate"] for n, r in report["runs"].items()}
-            plot_cache(out / f"cluster-{scenario.name}-cache.png", title, ttfts, hit)
+            default = f"promptlb {DEFAULT_STRATEGY}"
+            use = report["runs"].get(default, {}).get("kv_use") or {}
+            series = {n: [(t, v) for t, v in points] for n, points in use.items()}
+            png = out / f"cluster-{scenario.name}-cache.png"
+            plot_cache(png, title, ttfts, hit, series, default)
     print(
         f"\n{scenario.name}: commit {report['commit']}, {report['scenario']['requests']} requests"
     )

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "inner_strategy",
     "kv_counts",
     "restart_all",
+    "watch_kv",
 ]
 
 AFFINITY = "+affinity"
@@ -61,6 +63,30 @@ def cache_strategies(ours: Iterable[str]) -> list[str]:
     if wanted not in out:
         out.append(wanted)
     return out
+
+
+KV_POLL_S = 1.0
+_KV_GAUGE = "vllm:kv_cache_usage_perc"
+
+
+async def watch_kv(
+    http: aiohttp.ClientSession,
+    urls: Mapping[str, str],
+    clock: Callable[[], float],
+    into: dict[str, list[list[float]]],
+) -> None:
+    """Each node's KV cache use (vLLM's gauge on its /metrics) every `KV_POLL_S`, as
+    ``[t, use]`` on the run's clock: the report's per-node cache use over time."""
+    while True:
+        t = round(clock(), 2)
+        for name, url in urls.items():
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with http.get(url + "/metrics") as response:
+                    text = await response.text()
+                for family in text_string_to_metric_families(text):
+                    if family.name == _KV_GAUGE and family.samples:
+                        into.setdefault(name, []).append([t, round(family.samples[0].value, 3)])
+        await asyncio.sleep(KV_POLL_S)
 
 
 async def kv_counts(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> dict[str, int]:

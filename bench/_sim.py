@@ -288,6 +288,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     names = _strategies(getattr(args, "strategies", DEFAULT_STRATEGY), prompted)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}
+    kv_use: dict[str, list[float]] = {}
     for name in names:
         result = simulate(
             scenario.nodes,
@@ -298,6 +299,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             options=scenario.strategy_options.get(name.removesuffix(AFFINITY).removesuffix(SHARED)),
             prepared=prepared,
         )
+        if name == DEFAULT_STRATEGY:
+            kv_use = result.kv_use
         rows.append(summarise(result, classes))
         ttfts[name] = list(result.ttfts)
     by_name = {row["strategy"]: row for row in rows}
@@ -352,6 +355,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             scenario.nodes, arrivals, prepared, scenario.duration
         )
         report["cache_targets"] = cache_targets(rows, scenario.targets, applies)
+        # The default's per-node KV use over the run, a reading a second (the PNG's third panel).
+        report["kv_use"] = {"strategy": DEFAULT_STRATEGY, "every_s": 1.0, "nodes": kv_use}
         report["cache_targets_shared"] = cache_targets(
             rows, scenario.targets, applies, DEFAULT_SHARED
         )
@@ -385,7 +390,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     if prompted and not getattr(args, "no_plot", False):
         png = path.with_suffix(".png")
         hits = {row["strategy"]: row["hit_rate"] for row in rows}
-        plot_cache(png, f"{header.split(':')[0]}, {params.replicas} replicas", ttfts, hits)
+        series = {n: [(float(i), v) for i, v in enumerate(vs)] for n, vs in kv_use.items()}
+        title = f"{header.split(':')[0]}, {params.replicas} replicas"
+        plot_cache(png, title, ttfts, hits, series, DEFAULT_STRATEGY)
         print(f"wrote {png}")
     return report
 

@@ -26,6 +26,7 @@ __all__ = [
     "DETECT",
     "FAULT",
     "FINISH",
+    "KV_SAMPLE",
     "MARK",
     "OUTLIER",
     "REFRESH",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 # Event kinds. Ties in time are broken by a sequence number, so the order is deterministic.
-FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK, SHARE = range(9)
+FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK, SHARE, KV_SAMPLE = range(10)
 # The middleware's ejection defaults: SimParams sets only how many failures eject.
 OUTLIER = OutlierConfig()
 
@@ -131,6 +132,10 @@ class SimState:
             for fault in node.spec.faults:
                 self._push(fault.at, FAULT, (node, fault))
         self._push(duration, MARK, None)
+        self.kv_use: dict[str, list[float]] = {}
+        if kv:  # each node's KV use once a second, for the report's plot
+            self.kv_use = {node.name: [] for node in self.nodes}
+            self._push(0.0, KV_SAMPLE, None)
 
     def _push(self, t: float, kind: int, obj: Any, try_no: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj, try_no))

@@ -100,15 +100,24 @@ def cache_lines(rows: Sequence[dict[str, Any]], targets: Mapping[str, Any]) -> l
 
 
 def plot_cache(
-    path: Path, title: str, ttfts: Mapping[str, Sequence[float]], hits: Mapping[str, float | None]
+    path: Path,
+    title: str,
+    ttfts: Mapping[str, Sequence[float]],
+    hits: Mapping[str, float | None],
+    kv_use: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    kv_of: str = "",
 ) -> None:
-    """TTFT CDF per strategy (left) and hit rate per strategy (right)."""
+    """TTFT CDF per strategy (left), hit rate per strategy (middle) and, when given, each
+    node's KV cache use over the run under ``kv_of`` (right)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=[1.6, 1.0])
+    panels = 3 if kv_use else 2
+    ratios = [1.6, 1.0, 1.2][:panels]
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), width_ratios=ratios)
+    cdf, bars = axes[0], axes[1]
     for name, values in ttfts.items():
         step_cdf(cdf, [v for v in values if math.isfinite(v) and v > 0], name)  # log axis
     cdf.set_xscale("log")
@@ -123,6 +132,16 @@ def plot_cache(
     bars.set_xlabel("prefix-cache hit rate (cached prompt tokens / prompt tokens)")
     bars.tick_params(labelsize=7)
     bars.invert_yaxis()
+    if kv_use:
+        use = axes[2]
+        for node, points in kv_use.items():
+            use.plot([t for t, _ in points], [v for _, v in points], label=node, linewidth=1)
+        use.set_ylim(0, 1.05)
+        use.set_xlabel("seconds into the run")
+        use.set_ylabel("KV cache use (vLLM's gauge)")
+        use.set_title(f"per-node KV cache use, {kv_of}", fontsize=10)
+        use.grid(True, alpha=0.3)
+        use.legend(fontsize=6, loc="lower right", ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -66,6 +66,7 @@ from ._simbase import (
     DETECT,
     FAULT,
     FINISH,
+    KV_SAMPLE,
     MARK,
     REFRESH,
     SHARE,
@@ -129,6 +130,12 @@ class _Sim(Faults):
                 elif kind == REFRESH:
                     self._refresh(replicas[obj], t)
                     push(heap, (t + refresh, next(seq), REFRESH, obj, 0))
+                elif kind == KV_SAMPLE:
+                    for node in self.nodes:
+                        kv = node.kv
+                        self.kv_use[node.name].append(round(kv.usage, 3) if kv else 0.0)
+                    if t + 1.0 < self.duration:
+                        push(heap, (t + 1.0, next(seq), KV_SAMPLE, None, 0))
                 elif kind == SHARE:
                     self._share(obj)
                     push(heap, (t + share_every, next(seq), SHARE, obj, 0))
@@ -184,6 +191,7 @@ class _Sim(Faults):
             ttfts=self.ttfts,
             query_tokens=sum(q for q, _ in counts),
             hit_tokens=sum(h for _, h in counts),
+            kv_use=self.kv_use,
             errors=dict(sorted(self.errors.items())),
             retries=self.retries,
             ejections=self.ejections,

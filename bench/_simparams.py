@@ -6,7 +6,7 @@ import math
 import random
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from promptlb.middleware._strategies import STRATEGIES
 from promptlb.shared import ConfigError
@@ -119,6 +119,9 @@ class SimResult:
     # (0 and 0 when requests carry no prompt blocks).
     query_tokens: int = 0
     hit_tokens: int = 0
+    # Per node, its KV cache's use (0..1) each second of the run, as vLLM's gauge reads it
+    # (empty when requests carry no prompt blocks).
+    kv_use: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def ok(self) -> int:

@@ -167,4 +167,7 @@ def test_cli_sim_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture
     assert report["cache_targets"]["applies"] is False
     assert "ttft_p90_vs_oracle_met" not in report["cache_targets"]
     assert report["cache_targets_shared"]["strategy"] == "predictive+shared"
+    use = report["kv_use"]["nodes"]  # the default's, once a second of the 20 s run
+    assert sorted(use) == ["n-1", "n-2"] and all(len(v) == 20 for v in use.values())
+    assert all(0 <= x <= 1 for v in use.values() for x in v) and max(use["n-1"]) > 0
     assert (tmp_path / "sim-chat.png").stat().st_size > 0
