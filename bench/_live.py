@@ -6,22 +6,20 @@ Between runs, crashed nodes are started again on their port and every live fault
 that each strategy starts from the same cluster. Every process started is stopped at the end,
 on errors and on Ctrl-C too.
 """
-# Over 350 lines: one run's lifecycle (start the cluster, play the trace and the faults, collect,
-# report) shares the cluster's state throughout; it is the next module to split (its report half),
-# noted in docs/design.md.
+# Over 350 lines: one run's lifecycle (start the cluster, play the trace and the faults,
+# collect) shares the cluster's state throughout; the report is `_livereport`.
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,25 +27,15 @@ from typing import Any
 
 import aiohttp
 from promptlb.emulator import Service, start_command, start_service
-from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
+from promptlb.middleware._strategies import STRATEGIES
 from promptlb.shared import ConfigError, parse_duration
 
 from . import _livecache, _peers
+from ._livereport import Run, build_report, publish
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
-from ._report import (
-    CRASH_WINDOW_S,
-    RESULTS,
-    crash_lines,
-    crashes,
-    environment,
-    plot_cluster,
-    summarize,
-    table,
-    write_json,
-)
+from ._report import CRASH_WINDOW_S, RESULTS
 from ._scenario import Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
-from ._simcache import cache_lines, cache_ratios, cache_targets, plot_cache
 
 __all__ = ["Cluster", "run_cluster", "scaled"]
 
@@ -339,19 +327,6 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-@dataclass
-class Run:
-    target: str
-    kind: str
-    strategy: str
-    results: list[Result]
-    faults: list[dict[str, Any]]
-    # Our gateways only: per node, its state's changes as ``[t, state]`` on the run's clock.
-    states: dict[str, list[list[Any]]] | None = None
-    # Scenarios with prompts: per node, its KV cache use as ``[t, use]`` once a second.
-    kv_use: dict[str, list[list[float]]] | None = None
-
-
 async def watch_states(
     http: aiohttp.ClientSession,
     url: str,
@@ -492,59 +467,6 @@ def _start_target(kind: str, strategy: str, cluster: Cluster, workdir: Path) -> 
     return _peers.start_litellm(strategy, cluster.urls, cluster.scenario.model)
 
 
-def targets(
-    runs: dict[str, dict[str, Any]], goals: Mapping[str, float], applies: bool = True
-) -> dict[str, Any]:
-    """The default strategy's p99 over round robin's and the best LiteLLM router's, each with
-    the scenario's target for it when it sets one (``goals``, its ``[targets]``) and the run is
-    the scenario as written (``applies``: not squeezed into a shorter ``--duration``)."""
-
-    def p99(name: str) -> float | None:
-        value = runs.get(name, {}).get("latency_ms", {}).get("p99")
-        return float(value) if value is not None else None
-
-    ours = p99(f"promptlb {DEFAULT_STRATEGY}")
-    out: dict[str, Any] = {"strategy": DEFAULT_STRATEGY, "p99_ms": ours, "applies": applies}
-    rr = p99("promptlb round_robin")
-    litellm = {n: p99(n) for n, r in runs.items() if r.get("kind") == "litellm"}
-    best = min(((v, n) for n, v in litellm.items() if v is not None), default=None)
-    compared: list[tuple[str, float | None, str | None]] = [
-        ("vs_round_robin", rr, None),
-        ("vs_best_litellm", None, None) if best is None else ("vs_best_litellm", *best),
-    ]
-    for key, theirs, who in compared:
-        if ours is None or not theirs:
-            continue
-        ratio = ours / theirs
-        entry: dict[str, Any] = {"ratio": round(ratio, 3)}
-        if who is not None:
-            entry["best"] = who
-        goal = goals.get(f"p99_{key}")
-        if goal is not None and applies:
-            entry["target"] = goal
-            entry["met"] = ratio <= goal
-        out[key] = entry
-    return out
-
-
-def target_lines(t: dict[str, Any]) -> list[str]:
-    lines = []
-    for key, what in (("vs_round_robin", "round_robin"), ("vs_best_litellm", "best LiteLLM")):
-        if key not in t:
-            lines.append(f"target: {t['strategy']} vs {what}: not measured in this run")
-            continue
-        v = t[key]
-        who = f" ({v['best']})" if "best" in v else ""
-        if "target" in v:
-            verdict = f"(<= {v['target']}x): {'met' if v['met'] else 'MISSED'}"
-        elif t.get("applies", True):
-            verdict = "(no target on this scenario)"
-        else:
-            verdict = "(targets are set for the scenario's own duration, not this run)"
-        lines.append(f"{t['strategy']} p99 / {what}{who} = {v['ratio']:.2f}x {verdict}")
-    return lines
-
-
 async def run_all(
     scenario: Scenario, chosen: Plan, meta: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, list[Result]]]:
@@ -607,87 +529,36 @@ async def run_all(
             with contextlib.suppress(Exception):
                 target.stop()
         await asyncio.to_thread(cluster.stop)
-    summaries = {
-        name: {
-            "kind": run.kind,
-            "strategy": run.strategy,
-            **summarize(run.results, cluster.slots, scenario.duration),
-            "hit_rate": hits.get(name),  # from the emulators' counters; None without prompts
-            "faults_applied": run.faults,
-            # Per crash: requests lost at it, and (our gateways) whether the node was drained
-            # for its leak before it; then every node state change seen.
-            "crashes": crashes(run.results, run.faults, run.states),
-            "node_states": run.states,
-            "kv_use": run.kv_use,
-        }
-        for name, run in runs.items()
+    settings = {
+        "request_timeout_s": REQUEST_TIMEOUT_S,
+        "drain_s": DRAIN_S,
+        "gateway": f"health interval {HEALTH_INTERVAL}, every other key at its default",
+        "sidecar_sample_interval": SAMPLE_INTERVAL,
+        "sidecar_rss_window": RSS_WINDOW,
+        "lost_at_crash": (
+            "failed requests answered by the crashed node or by none, ending within "
+            f"{CRASH_WINDOW_S:g}s after the crash, timeouts and 504s left out"
+        ),
+        "node_states": f"the gateway's /_promptlb/status, read every {STATE_POLL_S:g}s",
+        "nginx": "worker_processes 1, max_fails=3 fail_timeout=10s, keepalive 128",
+        "litellm": f"Router defaults, timeout {_peers.LITELLM_TIMEOUT_S:g}s",
+        "latency": "percentiles over successful requests; error_rate counts the rest",
+        "utilisation": "busy slot-seconds / (slots x duration), from the requests' timing",
+        "note": "load generator, routers and every node share this machine's cores",
     }
-    report: dict[str, Any] = {
-        "benchmark": "cluster",
-        **environment(),
-        "scenario": {
-            "name": scenario.name,
-            "description": scenario.description,
-            "duration_s": scenario.duration,
-            "seed": scenario.seed,
-            "requests": len(trace),
-            "offered_rps": round(len(trace) / scenario.duration, 3),
-            "capacity_rps": round(scenario.capacity(), 3),
-            "nodes": [
-                {
-                    "name": n.name,
-                    "slots": n.slots,
-                    "tokens_per_s": n.tokens_per_s,
-                    "ttft_ms": n.ttft_ms,
-                    "memory_limit_mb": n.memory_limit_mb,
-                    "faults": [dataclasses.asdict(f) for f in n.faults],
-                }
-                for n in scenario.nodes
-            ],
-            **meta,
-        },
-        "settings": {
-            "request_timeout_s": REQUEST_TIMEOUT_S,
-            "drain_s": DRAIN_S,
-            "gateway": f"health interval {HEALTH_INTERVAL}, every other key at its default",
-            "sidecar_sample_interval": SAMPLE_INTERVAL,
-            "sidecar_rss_window": RSS_WINDOW,
-            "lost_at_crash": (
-                "failed requests answered by the crashed node or by none, ending within "
-                f"{CRASH_WINDOW_S:g}s after the crash, timeouts and 504s left out"
-            ),
-            "node_states": f"the gateway's /_promptlb/status, read every {STATE_POLL_S:g}s",
-            "nginx": "worker_processes 1, max_fails=3 fail_timeout=10s, keepalive 128",
-            "litellm": f"Router defaults, timeout {_peers.LITELLM_TIMEOUT_S:g}s",
-            "latency": "percentiles over successful requests; error_rate counts the rest",
-            "utilisation": "busy slot-seconds / (slots x duration), from the requests' timing",
-            "note": "load generator, routers and every node share this machine's cores",
-        },
-        "missing": chosen.missing,
-        "failed": failed,
-        "runs": summaries,
-        "targets": targets(summaries, scenario.targets, "fault_time_scale" not in meta),
-    }
-    if prompted:
-        report["cache"] = live_cache(summaries, scenario.targets, "fault_time_scale" not in meta)
+    report = build_report(
+        scenario,
+        len(trace),
+        runs,
+        hits,
+        slots=cluster.slots,
+        settings=settings,
+        missing=chosen.missing,
+        failed=failed,
+        meta=meta,
+    )
     plots = {name: run.results for name, run in runs.items()}
     return report, plots
-
-
-def live_cache(
-    runs: Mapping[str, Mapping[str, Any]], goals: Mapping[str, float], applies: bool
-) -> dict[str, Any]:
-    """Our runs' and the oracle's TTFT and hit rate with the simulator's ratios and verdicts
-    (the oracle's stay empty when it did not run)."""
-    rows: list[dict[str, Any]] = []
-    for run in runs.values():
-        if run["kind"] not in ("promptlb", "oracle"):
-            continue
-        ttft = {p: run["ttft_ms"][p] for p in ("p50", "p90", "p99")}
-        row = {f"ttft_{p}_s": None if v is None else v / 1000 for p, v in ttft.items()}
-        rows.append({"strategy": run["strategy"], **row, "hit_rate": run["hit_rate"]})
-    cache_ratios(rows)
-    return {"rows": rows, "targets": cache_targets(rows, goals, applies)}
 
 
 def _run(main: Callable[[], Any]) -> Any:
@@ -719,36 +590,4 @@ def run_cluster(args: argparse.Namespace) -> None:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\ninterrupted: every process started was stopped.", file=sys.stderr)
         raise SystemExit(130) from None
-    write_json(out / f"cluster-{scenario.name}.json", report)
-    if not args.no_plot and plots:
-        slots = {n.name: n.slots for n in scenario.nodes}
-        title = (
-            f"{scenario.name} ({scenario.duration:g}s, {report['scenario']['requests']} requests)"
-        )
-        plot_cluster(out / f"cluster-{scenario.name}.png", title, plots, slots, scenario.duration)
-        if "cache" in report:
-            ttfts = {
-                n: [r.ttft for r in rs if r.ok and r.ttft is not None] for n, rs in plots.items()
-            }
-            hit = {n: r["hit_rate"] for n, r in report["runs"].items()}
-            default = f"promptlb {DEFAULT_STRATEGY}"
-            use = report["runs"].get(default, {}).get("kv_use") or {}
-            series = {n: [(t, v) for t, v in points] for n, points in use.items()}
-            png = out / f"cluster-{scenario.name}-cache.png"
-            plot_cache(png, title, ttfts, hit, series, default)
-    print(
-        f"\n{scenario.name}: commit {report['commit']}, {report['scenario']['requests']} requests"
-    )
-    print(table(report["runs"]))
-    for line in crash_lines(report["runs"]):
-        print(line)
-    for line in report["missing"]:
-        print(line)
-    for name, why in report["failed"].items():
-        print(f"failed: {name}: {why[:200]}")
-    for line in target_lines(report["targets"]):
-        print(line)
-    if "cache" in report:
-        for line in cache_lines(report["cache"]["rows"], report["cache"]["targets"]):
-            print(line)
-    print(f"wrote {out / f'cluster-{scenario.name}.json'}")
+    publish(report, plots, scenario, out, plot=not args.no_plot)

@@ -13,13 +13,10 @@ from promptlb.bench._live import (
     plan,
     scaled,
     sidecar_args,
-    target_lines,
-    targets,
 )
 from promptlb.bench._loadgen import Result
 from promptlb.bench._report import crash_lines, crashes
 from promptlb.bench._scenario import load_scenario
-from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from promptlb.shared import ConfigError
 
 
@@ -82,40 +79,6 @@ def test_gateway_config_names_every_node_and_sidecar() -> None:
     assert "interval = '1s'" in text
 
 
-def test_targets_compare_the_default_strategy() -> None:
-    def run(kind: str, p99: float) -> dict[str, object]:
-        return {"kind": kind, "latency_ms": {"p99": p99}}
-
-    runs = {
-        "promptlb round_robin": run("promptlb", 1000.0),
-        f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 400.0),
-        "litellm simple-shuffle": run("litellm", 900.0),
-        "litellm least-busy": run("litellm", 600.0),
-    }
-    goals = {"p99_vs_round_robin": 0.5, "p99_vs_best_litellm": 0.8}
-    out = targets(runs, goals)
-    assert out["vs_round_robin"] == {"ratio": 0.4, "target": 0.5, "met": True}
-    assert out["vs_best_litellm"]["best"] == "litellm least-busy"
-    assert out["vs_best_litellm"]["ratio"] == pytest.approx(0.667, abs=1e-3)
-    assert out["vs_best_litellm"]["met"] is True
-    lines = target_lines(out)
-    assert lines[0] == f"{DEFAULT_STRATEGY} p99 / round_robin = 0.40x (<= 0.5x): met"
-    # A scenario without targets still reports the ratios, and says there is no target.
-    bare = targets(runs, {})
-    assert bare["vs_round_robin"] == {"ratio": 0.4}
-    assert target_lines(bare)[0].endswith("= 0.40x (no target on this scenario)")
-    # A router that was not run is said to be missing, not taken as met.
-    alone = targets({f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 400.0)}, goals)
-    assert "vs_round_robin" not in alone
-    assert target_lines(alone)[1].endswith("vs best LiteLLM: not measured in this run")
-    # A run squeezed into a shorter --duration reports the ratios but holds none to the targets.
-    short = targets(runs, goals, applies=False)
-    assert short["vs_round_robin"] == {"ratio": 0.4}
-    assert target_lines(short)[0].endswith(
-        "= 0.40x (targets are set for the scenario's own duration, not this run)"
-    )
-
-
 def test_gateway_config_carries_the_scenarios_options_and_trusts_the_class_header() -> None:
     import tomllib
 
@@ -144,40 +107,6 @@ def test_affinity_runs_configure_the_inner_strategy_under_affinity() -> None:
         "predictive",
         "predictive+affinity",
     ]
-
-
-def test_live_cache_ratios_and_hit_rate() -> None:
-    from promptlb.bench._live import live_cache
-    from promptlb.bench._livecache import hit_rate
-
-    assert hit_rate({"query": 100, "hit": 10}, {"query": 300, "hit": 160}) == 0.75
-    assert hit_rate({"query": 5, "hit": 0}, {"query": 5, "hit": 0}) is None
-
-    def run(strategy: str, p90: float, hit: float, kind: str = "promptlb") -> dict[str, object]:
-        ttft = {"p50": p90 / 2, "p90": p90, "p99": 2 * p90}
-        return {"kind": kind, "strategy": strategy, "ttft_ms": ttft, "hit_rate": hit}
-
-    runs = {
-        "promptlb round_robin": run("round_robin", 4000, 0.1),
-        "promptlb predictive": run("predictive", 800, 0.8),
-        "promptlb predictive+affinity": run("predictive+affinity", 2000, 0.6),
-        "nginx least_conn": run("least_conn", 100, 0.0, kind="nginx"),
-    }
-    cache = live_cache(runs, {"ttft_p90_vs_round_robin": 0.25, "ttft_p90_vs_affinity": 0.5}, True)
-    t = cache["targets"]
-    assert t["ttft_p90_vs_round_robin"] == pytest.approx(0.2)
-    assert t["ttft_p90_vs_round_robin_met"] is True
-    assert t["ttft_p90_vs_affinity"] == pytest.approx(0.4) and t["ttft_p90_vs_affinity_met"]
-    assert t["hit_rate_vs_oracle"] is None  # the oracle did not run
-    assert [r["strategy"] for r in cache["rows"]] == [
-        "round_robin",
-        "predictive",
-        "predictive+affinity",
-    ]
-    runs["oracle"] = run("oracle", 400, 0.9, kind="oracle")
-    t = live_cache(runs, {"ttft_p90_vs_oracle": 1.3}, True)["targets"]
-    assert t["ttft_p90_vs_oracle"] == pytest.approx(2.0) and t["ttft_p90_vs_oracle_met"] is False
-    assert t["hit_rate_vs_oracle"] == pytest.approx(0.8 / 0.9)
 
 
 def test_the_oracle_is_a_peer_that_is_never_missing() -> None:
