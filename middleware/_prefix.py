@@ -159,6 +159,12 @@ class PrefixIndex:
         if self._outbox is None:
             self._outbox = []
 
+    def unshare(self) -> None:
+        """Stop keeping records for others (sharing was turned off): the outbox and the counts
+        of the others' requests go, and the strategy goes back to its own estimate of them."""
+        self._outbox = None
+        self.others_sent.clear()
+
     def sent(self) -> list[tuple[str, Sequence[int]]]:
         """The (node, blocks) recorded since the last call, for the other replicas."""
         outbox = self._outbox

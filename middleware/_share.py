@@ -108,6 +108,8 @@ class IndexShare:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        # A reload that keeps sharing starts a new exchange, which shares again at once.
+        self._index.unshare()
         await self._client.aclose()
 
     async def _run(self) -> None:

@@ -111,6 +111,18 @@ def test_replicas_that_share_learn_what_the_others_sent(node: MakeNode) -> None:
     assert two.matches(blocks(SYSTEM), [node("gone")], 8) == {}
 
 
+def test_sharing_turned_off_keeps_nothing_for_others(node: MakeNode) -> None:
+    index = PrefixIndex()
+    index.share()
+    index.record(node("a"), blocks(SYSTEM), 1)
+    index.learn([("a", ())], {"a"})
+    index.unshare()
+    assert not index.sharing and index.others_sent == {}
+    index.record(node("a"), blocks(SYSTEM), 2)
+    assert index.sent() == []
+    assert index.matches(blocks(SYSTEM), [node("a")], 3) == {"a": 4}  # its own entries stay
+
+
 def test_the_outbox_is_bounded_when_no_one_drains_it(node: MakeNode) -> None:
     index = PrefixIndex()
     index.share()
