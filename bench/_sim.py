@@ -30,7 +30,14 @@ from promptlb.shared import ConfigError, parse_duration
 
 from ._report import RESULTS, environment
 from ._scenario import Scenario, load_scenario, scaled
-from ._simcache import CACHE_BASELINES, cache_lines, cache_ratios, cache_targets, plot_cache
+from ._simcache import (
+    CACHE_BASELINES,
+    cache_lines,
+    cache_ratios,
+    cache_targets,
+    cache_verdicts,
+    plot_cache,
+)
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
 from ._simparams import AFFINITY, SHARED
 from ._simprompt import prefix_load, prepare
@@ -374,7 +381,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     if prompted:
         for line in cache_lines(rows, report["cache_targets"]):
             print(line)
-        for line in cache_lines(rows, report["cache_targets_shared"])[len(rows) + 2 :]:
+        for line in cache_verdicts(report["cache_targets_shared"]):
             print(line)
     if len(scenario.nodes) > _PER_NODE_JSON:
         report["per_node"] = f"summed up per node class above {_PER_NODE_JSON} nodes"

@@ -16,7 +16,14 @@ from promptlb.middleware._strategies import DEFAULT_STRATEGY
 from ._report import step_cdf
 from ._simparams import AFFINITY, ORACLE
 
-__all__ = ["CACHE_BASELINES", "cache_lines", "cache_ratios", "cache_targets", "plot_cache"]
+__all__ = [
+    "CACHE_BASELINES",
+    "cache_lines",
+    "cache_ratios",
+    "cache_targets",
+    "cache_verdicts",
+    "plot_cache",
+]
 
 DEFAULT_AFFINITY = DEFAULT_STRATEGY + AFFINITY
 # What the cache report compares every strategy with, beside round robin.
@@ -85,17 +92,24 @@ def cache_lines(rows: Sequence[dict[str, Any]], targets: Mapping[str, Any]) -> l
             f"{_fmt(row['hit_rate'], '.3f'):>6} "
             + " ".join(f"{_fmt(row[name], '.2f'):>7}" for name in CACHE_TARGETS)
         )
-    if targets.get("ran"):
-        for name, (_, _, at_least) in CACHE_TARGETS.items():
-            if f"{name}_target" not in targets:
-                continue
-            met = targets[f"{name}_met"]
-            verdict = "n/a" if met is None else ("met" if met else "MISSED")
-            sign = ">=" if at_least else "<="
-            lines.append(
-                f"{targets['strategy']} {name.replace('_', ' ')} = "
-                f"{_fmt(targets[name], '.2f')}x ({sign} {targets[f'{name}_target']}x): {verdict}"
-            )
+    return lines + cache_verdicts(targets)
+
+
+def cache_verdicts(targets: Mapping[str, Any]) -> list[str]:
+    """One line per cache target set: the strategy's ratio and whether it meets it."""
+    lines: list[str] = []
+    if not targets.get("ran"):
+        return lines
+    for name, (_, _, at_least) in CACHE_TARGETS.items():
+        if f"{name}_target" not in targets:
+            continue
+        met = targets[f"{name}_met"]
+        verdict = "n/a" if met is None else ("met" if met else "MISSED")
+        sign = ">=" if at_least else "<="
+        lines.append(
+            f"{targets['strategy']} {name.replace('_', ' ')} = "
+            f"{_fmt(targets[name], '.2f')}x ({sign} {targets[f'{name}_target']}x): {verdict}"
+        )
     return lines
 
 

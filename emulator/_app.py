@@ -65,6 +65,14 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
+def _asked_tokens(body: dict[str, Any]) -> int | None:
+    """The answer's length the request asks for, when it asks a usable one."""
+    asked = body.get("max_tokens", body.get("max_completion_tokens"))
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+        return asked
+    return None
+
+
 class _Handlers:
     def __init__(self, state: _State) -> None:
         self.state = state
@@ -97,8 +105,8 @@ class _Handlers:
         return body
 
     def _output_tokens(self, body: dict[str, Any]) -> int:
-        asked = body.get("max_tokens", body.get("max_completion_tokens"))
-        if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+        asked = _asked_tokens(body)
+        if asked is not None:
             return asked
         cfg = self.cfg
         if cfg.output_spread <= 0:
@@ -125,7 +133,6 @@ class _Handlers:
         n_out = self._output_tokens(body)
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
         rate = cfg.tokens_per_s / slow
-        ttft = cfg.ttft_ms / 1000 * slow
         model = body.get("model", cfg.models[0])
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -141,8 +148,7 @@ class _Handlers:
                 # until the answer is done, and stay cached after it.
                 lease = state.kv.start(blocks, n_in, n_out)
                 state.stats.looked_up(n_in, lease.cached_tokens)
-                if cfg.prefill_tokens_per_s:
-                    ttft += (n_in - lease.cached_tokens) / cfg.prefill_tokens_per_s * slow
+                ttft = self._head(n_in, lease.cached_tokens, slow)
                 forecast.started(token, time.monotonic() + ttft + n_out / rate)
                 try:
                     await asyncio.sleep(ttft)
@@ -170,11 +176,15 @@ class _Handlers:
         """The prompt tokens the cache holds now."""
         return min(n_in, self.state.kv.cached_prefix(blocks) * BLOCK_TOKENS)
 
-    def _service(self, n_in: int, cached: int, n_out: int, slow: float) -> float:
-        """Seconds in a slot: the first token (prefill of what is not cached), then the answer."""
+    def _head(self, n_in: int, cached: int, slow: float) -> float:
+        """Seconds to the first token: the fixed part, then the prefill of what is not cached."""
         cfg = self.cfg
         prefill = (n_in - cached) / cfg.prefill_tokens_per_s if cfg.prefill_tokens_per_s else 0.0
-        return (cfg.ttft_ms / 1000 + prefill + n_out / cfg.tokens_per_s) * slow
+        return (cfg.ttft_ms / 1000 + prefill) * slow
+
+    def _service(self, n_in: int, cached: int, n_out: int, slow: float) -> float:
+        """Seconds in a slot: the first token, then the answer."""
+        return self._head(n_in, cached, slow) + n_out / self.cfg.tokens_per_s * slow
 
     async def oracle(self, request: web.Request) -> web.Response:
         """``POST /_emulator/oracle`` with a request's body: what it would cost here now, for
@@ -185,8 +195,7 @@ class _Handlers:
             return body
         chat = "messages" in body
         n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
-        asked = body.get("max_tokens", body.get("max_completion_tokens"))
-        n_out = asked if type(asked) is int and asked > 0 else self.cfg.output_tokens
+        n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
         cached = self._cached(blocks, n_in)
         return web.json_response(
             {

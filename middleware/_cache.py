@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import msgpack
 
+from ._redis import connect
+
 __all__ = [
     "CacheEntry",
     "MemoryCache",
@@ -177,17 +179,9 @@ class RedisCache:
         on_error: Callable[[str], None] = lambda op: None,
         backoff: float = 1.0,
     ) -> None:
-        import redis.asyncio  # only a Redis backend needs the extra
-
-        self._client = redis.asyncio.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout
-        )
-        self._errors: tuple[type[BaseException], ...] = (
-            TimeoutError,
-            OSError,
-            ValueError,
-            redis.exceptions.RedisError,
-        )
+        self._client, failures = connect(url, timeout)
+        # ValueError too: an entry that does not unpack is a miss.
+        self._errors: tuple[type[BaseException], ...] = (*failures, ValueError)
         self.prefix = prefix
         self.ttl_ms = max(1, int(ttl * 1000))
         self.timeout = timeout

@@ -37,6 +37,7 @@ __all__ = [
     "INDEX_BLOCKS",
     "INDEX_BYTES",
     "INDEX_TOKENS",
+    "OUTBOX_RECORDS",
     "PrefixIndex",
     "body_blocks",
     "prompt_blocks",
@@ -46,7 +47,7 @@ INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
 INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
 _DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
-_OUTBOX = 4096  # records kept for the others between two drains: beyond, they are dropped
+OUTBOX_RECORDS = 4096  # kept for the others between two drains: beyond, they are dropped
 
 
 def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
@@ -147,7 +148,7 @@ class PrefixIndex:
         if blocks:
             self._add(self._state(node), blocks, now)
         outbox = self._outbox
-        if outbox is not None and len(outbox) < _OUTBOX:
+        if outbox is not None and len(outbox) < OUTBOX_RECORDS:
             outbox.append((node.name, blocks))
 
     @property

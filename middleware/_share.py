@@ -19,13 +19,13 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Container, Sequence
-from typing import Any
 
 import msgpack
 
 from ._config import IndexShareConfig
 from ._metrics import Metrics
-from ._prefix import PrefixIndex
+from ._prefix import OUTBOX_RECORDS, PrefixIndex
+from ._redis import connect
 
 __all__ = ["IndexShare", "decode_records", "encode_records"]
 
@@ -33,7 +33,6 @@ log = logging.getLogger("promptlb.middleware")
 
 _READ_COUNT = 512  # entries per XREAD; a round reads at most a few of those
 _READS_PER_ROUND = 8
-_MAX_RECORDS = 4096  # per entry, as the index's outbox bounds them
 _MAX_BLOCKS = 4096  # per record: a 1M-token prompt in 256-token blocks
 
 
@@ -51,7 +50,7 @@ def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"not msgpack: {exc}") from None
-    if not isinstance(data, list) or len(data) > _MAX_RECORDS:
+    if not isinstance(data, list) or len(data) > OUTBOX_RECORDS:
         raise ValueError("not a list of records")
     records: list[tuple[str, tuple[int, ...]]] = []
     for item in data:
@@ -79,20 +78,11 @@ class IndexShare:
         known: Container[str],
         metrics: Metrics,
     ) -> None:
-        import redis.asyncio  # only a shared index needs the extra
-
         self._config = config
         self._index = index
         self._known = known
         self._metrics = metrics
-        self._client: Any = redis.asyncio.Redis.from_url(
-            config.redis, socket_timeout=config.timeout, socket_connect_timeout=config.timeout
-        )
-        self._errors: tuple[type[BaseException], ...] = (
-            OSError,
-            TimeoutError,
-            redis.exceptions.RedisError,
-        )
+        self._client, self._errors = connect(config.redis, config.timeout)
         self.replica = secrets.token_hex(8)  # to skip our own entries when reading
         self._last_id: bytes | None = None  # None: read from the stream's end at first
         self._down = False
