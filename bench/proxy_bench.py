@@ -3,9 +3,12 @@
 Three paths to the same instant emulated node, in one run: direct, through the floor (a minimal
 pure-ASGI forwarder with one aiohttp session, `bench/floor.py`, on the gateway's own server
 stack) and through the gateway (the middleware with its default strategy and metrics on):
-- added latency: sequential requests, p50/p99 through each hop minus direct;
+- added latency: sequential requests, p50/p99 through each hop minus direct, the requests
+  interleaved across the three paths;
 - throughput at a fixed concurrency (wrk when installed, else an aiohttp loop), and each hop
-  process's CPU per request.
+  process's CPU per request, in rounds the two hops take in turn (pooled per hop).
+This machine's speed drifts by a tenth or more within minutes: measured one after the other,
+the hops' ratios moved by that much from run to run; taking turns puts each drift on both.
 The gateway is reported as ratios to the floor, which hold across machines and days where the
 absolute numbers do not. Targets: >= 0.8x the floor's req/s, <= 1.25x its CPU per request,
 added p50 <= 1.1x the floor's. Prints a table and writes bench/results/proxy.json.
@@ -35,14 +38,21 @@ BODY = json.dumps(
 HEADERS = {"content-type": "application/json"}
 
 
-async def latencies(http: aiohttp.ClientSession, url: str, count: int) -> list[float]:
-    out = []
-    for _ in range(count):
-        start = time.perf_counter()
-        async with http.post(url, data=BODY, headers=HEADERS) as response:
-            await response.read()
-            assert response.status == 200, response.status
-        out.append(time.perf_counter() - start)
+async def latencies(
+    http: aiohttp.ClientSession, urls: dict[str, str], count: int
+) -> dict[str, list[float]]:
+    """``count`` sequential requests through each path, interleaved (one through each in turn,
+    the order rotating), so that the machine's drift over the run falls on every path alike."""
+    out: dict[str, list[float]] = {name: [] for name in urls}
+    names = list(urls)
+    for i in range(count):
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:
+            start = time.perf_counter()
+            async with http.post(urls[name], data=BODY, headers=HEADERS) as response:
+                await response.read()
+                assert response.status == 200, response.status
+            out[name].append(time.perf_counter() - start)
     return out
 
 
@@ -65,7 +75,12 @@ async def throughput(url: str, concurrency: int, seconds: float) -> dict[str, fl
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    return {"requests_per_s": done / elapsed, "requests": done, "errors": errors}
+    return {
+        "requests_per_s": done / elapsed,
+        "requests": done,
+        "errors": errors,
+        "seconds": elapsed,
+    }
 
 
 def ok(good: bool) -> str:
@@ -117,7 +132,12 @@ def wrk(url: str, concurrency: int, seconds: float) -> dict[str, float]:
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = int(bad.group(1)) if bad else 0
     requests = int(done.group(1)) - errors
-    return {"requests_per_s": requests / elapsed, "requests": requests, "errors": errors}
+    return {
+        "requests_per_s": requests / elapsed,
+        "requests": requests,
+        "errors": errors,
+        "seconds": elapsed,
+    }
 
 
 async def load(url: str, concurrency: int, seconds: float, service: Service) -> dict[str, float]:
@@ -131,7 +151,7 @@ async def load(url: str, concurrency: int, seconds: float, service: Service) -> 
     return result
 
 
-async def run(count: int, seconds: float, concurrency: int) -> dict[str, Any]:
+async def run(count: int, seconds: float, concurrency: int, rounds: int) -> dict[str, Any]:
     model = start_service(
         "emulator", "--model", "m", "--ttft-ms", "0", "--tokens-per-s", "1000000", "--slots", "1024"
     )
@@ -144,13 +164,15 @@ async def run(count: int, seconds: float, concurrency: int) -> dict[str, Any]:
         os.unlink(f.name)
         urls = {"direct": model.url, **{k: v.url for k, v in hops.items()}}
         urls = {k: u + "/v1/chat/completions" for k, u in urls.items()}
-        lat: dict[str, list[float]] = {}
         async with aiohttp.ClientSession() as http:
-            for url in urls.values():  # warm every path: connections, caches
-                await latencies(http, url, 200)
-            for name, url in urls.items():
-                lat[name] = await latencies(http, url, count)
-        tp = {name: await load(urls[name], concurrency, seconds, hops[name]) for name in hops}
+            await latencies(http, urls, 200)  # warm every path: connections, caches
+            lat = await latencies(http, urls, count)
+        # Rounds, the hops taking turns: a slow spell of this shared machine lands on both.
+        per_round: dict[str, list[dict[str, float]]] = {name: [] for name in hops}
+        names = list(hops)
+        for r in range(rounds):
+            for name in names[r % 2 :] + names[: r % 2]:
+                per_round[name].append(await load(urls[name], concurrency, seconds, hops[name]))
     finally:
         for service in hops.values():
             service.stop()
@@ -158,6 +180,7 @@ async def run(count: int, seconds: float, concurrency: int) -> dict[str, Any]:
     p50 = {k: statistics.median(v) * 1e3 for k, v in lat.items()}
     p99 = {k: pct(v, 0.99) * 1e3 for k, v in lat.items()}
     added = {k: p50[k] - p50["direct"] for k in hops}
+    tp = {name: _pooled(results) for name, results in per_round.items()}
     floor, gateway = tp["floor"], tp["gateway"]
     ratios = {
         "requests_per_s_ratio": gateway["requests_per_s"] / floor["requests_per_s"],
@@ -168,23 +191,47 @@ async def run(count: int, seconds: float, concurrency: int) -> dict[str, Any]:
         key: None if value is None else ("met" if _meets(key, value) else "missed")
         for key, value in ratios.items()
     }
+    rounds_out = [
+        {
+            "requests_per_s_ratio": g["requests_per_s"] / f["requests_per_s"],
+            "cpu_per_request_ratio": g["cpu_us_per_request"] / f["cpu_us_per_request"],
+        }
+        for f, g in zip(per_round["floor"], per_round["gateway"], strict=True)
+    ]
     return {
         "latency_ms": {
             **{f"{k}_p50": v for k, v in p50.items()},
             **{f"{k}_p99": v for k, v in p99.items()},
             **{f"{k}_added_p50": v for k, v in added.items()},
             "requests_each": count,
+            "interleaved": True,
         },
         "throughput": {
             **tp,
             "client": "wrk" if shutil.which("wrk") else "aiohttp",
             "concurrency": concurrency,
-            "seconds_each": seconds,
+            "seconds_each": seconds * rounds,
+            "rounds": rounds,
         },
         "ratios": ratios,
+        "round_ratios": rounds_out,
         "targets": TARGETS,
         "verdicts": verdicts,
-        "note": "client, hops and emulator share this machine's cores; ratios are from one run",
+        "note": "client, hops and emulator share this machine's cores; ratios are from one run:"
+        " sequential requests interleaved across the paths, load in rounds the hops take in turn,"
+        " each hop's figures pooled over its rounds",
+    }
+
+
+def _pooled(results: list[dict[str, float]]) -> dict[str, float]:
+    """One hop's rounds as one run: requests and CPU summed, over the time they took."""
+    requests = sum(r["requests"] for r in results)
+    cpu_us = sum(r["cpu_us_per_request"] * max(1, r["requests"]) for r in results)
+    return {
+        "requests_per_s": requests / sum(r["seconds"] for r in results),
+        "requests": requests,
+        "errors": sum(r["errors"] for r in results),
+        "cpu_us_per_request": cpu_us / max(1, requests),
     }
 
 
@@ -196,15 +243,18 @@ def _meets(key: str, value: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--count", type=int, default=2000, help="sequential requests per path")
-    parser.add_argument("--seconds", type=float, default=5.0, help="throughput run per hop")
+    parser.add_argument("--seconds", type=float, default=2.0, help="each throughput round")
+    parser.add_argument("--rounds", type=int, default=4, help="throughput rounds per hop")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    count, seconds = (300, 1.0) if args.quick else (args.count, args.seconds)
+    count, seconds, rounds = (
+        (300, 1.0, 2) if args.quick else (args.count, args.seconds, max(1, args.rounds))
+    )
     report = {
         "benchmark": "proxy",
         **environment(),  # commit, dirty, when, python, cores: what was measured, where
-        **asyncio.run(run(count, seconds, args.concurrency)),
+        **asyncio.run(run(count, seconds, args.concurrency, rounds)),
     }
     lat, tp, ratios = report["latency_ms"], report["throughput"], report["ratios"]
     for hop in ("floor", "gateway"):
@@ -213,6 +263,9 @@ def main() -> None:
             f" req/s at {tp['concurrency']} concurrent ({tp['client']}),"
             f" {tp[hop]['cpu_us_per_request']:.0f} us CPU/request"
         )
+    for key in ("requests_per_s_ratio", "cpu_per_request_ratio"):
+        each = ", ".join(f"{r[key]:.2f}x" for r in report["round_ratios"])
+        print(f"gateway/floor {key} by round: {each}")
     for key, value in ratios.items():
         shown = "n/a" if value is None else f"{value:.2f}x"
         print(f"gateway/floor {key}: {shown} (target {TARGETS[key]}x: {report['verdicts'][key]})")

@@ -3,10 +3,9 @@ made: written by one function for the proxy, the batcher and the in-app client a
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
-from ._balancer import Upstream
+from ._balancer import Try, Upstream
 from ._cache import CacheEntry
 
 __all__ = ["Answer", "answer_headers"]
@@ -23,7 +22,7 @@ class Answer:
     degraded: str | None = None  # "fallback" | "cache"
     attempts: int = 0
     store_key: str | None = None  # cache the answer under this key once it is complete
-    held: AbstractAsyncContextManager[Upstream] | None = None  # open until passed on
+    held: Try | None = None  # open until passed on
 
 
 def answer_headers(answer: Answer) -> list[tuple[bytes, bytes]]:

@@ -19,6 +19,7 @@ import aiohttp
 from promptlb.shared import ConfigError
 
 from ._affinity import Affinity
+from ._alarms import Alarms
 from ._background import Evidence
 from ._config import Config
 from ._metrics import Metrics
@@ -34,7 +35,7 @@ from ._view import NodeView, RouteRequest
 if TYPE_CHECKING:
     from ._request import Request
 
-__all__ = ["Balancer", "Upstream"]
+__all__ = ["Balancer", "Try", "Upstream"]
 
 _log = logging.getLogger("promptlb.middleware")
 
@@ -111,6 +112,7 @@ class Balancer:
                 "index_share", config.index_share.redis, "a cache-aware strategy to share"
             )
         self._share: IndexShare | None = None
+        self.alarms = Alarms()  # the tries' timeouts, and the proxy's request watches
         self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
@@ -266,7 +268,7 @@ class Balancer:
         total: float | None = None,
         avoid: set[str] | None = None,
         admit: Callable[[NodeView], bool] | None = None,
-    ) -> _Try:
+    ) -> Try:
         """``async with balancer.open(request) as upstream``: route and send, retrying on
         another node (never the same twice) on connect errors, 5xx, 429 and per-try timeouts.
         Yields the response to pass on; retries end here, so nothing is retried once the
@@ -276,7 +278,7 @@ class Balancer:
         ``avoid`` is shared between attempts racing for one request (a hedge): no two of them
         use the same node. ``admit`` narrows the candidates (load shedding), unless it would
         leave none."""
-        return _Try(self, request, first_deadline, total, avoid, admit)
+        return Try(self, request, first_deadline, total, avoid, admit)
 
     def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
         """Record how the passed-on try ended, and teach the strategy from a real answer;
@@ -373,7 +375,7 @@ class _Expiry:
         self.task.cancel()
 
 
-class _Try:
+class Try:
     """One request's tries on one model, held open while the caller passes the answer on: a
     plain class, not a generator context manager, since it is on every request. Entering runs
     the retry loop (`Balancer.open` says what it does); leaving settles the try that answered."""
@@ -411,7 +413,7 @@ class _Try:
         try:
             cfg = lb.config.retry
             loop = asyncio.get_running_loop()
-            task = asyncio.current_task()
+            task = asyncio.current_task(loop)  # with the loop: no second getpid() on 3.11
             assert task is not None
             # seconds for the answer
             self._whole = whole = self._total if self._total is not None else cfg.total_timeout
@@ -468,10 +470,11 @@ class _Try:
                     given = min(cfg.per_try_timeout, remaining)
                     # asyncio.timeout's work by hand (a timer that cancels, and only our own
                     # cancel turned into TimeoutError): its object, two coroutine methods and
-                    # reschedule cost ~2 us a request, a tenth of the gateway's own time.
+                    # reschedule cost ~2 us a request, a tenth of the gateway's own time; the
+                    # timer is one of the balancer's coarse alarms, not a loop timer (1.5 us).
                     expiry = _Expiry(task)
                     cancelling = task.cancelling()
-                    timer = loop.call_later(given, expiry)
+                    timer = lb.alarms.call_at(loop.time() + given, expiry)
                     try:
                         try:
                             response = await session.post(
@@ -564,6 +567,12 @@ class _Try:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self.close(exc)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Settle the try that answered (``exc``: what ended the caller's use of it, if
+        anything did); what ``__aexit__`` does, for callers that hold a try open past their own
+        block (the dispatcher) and need no coroutine to end it."""
         upstream = self._upstream
         if upstream is None:
             return

@@ -287,7 +287,7 @@ class Dispatcher:
             up.first_byte_at = time.monotonic()
             return Answer(request.model, upstream=up, first=first, attempts=up.attempts, held=held)
         except BaseException as exc:
-            await held.__aexit__(type(exc), exc, exc.__traceback__)
+            held.close(exc)
             raise
 
 
@@ -315,8 +315,7 @@ async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
         task.cancel()
     for result in await asyncio.gather(*losers, return_exceptions=True):
         if isinstance(result, Answer) and result.held is not None:
-            lost = asyncio.CancelledError()
-            await result.held.__aexit__(type(lost), lost, None)
+            result.held.close(asyncio.CancelledError())
 
 
 class _Answering:
@@ -341,4 +340,4 @@ class _Answering:
     ) -> None:
         found = self._found
         if found is not None and found.held is not None:
-            await found.held.__aexit__(kind, exc, tb)
+            found.held.close(exc)

@@ -70,9 +70,12 @@ class Node:
     recent_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
-    @property
-    def name(self) -> str:
-        return self.config.name
+    # A plain field, not a property of the config: read several times on every request. A
+    # node keeps its name across reloads (the table is keyed by it).
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.config.name
 
     @property
     def models(self) -> frozenset[str]:

@@ -40,6 +40,7 @@ class Proxy:
         self._dispatch = dispatcher
         self._reader = reader
         self._retry_after = dispatcher.retry_after
+        self._alarms = dispatcher.balancer.alarms
         self._body_timeout = config.requests.body_timeout
         cache = config.cache
         self._entry_limit = cache.max_entry_bytes if cache is not None else 0
@@ -52,7 +53,7 @@ class Proxy:
         self._keyed_auth = config.forward_authorization
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = RequestWatch(receive, self._body_timeout)
+        watch = RequestWatch(receive, self._body_timeout, alarms=self._alarms)
         try:
             try:
                 request = await self._reader.read(scope, receive)

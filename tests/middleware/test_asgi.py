@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from promptlb.middleware._alarms import Alarms
 from promptlb.middleware._asgi import RequestWatch
 
 
@@ -37,11 +38,12 @@ async def test_watching_at_once_keeps_the_body_deadline() -> None:
 async def test_another_cancel_in_the_same_instant_is_not_taken_back() -> None:
     # A shutdown cancelling the task as the body's deadline passes: the caller must let the
     # shutdown's cancel through, not answer 408 and carry on. Both land before the task runs:
-    # the deadline's timer (due at once) and the other cancel, already queued.
+    # the deadline's alarm (due at once) and the other cancel, due with it in the same slot.
     task = asyncio.current_task()
     assert task is not None
-    watch = RequestWatch(silent, body_timeout=0.0, delay=1.0)
-    asyncio.get_running_loop().call_soon(task.cancel)
+    alarms = Alarms()
+    watch = RequestWatch(silent, body_timeout=0.0, delay=1.0, alarms=alarms)
+    alarms.call_at(asyncio.get_running_loop().time(), task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await silent()
     assert watch.slow

@@ -1,0 +1,93 @@
+"""Alarms: coarse deadlines on one loop timer, never run early, cheap to cancel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from promptlb.middleware._alarms import Alarms
+
+
+async def test_alarms_run_in_time_order_and_never_before_they_are_due() -> None:
+    loop = asyncio.get_running_loop()
+    alarms = Alarms(resolution=0.005)
+    ran: list[tuple[str, float]] = []
+    start = loop.time()
+    def note(name: str, when: float) -> Callable[[], None]:
+        return lambda: ran.append((name, loop.time() - when))
+
+    for name, delay in (("late", 0.06), ("early", 0.02), ("middle", 0.04)):
+        alarms.call_at(start + delay, note(name, start + delay))
+    await asyncio.sleep(0.15)
+    assert [name for name, _ in ran] == ["early", "middle", "late"]
+    assert all(lateness >= 0.0 for _, lateness in ran)  # never before its time
+
+
+async def test_a_cancelled_alarm_never_runs_and_cancelling_twice_is_harmless() -> None:
+    loop = asyncio.get_running_loop()
+    alarms = Alarms()
+    ran: list[str] = []
+    kept = alarms.call_at(loop.time() + 0.01, lambda: ran.append("kept"))
+    dropped = alarms.call_at(loop.time() + 0.01, lambda: ran.append("dropped"))
+    dropped.cancel()
+    dropped.cancel()
+    assert kept.pending and not dropped.pending
+    await asyncio.sleep(0.05)
+    assert ran == ["kept"]
+    assert not kept.pending
+    kept.cancel()  # after it ran: nothing to do
+
+
+async def test_one_failing_alarm_does_not_keep_the_others_from_running() -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        alarms = Alarms()
+        ran: list[str] = []
+
+        def boom() -> None:
+            raise RuntimeError("boom")
+
+        alarms.call_at(loop.time(), boom)
+        alarms.call_at(loop.time(), lambda: ran.append("after"))
+        await asyncio.sleep(0.03)
+    finally:
+        loop.set_exception_handler(None)
+    assert ran == ["after"]
+    assert isinstance(seen[0]["exception"], RuntimeError)
+
+
+async def test_an_alarm_set_by_an_alarm_for_now_runs_on_a_later_round() -> None:
+    # A callback that sets another alarm already due (a body deadline checked a hair early)
+    # must not keep the loop in one round for ever.
+    loop = asyncio.get_running_loop()
+    alarms = Alarms()
+    count = 0
+
+    def again() -> None:
+        nonlocal count
+        count += 1
+        if count < 3:
+            alarms.call_at(loop.time(), again)
+
+    alarms.call_at(loop.time(), again)
+    await asyncio.sleep(0.05)
+    assert count == 3
+
+
+async def test_an_earlier_alarm_set_later_moves_the_timer_up() -> None:
+    loop = asyncio.get_running_loop()
+    alarms = Alarms()
+    ran: list[str] = []
+    alarms.call_at(loop.time() + 10.0, lambda: ran.append("far"))
+    alarms.call_at(loop.time() + 0.01, lambda: ran.append("near"))
+    await asyncio.sleep(0.05)
+    assert ran == ["near"]
+
+
+def test_the_resolution_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="resolution"):
+        Alarms(resolution=0.0)
