@@ -105,6 +105,8 @@ class Dispatcher:
         if chain is not None and request.no_fallback and chain.allow_opt_out:
             chain = None
         if chain is None and self.cache is None:
+            if not self._lb.admission.enabled:  # nothing to wait for either: the attempt itself
+                return self._attempt(request, None, None, set(), False)
             return self._plain(request)
         return self._find(request, chain)
 
