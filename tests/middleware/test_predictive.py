@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from promptlb.middleware._predictive import Predictive, ServiceModel
+from promptlb.middleware._predictive import NEAR_TIE, Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._simple import LeastConn
 from promptlb.middleware._strategies import make_strategy
@@ -182,14 +182,39 @@ def test_the_pick_prefers_the_faster_node_and_samples_only_the_best_two(node: Ma
     assert got["fast"] / 3000 == pytest.approx(share, abs=0.015)
 
 
-def test_a_near_tie_is_shared_so_that_replicas_do_not_herd(node: MakeNode) -> None:
+def test_a_near_tie_is_drawn_among_the_least_busy_so_that_replicas_do_not_herd(
+    node: MakeNode,
+) -> None:
     rng = random.Random(8)
     strategy = Predictive(PowerOfTwoChoices())
-    a, b = node("a", running=0), node("b", running=0)
+    a, b, c = node("a", running=0), node("b", running=0), node("c", running=0)
     teach(strategy, a, 20, rng)
-    teach(strategy, b, 20, rng, scale=1.1)
+    teach(strategy, b, 20, rng, scale=1.1)  # within NEAR_TIE of a: a tie
+    teach(strategy, c, 20, rng, scale=1.1)
+    got = Counter(strategy.pick(request(), [a, b, c], rng).name for _ in range(3000))
+    assert all(900 < got[name] < 1100 for name in "abc")  # equally busy: a fair draw
+    # Ours in flight are the tie-break: fresh, and each replica's own. (Their engines show
+    # them running, with room to spare: no wait, so the times stay tied.)
+    a, b = node("a", running=2), node("b", running=1)
+    a.in_flight = a.in_flight_at_snapshot = 2
+    b.in_flight = b.in_flight_at_snapshot = 1
+    got = Counter(strategy.pick(request(), [a, b, c], rng).name for _ in range(300))
+    assert got == {"c": 300}
+
+
+def test_past_the_tie_margin_the_faster_node_gets_most(node: MakeNode) -> None:
+    rng = random.Random(8)
+    strategy = Predictive(PowerOfTwoChoices())
+    a, b = node("a", running=3), node("b", running=0)
+    teach(strategy, a, 20, rng)
+    teach(strategy, b, 20, rng, scale=1.4)
+    a.in_flight = a.in_flight_at_snapshot = 3  # busier, but clearly faster: the time decides
+    t_a = strategy.expected_time(request(), a, 100.0)
+    t_b = strategy.expected_time(request(), b, 100.0)
+    assert t_a is not None and t_b is not None and t_b > t_a * (1 + NEAR_TIE)
     got = Counter(strategy.pick(request(), [a, b], rng).name for _ in range(3000))
-    assert 0.25 < got["b"] / 3000 < 0.45
+    share = t_b**4 / (t_a**4 + t_b**4)
+    assert got["a"] / 3000 == pytest.approx(share, abs=0.03)
 
 
 def test_a_queue_on_the_fast_node_moves_picks_to_the_slow_one(node: MakeNode) -> None:
