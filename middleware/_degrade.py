@@ -244,7 +244,15 @@ class Dispatcher:
             winner = await _first_success(tasks, self._lb)
             return winner.result()
         finally:
-            await _settle([t for t in tasks if t is not winner])
+            try:
+                await _settle([t for t in tasks if t is not winner])
+            except BaseException:
+                # Cancelled while the losers unwound (the client left): the winner's answer is
+                # never handed over, so nothing else would settle its try (its node would
+                # stay counted busy, its connection held).
+                if winner is not None:
+                    winner.add_done_callback(_release)
+                raise
 
     async def _attempt(
         self,
@@ -311,13 +319,22 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
 
 
 async def _settle(losers: list[asyncio.Task[Answer]]) -> None:
-    """Cancel the losers (their node sees the disconnect) and wait for them; close any that
-    got a response in the same instant as the winner."""
+    """Cancel the losers (their node sees the disconnect) and wait for them; one that got a
+    response in the same instant as the winner has its try settled as it ends, even when this
+    wait is itself cancelled."""
     for task in losers:
         task.cancel()
-    for result in await asyncio.gather(*losers, return_exceptions=True):
-        if isinstance(result, Answer) and result.held is not None:
-            result.held.close(asyncio.CancelledError())
+        task.add_done_callback(_release)
+    await asyncio.gather(*losers, return_exceptions=True)
+
+
+def _release(task: asyncio.Task[Answer]) -> None:
+    """An attempt whose answer will not be passed on: settle its try, if it found one."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    held = task.result().held
+    if held is not None:
+        held.close(asyncio.CancelledError())
 
 
 class _Answering:

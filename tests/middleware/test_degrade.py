@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import httpx
 import pytest
+from promptlb.middleware._answer import Answer
+from promptlb.middleware._balancer import Try
+from promptlb.middleware._config import load_config
+from promptlb.middleware._live import build_live
 
 from tests.conftest import RedisServer, Serve
 from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages
@@ -379,3 +383,50 @@ async def test_a_node_that_breaks_off_before_its_first_byte_is_a_502_not_a_500(
         assert seen == {"good", "502"}
         assert app.balancer.table.nodes["bad"].failures >= 1
         await app.dispatcher.stop()
+
+
+async def test_a_client_leaving_while_the_hedge_loser_unwinds_still_settles_the_winner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit: the dispatcher's hedge bookkeeping, with its attempts stood in for. The winner is
+    chosen, then the client leaves while the loser is still unwinding: the winner's answer is
+    never handed over, and its try must be settled anyway (else its node stays counted busy
+    and its connection held for good)."""
+    nodes = [{"name": n, "url": "http://127.0.0.1:9", "models": ["m"]} for n in ("a", "b")]
+    fallback = [{"model": "m", "then": [], "hedge_after": "10ms"}]
+    live = build_live(load_config({"nodes": nodes, "fallback": fallback}))
+    dispatcher = live.dispatcher
+    table = live.balancer.table
+    for node in table.nodes.values():  # both ready: the hedge has somewhere to go
+        table.record_health(node, True, "ok", time.monotonic())
+    settled: list[BaseException | None] = []
+
+    class Held:
+        def close(self, exc: BaseException | None = None) -> None:
+            settled.append(exc)
+
+    calls = 0
+
+    async def attempt(*_: object) -> Answer:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the first try: slow, and slow to unwind once cancelled
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.1)
+                raise
+        await asyncio.sleep(0.02)
+        return Answer("m", held=cast(Try, Held()))
+
+    monkeypatch.setattr(dispatcher, "_attempt", attempt)
+    request = live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+    chain = live.config.fallback[0]
+    task = asyncio.ensure_future(dispatcher._try_model(request, chain, False, None))
+    await asyncio.sleep(0.06)  # the hedge went at 10 ms and won at 30; the loser unwinds
+    assert calls == 2 and not settled and not task.done()
+    task.cancel()  # the client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert len(settled) == 1 and isinstance(settled[0], asyncio.CancelledError)
