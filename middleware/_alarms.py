@@ -93,6 +93,8 @@ class Alarms:
         # All taken out before any runs: an alarm that a callback sets waits for its own slot.
         for slot in ready:
             for alarm in list(slot):
+                if alarm._slot is None:
+                    continue  # cancelled by a callback run before it in this round
                 alarm._slot = None
                 try:
                     alarm.callback()

@@ -15,6 +15,7 @@ async def test_alarms_run_in_time_order_and_never_before_they_are_due() -> None:
     alarms = Alarms(resolution=0.005)
     ran: list[tuple[str, float]] = []
     start = loop.time()
+
     def note(name: str, when: float) -> Callable[[], None]:
         return lambda: ran.append((name, loop.time() - when))
 
@@ -38,6 +39,17 @@ async def test_a_cancelled_alarm_never_runs_and_cancelling_twice_is_harmless() -
     assert ran == ["kept"]
     assert not kept.pending
     kept.cancel()  # after it ran: nothing to do
+
+
+async def test_an_alarm_cancelled_by_one_due_with_it_does_not_run() -> None:
+    loop = asyncio.get_running_loop()
+    alarms = Alarms()
+    ran: list[str] = []
+    now = loop.time()
+    first = alarms.call_at(now, lambda: (ran.append("first"), second.cancel()))
+    second = alarms.call_at(now, lambda: ran.append("second"))
+    await asyncio.sleep(0.03)
+    assert ran == ["first"] and not first.pending and not second.pending
 
 
 async def test_one_failing_alarm_does_not_keep_the_others_from_running() -> None:
