@@ -46,7 +46,12 @@ async def test_an_alarm_cancelled_by_one_due_with_it_does_not_run() -> None:
     alarms = Alarms()
     ran: list[str] = []
     now = loop.time()
-    first = alarms.call_at(now, lambda: (ran.append("first"), second.cancel()))
+
+    def first_then_cancel() -> None:
+        ran.append("first")
+        second.cancel()
+
+    first = alarms.call_at(now, first_then_cancel)
     second = alarms.call_at(now, lambda: ran.append("second"))
     await asyncio.sleep(0.03)
     assert ran == ["first"] and not first.pending and not second.pending
