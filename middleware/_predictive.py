@@ -13,7 +13,8 @@ Expected completion on a node = expected queue wait + expected service time:
 
 Nodes within `NEAR_TIE` (20%) of the best expected time are a tie, since the time is read off
 a snapshot up to a second old: of them, the one with the fewest of this replica's requests in
-flight (fresh, and its own), a draw among equals. Past that margin the two best candidates are
+flight (fresh, and its own), a draw among equals; a node failing more often than the best is
+not in the tie. Past that margin the two best candidates are
 sampled in inverse proportion to the fourth powers of their expected times, so that replicas
 sharing one stale view do not all pour onto the same node; unless the best holds more of the
 prompt in its KV cache than the other, then it is taken. A
@@ -428,7 +429,7 @@ class Predictive:
             return first_node
         if second <= best * (1.0 + NEAR_TIE):
             return self._least_busy(
-                looked, times, best, held, held.get(first_node.name, 0) if held else 0, rng
+                looked, times, first_node, held, held.get(first_node.name, 0) if held else 0, rng
             )
         # The better of the two in proportion to the fourth power of the other's time: a near tie
         # is shared (1 s vs 1.2 s is 2:1), so that replicas on one stale view do not herd, but a
@@ -445,18 +446,19 @@ class Predictive:
     def _least_busy(
         looked: Sequence[NodeView],
         times: dict[str, float],
-        best: float,
+        best_node: NodeView,
         held: dict[str, int] | None,
         depth: int,
         rng: random.Random,
     ) -> NodeView:
-        """A near tie: of the nodes within `NEAR_TIE` of the ``best`` time that hold as much
-        of the prompt as the best (``depth`` blocks), the one with the fewest of our requests
-        in flight, a draw among equals. Our own count is fresh and ours alone, where the
-        snapshots behind the times are a second old and the same for every replica: replicas
-        that each go to their own least busy node do not herd, as they would on the snapshot's
-        best, and the time is not read closer than it is known."""
-        bound = best * (1.0 + NEAR_TIE)
+        """A near tie: of the nodes within `NEAR_TIE` of the best node's time that hold as
+        much of the prompt as it does (``depth`` blocks) and fail no more often, the one with
+        the fewest of our requests in flight, a draw among equals. Our own count is fresh and
+        ours alone, where the snapshots behind the times are a second old and the same for
+        every replica: replicas that each go to their own least busy node do not herd, as they
+        would on the snapshot's best, and the time is not read closer than it is known."""
+        bound = times[best_node.name] * (1.0 + NEAR_TIE)
+        errors = best_node.error_rate
         fewest = math.inf
         pool: list[NodeView] = []
         for node in looked:
@@ -464,6 +466,11 @@ class Predictive:
                 continue
             if held and held.get(node.name, 0) < depth:
                 continue  # a near time, but a prefill more than the best's: not a tie
+            if node.error_rate > errors:
+                # Not stale-snapshot noise but our own failed tries, fading: such a node
+                # has its error rate back under the floor before it shares a tie (else one
+                # that hung gets a fifth of the traffic two half-lives on, as an equal).
+                continue
             busy = node.in_flight
             if busy < fewest:
                 fewest, pool = busy, [node]

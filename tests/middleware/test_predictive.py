@@ -202,6 +202,20 @@ def test_a_near_tie_is_drawn_among_the_least_busy_so_that_replicas_do_not_herd(
     assert got == {"c": 300}
 
 
+def test_a_node_with_fading_failures_does_not_share_a_near_tie(node: MakeNode) -> None:
+    rng = random.Random(8)
+    strategy = Predictive(PowerOfTwoChoices())
+    a, b, c = node("a", running=0), node("b", running=0), node("c", running=0)
+    for n in (a, b, c):
+        teach(strategy, n, 20, rng)
+    c.error_rate = 0.1  # its time is within the margin, but it failed our own tries lately
+    t_a = strategy.expected_time(request(), a, 100.0)
+    t_c = strategy.expected_time(request(), c, 100.0)
+    assert t_a is not None and t_c is not None and t_c <= t_a * (1 + NEAR_TIE)
+    got = Counter(strategy.pick(request(), [a, b, c], rng).name for _ in range(600))
+    assert got["c"] == 0 and got["a"] > 200 and got["b"] > 200
+
+
 def test_past_the_tie_margin_the_faster_node_gets_most(node: MakeNode) -> None:
     rng = random.Random(8)
     strategy = Predictive(PowerOfTwoChoices())
