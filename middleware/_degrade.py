@@ -4,6 +4,9 @@ chain (lighter models, the cache), each with its deadlines and optional hedging.
 Everything here happens before the first byte reaches the client: once an `Answer` is handed
 over, the caller streams it and nothing is retried or degraded any more.
 """
+# Over 350 lines: the chain's walk, the hedge's race and the settling of every attempt that is
+# not passed on share one request's deadlines and tries; split, each would take the others'
+# state as arguments.
 
 from __future__ import annotations
 
