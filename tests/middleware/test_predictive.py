@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from promptlb.middleware._predictive import NEAR_TIE, Predictive, ServiceModel
+from promptlb.middleware._predictive import HOLDER_TIE, NEAR_TIE, Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._simple import LeastConn
 from promptlb.middleware._strategies import make_strategy
@@ -214,6 +214,28 @@ def test_a_node_with_fading_failures_does_not_share_a_near_tie(node: MakeNode) -
     assert t_a is not None and t_c is not None and t_c <= t_a * (1 + NEAR_TIE)
     got = Counter(strategy.pick(request(), [a, b, c], rng).name for _ in range(600))
     assert got["c"] == 0 and got["a"] > 200 and got["b"] > 200
+
+
+def test_a_near_tie_goes_to_a_node_holding_more_of_the_prompt_if_nearly_as_fast(
+    node: MakeNode,
+) -> None:
+    rng = random.Random(3)
+    a, b, c = node("a", running=0), node("b", running=0), node("c", running=0)
+    c.in_flight = 1
+    held = {"b": 3, "c": 5}
+
+    def tie(b_time: float) -> Counter[str]:
+        times = {"a": 1.0, "b": b_time, "c": 1.0 + (HOLDER_TIE + NEAR_TIE) / 2}
+        return Counter(
+            Predictive._least_busy([a, b, c], times, a, held, 0, rng).name for _ in range(100)
+        )
+
+    # b holds 3 blocks within HOLDER_TIE: the tie is among those holding 3 or more, b and c
+    # (c holds more but is past HOLDER_TIE, so it only shares the tie), and b is less busy.
+    assert tie(1.0 + HOLDER_TIE / 2) == {"b": 100}
+    # Past HOLDER_TIE every node in the near tie is in, held or not: the least busy, a or b.
+    got = tie(1.0 + (HOLDER_TIE + NEAR_TIE) / 2)
+    assert set(got) == {"a", "b"} and min(got.values()) > 25
 
 
 def test_past_the_tie_margin_the_faster_node_gets_most(node: MakeNode) -> None:
