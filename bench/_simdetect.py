@@ -12,6 +12,8 @@ from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
 from ._simnode import Node
 from ._simreplica import Replica
 
+_TRIM_AT = 4096  # records every replica has read, dropped in one go
+
 __all__ = ["Detection"]
 
 
@@ -38,6 +40,12 @@ class Detection(SimState):
         self.read_upto[r] = len(shared)
         known = {view.name for view in replica.views}
         index.learn(((name, blocks) for w, name, blocks in shared[start:] if w != r), known)
+        # What every replica has read is gone from the store, as the stream's MAXLEN trims it:
+        # a long run of many replicas would otherwise hold every record of the run.
+        read = min(self.read_upto)
+        if read >= _TRIM_AT:
+            del shared[:read]
+            self.read_upto = [upto - read for upto in self.read_upto]
 
     def _ramp(self, replica: Replica, now: float) -> None:
         ramping = replica.ramping

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from promptlb.bench import _simdetect
 from promptlb.bench._cli import main
 from promptlb.bench._scenario import Arrival, Fault, NodeSpec, parse_scenario
 from promptlb.bench._simcore import SimParams, SimResult, simulate
@@ -139,6 +140,30 @@ def test_replicas_that_share_their_index_hit_more_than_alone() -> None:
         assert run.ok == len(arrivals)
         hit[name] = run.hit_tokens / run.query_tokens
     assert hit["predictive+shared"] > 1.5 * hit["predictive"]  # 0.67 against 0.22
+
+
+def test_the_shared_store_drops_what_every_replica_has_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Trimmed as soon as possible or never, the runs are the same to the last TTFT: no replica
+    # misses a record, nor reads one twice.
+    scenario = _chat()
+    arrivals = scenario.arrivals()
+    prepared = prepare(arrivals, scenario.model)
+    runs = []
+    for trim_at in (1, 10**9):
+        monkeypatch.setattr(_simdetect, "_TRIM_AT", trim_at)
+        run = simulate(
+            scenario.nodes,
+            arrivals,
+            "predictive+shared",
+            duration=scenario.duration,
+            params=SimParams(replicas=4, seed=scenario.seed),
+            prepared=prepared,
+        )
+        runs.append((run.hit_tokens, list(run.ttfts)))
+    assert runs[0] == runs[1]
+    assert runs[0][0] > 0
 
 
 def test_cli_sim_reports_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
