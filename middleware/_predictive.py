@@ -15,10 +15,10 @@ Nodes within `NEAR_TIE` (20%) of the best expected time are a tie, since the tim
 a snapshot up to a second old: of them, the one with the fewest of this replica's requests in
 flight (fresh, and its own), a draw among equals; a node failing more often than the best is
 not in the tie, and one holding more of the prompt than the best, within `HOLDER_TIE` (10%) of
-its time, narrows the tie to the nodes holding as much. Past that margin the two best candidates are
-sampled in inverse proportion to the fourth powers of their expected times, so that replicas
-sharing one stale view do not all pour onto the same node; unless the best holds more of the
-prompt in its KV cache than the other, then it is taken. A
+its time, narrows the tie to the nodes holding as much. Past that margin the two best
+candidates are sampled in inverse proportion to the fourth powers of their expected times, so
+that replicas sharing one stale view do not all pour onto the same node; unless the best holds
+more of the prompt in its KV cache than the other, then it is taken. A
 node with fewer than ``warmup`` observations is cold: it gets a request of no more than the
 usual length whenever it has none of ours in flight (a probe: its model is learnt within a few
 requests without flooding it). A cold node whose snapshot shows its engine's tokens/s and
@@ -437,9 +437,7 @@ class Predictive:
             # multi-tenant-chat: TTFT p90 1.83 s -> 1.51 s over six seeds, hit rate 0.34 -> 0.51).
             return first_node
         if second <= best * (1.0 + NEAR_TIE):
-            return self._least_busy(
-                looked, times, first_node, held, held.get(first_node.name, 0) if held else 0, rng
-            )
+            return self._least_busy(looked, times, first_node, held, rng)
         # The better of the two in proportion to the fourth power of the other's time: a near tie
         # is shared (1 s vs 1.2 s is 2:1), so that replicas on one stale view do not herd, but a
         # node twice as slow gets one request in 17, not one in 3. The linear share sent seed-3am's
@@ -457,43 +455,41 @@ class Predictive:
         times: dict[str, float],
         best_node: NodeView,
         held: dict[str, int] | None,
-        depth: int,
         rng: random.Random,
     ) -> NodeView:
-        """A near tie: of the nodes within `NEAR_TIE` of the best node's time that hold as
-        much of the prompt as it does (``depth`` blocks), or as the deepest holder within
-        `HOLDER_TIE` of it, and fail no more often, the one with the fewest of our requests in
-        flight, a draw among equals. Our own count is fresh and ours alone, where the snapshots
-        behind the times are a second old and the same for every replica: replicas that each go
-        to their own least busy node do not herd, as they would on the snapshot's best, and the
-        time is not read closer than it is known."""
+        """A near tie: of the nodes within `NEAR_TIE` of the best node's time that fail no more
+        often and hold as much of the prompt as it does, or as the deepest holder within
+        `HOLDER_TIE` of it, the one with the fewest of our requests in flight, a draw among
+        equals. Our own count is fresh and ours alone, where the snapshots behind the times are
+        a second old and the same for every replica: replicas that each go to their own least
+        busy node do not herd, as they would on the snapshot's best, and the time is not read
+        closer than it is known."""
         best = times[best_node.name]
         bound = best * (1.0 + NEAR_TIE)
         errors = best_node.error_rate
+        # A higher error rate is not stale-snapshot noise but our own failed tries, fading: such
+        # a node has its rate back under the floor before it shares a tie (else one that hung
+        # gets a fifth of the traffic two half-lives on, as an equal).
+        tied = [
+            node
+            for node in looked
+            if times.get(node.name, math.inf) <= bound and node.error_rate <= errors
+        ]
+        depth = 0
         if held:
             # A holder all but as fast as the best: its edge is not only this prompt's prefill
             # but the next turn's, which finds its whole history where it went; spread to a
-            # node holding less, a conversation's cache is split and prefilled again.
+            # node holding less, a conversation's cache is split and prefilled again. Below
+            # the depth, a near time is a prefill more: not a tie.
+            depth = held.get(best_node.name, 0)
             close = best * (1.0 + HOLDER_TIE)
-            for node in looked:
-                deeper = held.get(node.name, 0)
-                if (
-                    deeper > depth
-                    and times.get(node.name, math.inf) <= close
-                    and node.error_rate <= errors
-                ):
-                    depth = deeper
+            for node in tied:
+                if times[node.name] <= close:
+                    depth = max(depth, held.get(node.name, 0))
         fewest = math.inf
         pool: list[NodeView] = []
-        for node in looked:
-            if times.get(node.name, math.inf) > bound:
-                continue
-            if held and held.get(node.name, 0) < depth:
-                continue  # a near time, but a prefill more than the best's: not a tie
-            if node.error_rate > errors:
-                # Not stale-snapshot noise but our own failed tries, fading: such a node
-                # has its error rate back under the floor before it shares a tie (else one
-                # that hung gets a fifth of the traffic two half-lives on, as an equal).
+        for node in tied:
+            if depth and held and held.get(node.name, 0) < depth:
                 continue
             busy = node.in_flight
             if busy < fewest:

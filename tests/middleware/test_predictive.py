@@ -227,7 +227,7 @@ def test_a_near_tie_goes_to_a_node_holding_more_of_the_prompt_if_nearly_as_fast(
     def tie(b_time: float) -> Counter[str]:
         times = {"a": 1.0, "b": b_time, "c": 1.0 + (HOLDER_TIE + NEAR_TIE) / 2}
         return Counter(
-            Predictive._least_busy([a, b, c], times, a, held, 0, rng).name for _ in range(100)
+            Predictive._least_busy([a, b, c], times, a, held, rng).name for _ in range(100)
         )
 
     # b holds 3 blocks within HOLDER_TIE: the tie is among those holding 3 or more, b and c
