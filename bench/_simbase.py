@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from promptlb.middleware._config import INDEX_SHARE_EVERY, OutlierConfig
+from promptlb.middleware._prefix import Reading
 from promptlb.middleware._rules import RetryBudget, ejection_cap
 from promptlb.shared import ConfigError
 
@@ -117,9 +118,10 @@ class SimState:
                 if params.staleness > 0:
                     phase = params.staleness * r / count
                     self._push(phase if phase > 0 else params.staleness, REFRESH, r)
-        # The replicas' shared store of prefix records, as Redis holds them: (replica, node,
-        # blocks) in the order written, and how far each replica has read.
-        self.shared: list[tuple[int, str, Sequence[int]]] = []
+        # The replicas' shared store, as the Redis stream holds it: one entry per exchange
+        # (replica, its prefix records, its readings) in the order written, and how far each
+        # replica has read.
+        self.shared: list[tuple[int, list[tuple[str, Sequence[int]]], list[Reading]]] = []
         self.read_upto = [0] * len(self.replicas)
         every = self.share_every
         if every > 0:

@@ -12,7 +12,7 @@ from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
 from ._simnode import Node
 from ._simreplica import Replica
 
-_TRIM_AT = 4096  # records every replica has read, dropped in one go
+_TRIM_AT = 1024  # entries every replica has read, dropped in one go
 
 __all__ = ["Detection"]
 
@@ -35,11 +35,16 @@ class Detection(SimState):
         if index is None:
             return
         shared = self.shared
-        shared.extend((r, name, blocks) for name, blocks in index.sent())
+        records, readings = index.sent(), index.readings()
+        if records or readings:
+            shared.append((r, records, readings))
         start = self.read_upto[r]
         self.read_upto[r] = len(shared)
         known = {view.name for view in replica.views}
-        index.learn(((name, blocks) for w, name, blocks in shared[start:] if w != r), known)
+        for writer, records, readings in shared[start:]:
+            if writer != r:
+                index.learn(records, known)
+                index.learn_readings(readings, known)
         # What every replica has read is gone from the store, as the stream's MAXLEN trims it:
         # a long run of many replicas would otherwise hold every record of the run.
         read = min(self.read_upto)

@@ -36,7 +36,8 @@ prefill it saves, weighed against its queue like everything else. A prefix no ca
 goes, unless that costs over ``cold_slack`` more than the best, to the node that rendezvous
 hashing of its first block names, so independent replicas agree where it starts. With the
 index shared (`_share`), the other replicas' records are load too: counted into a node's queue
-until its next snapshot.
+until its next snapshot; and each replica's answers teach the others' models, so that every
+replica learns a node from all the answers, not from its 1/N share of them.
 """
 # Over 350 lines: the service model and the strategy that reads it; the prefix index is in
 # _prefix.
@@ -50,7 +51,7 @@ from collections.abc import Sequence
 from promptlb.shared import ConfigError, Snapshot
 
 from ._config_base import whole_number
-from ._prefix import INDEX_TOKENS, PrefixIndex, first_choice
+from ._prefix import INDEX_TOKENS, PrefixIndex, Reading, first_choice
 from ._simple import LeastConn
 from ._strategy import FORGET_SPAN, Scoring, Strategy
 from ._view import NodeView, RouteRequest
@@ -270,6 +271,7 @@ class Predictive:
                 capacity=whole_number("index_capacity", index_capacity, 16),
                 ttl=float(whole_number("index_ttl", index_ttl, 1)),
             )
+            self.index.on_reading = self._learn_reading
         self._tick = 0
         # The uncached prompt tokens of each pick, until its answer teaches the model: the id of
         # the route (one object per request, the same at pick and at observe), bounded.
@@ -530,7 +532,18 @@ class Predictive:
         # A head read behind a queue carries the error of the guessed wait, which the fit would
         # take for prefill (or a fixed cost): with a decode reading to learn from, skip it.
         clean = waited == 0.0
-        model.update(out, prefill, max(service, decode or 0.0), decode, head=clean)
+        service = max(service, decode or 0.0)
+        model.update(out, prefill, service, decode, head=clean)
+        if self.index is not None:
+            self.index.tell((node.name, out, prefill, service, decode, clean))
+
+    def _learn_reading(self, reading: Reading) -> None:
+        """Another replica's answer, read as its own model read it: 8 replicas on
+        multi-tenant-chat, each learning from an eighth of the answers, had a TTFT p90 of
+        1.86 s and a hit rate of 0.43 in the simulator (one replica: 1.15 s, 0.66); learning
+        from all of them, 1.57 s and 0.54 (eight seeds)."""
+        name, out, prefill, service, decode, clean = reading
+        self._model(name).update(out, prefill, service, decode, head=clean)
 
     def _learn_class(self, prompt_class: str, tokens: float) -> None:
         old = self._history.get(prompt_class)

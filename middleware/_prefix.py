@@ -20,12 +20,17 @@ Memory: one dict entry per coarse block and node (about 100 bytes; `bench/pick_b
 Replicas that share (`share`): each keeps an outbox of what it recorded, and `learn` takes what
 the others recorded, stamped with this index's own clock at its last record (each replica's
 clock is its own count of picks). What moves them, Redis or the simulator, is not here.
+
+The index is what a strategy shares with the other replicas, so the exchange moves one object's
+outboxes: a strategy that learns from answers (``predictive``) also passes its readings through
+it (`tell`, `readings`), and takes the others' from `learn_readings` by the hook it sets,
+``on_reading``. Each replica alone learns a node's service time from 1/N of the answers.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Any
 
@@ -39,6 +44,7 @@ __all__ = [
     "INDEX_TOKENS",
     "OUTBOX_RECORDS",
     "PrefixIndex",
+    "Reading",
     "body_blocks",
     "prompt_blocks",
 ]
@@ -48,6 +54,11 @@ INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
 INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
 _DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
 OUTBOX_RECORDS = 4096  # kept for the others between two drains: beyond, they are dropped
+
+# One answer a learning strategy read off a node, as its model takes it: (node, output tokens,
+# prompt tokens to prefill, service seconds, seconds after the first token or None, whether
+# the head is a clean reading). Only nodes in the reader's own table are learnt.
+Reading = tuple[str, float, float, float, float | None, bool]
 
 
 def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
@@ -100,6 +111,8 @@ class PrefixIndex:
         self._entries = 0  # blocks held over all nodes, kept as they change
         self._now = 0.0  # the caller's clock at its last record: what `learn` stamps with
         self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
+        self._readings: list[Reading] = []
+        self.on_reading: Callable[[Reading], None] | None = None  # the strategy's, if it learns
         # Per node, the records learnt from the other replicas since the caller last reset
         # it (at each new snapshot of the node): their requests the snapshot does not show yet.
         self.others_sent: dict[str, int] = {}
@@ -151,6 +164,28 @@ class PrefixIndex:
         if outbox is not None and len(outbox) < OUTBOX_RECORDS:
             outbox.append((node.name, blocks))
 
+    def tell(self, reading: Reading) -> None:
+        """An answer the strategy learnt from, for the other replicas (while sharing)."""
+        if self._outbox is not None and len(self._readings) < OUTBOX_RECORDS:
+            self._readings.append(reading)
+
+    def readings(self) -> list[Reading]:
+        """The readings told since the last call, for the other replicas."""
+        readings = self._readings
+        if not readings:
+            return []
+        self._readings = []
+        return readings
+
+    def learn_readings(self, readings: Iterable[Reading], known: Container[str]) -> None:
+        """The other replicas' readings, handed to the strategy's model: nodes in ``known``."""
+        hook = self.on_reading
+        if hook is None:
+            return
+        for reading in readings:
+            if reading[0] in known:
+                hook(reading)
+
     @property
     def sharing(self) -> bool:
         return self._outbox is not None
@@ -164,6 +199,7 @@ class PrefixIndex:
         """Stop keeping records for others (sharing was turned off): the outbox and the counts
         of the others' requests go, and the strategy goes back to its own estimate of them."""
         self._outbox = None
+        self._readings = []
         self.others_sent.clear()
 
     def sent(self) -> list[tuple[str, Sequence[int]]]:

@@ -6,6 +6,8 @@ tokens where one replica routing everything hit 0.57. Every ``every`` a replica 
 recorded since (node, coarse block hashes) as one stream entry, and reads the entries the
 others appended since its last read into its own index. The same records count the others'
 requests sent to each node since that node's last snapshot: load the snapshot cannot show yet.
+The entry also carries the answers the replica's strategy learnt from (`Reading`, field ``a``),
+so that each replica's model of a node learns from every replica's answers.
 
 One task per balancer, never per request; the request path only appends to a list. Redis down,
 slow or answering garbage costs hit rate, never a request: the batch is dropped, the failure
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 from collections.abc import Container, Sequence
 
@@ -24,16 +27,17 @@ import msgpack
 
 from ._config import IndexShareConfig
 from ._metrics import Metrics
-from ._prefix import OUTBOX_RECORDS, PrefixIndex
+from ._prefix import OUTBOX_RECORDS, PrefixIndex, Reading
 from ._redis import connect
 
-__all__ = ["IndexShare", "decode_records", "encode_records"]
+__all__ = ["IndexShare", "decode_readings", "decode_records", "encode_readings", "encode_records"]
 
 log = logging.getLogger("promptlb.middleware")
 
 _READ_COUNT = 512  # entries per XREAD; a round reads at most a few of those
 _READS_PER_ROUND = 8
 _MAX_BLOCKS = 4096  # per record: a 1M-token prompt in 256-token blocks
+_MAX_READING = 1e9  # tokens or seconds: beyond, a reading is garbage, not a slow node
 
 
 def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
@@ -43,15 +47,21 @@ def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
     return packed
 
 
-def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
-    """The records of one entry; `ValueError` for anything not written by `encode_records`
-    (a peer on another version, a stray writer): one bad entry must not poison the index."""
+def _items(raw: bytes, what: str) -> list[object]:
+    """A field's msgpack list of at most an outbox's worth of items, or `ValueError`."""
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"not msgpack: {exc}") from None
     if not isinstance(data, list) or len(data) > OUTBOX_RECORDS:
-        raise ValueError("not a list of records")
+        raise ValueError(f"not a list of {what}")
+    return data
+
+
+def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
+    """The records of one entry; `ValueError` for anything not written by `encode_records`
+    (a peer on another version, a stray writer): one bad entry must not poison the index."""
+    data = _items(raw, "records")
     records: list[tuple[str, tuple[int, ...]]] = []
     for item in data:
         if (
@@ -65,6 +75,43 @@ def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
             raise ValueError("a record is not [node, [block, ...]]")
         records.append((item[0], tuple(item[1])))
     return records
+
+
+def encode_readings(readings: Sequence[Reading]) -> bytes:
+    packed: bytes = msgpack.packb([list(reading) for reading in readings], use_bin_type=True)
+    return packed
+
+
+def _amount(value: object, *, optional: bool = False) -> bool:
+    if value is None:
+        return optional
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and 0 <= value <= _MAX_READING
+
+
+def decode_readings(raw: bytes) -> list[Reading]:
+    """The readings of one entry; `ValueError` for anything `encode_readings` did not write: a
+    garbled reading must not teach a model (a negative time, a NaN would wedge it)."""
+    data = _items(raw, "readings")
+    readings: list[Reading] = []
+    for item in data:
+        if (
+            not isinstance(item, list)
+            or len(item) != 6
+            or not isinstance(item[0], str)
+            or not all(_amount(v) for v in item[1:4])
+            or not _amount(item[4], optional=True)
+            or type(item[5]) is not bool
+        ):
+            raise ValueError("a reading is not [node, out, prefill, service, decode, head]")
+        name, out, prefill, service, decode, head = item
+        readings.append((name, float(out), float(prefill), float(service), _float(decode), head))
+    return readings
+
+
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 class IndexShare:
@@ -109,13 +156,17 @@ class IndexShare:
 
     async def exchange(self) -> None:
         """One round: write what was recorded since the last, then read the others'."""
-        records = self._index.sent()
+        records, readings = self._index.sent(), self._index.readings()
         op = "write"
         try:
-            if records:
+            if records or readings:
+                # ``d`` even when empty: a replica of the version before reads it alone
+                fields = {b"r": self.replica, b"d": encode_records(records)}
+                if readings:
+                    fields[b"a"] = encode_readings(readings)
                 await self._client.xadd(
                     self._config.key,
-                    {b"r": self.replica, b"d": encode_records(records)},
+                    fields,
                     maxlen=self._config.max_entries,
                     approximate=True,
                 )
@@ -153,10 +204,12 @@ class IndexShare:
                     continue
                 try:
                     records = decode_records(fields.get(b"d", b""))
+                    readings = decode_readings(fields[b"a"]) if b"a" in fields else []
                 except ValueError as exc:
                     self._metrics.index_share_errors.labels("decode").inc()
                     log.debug("promptlb: index share entry %r skipped: %s", entry_id, exc)
                     continue
                 self._index.learn(records, self._known)
+                self._index.learn_readings(readings, self._known)
             if len(entries) < _READ_COUNT:
                 return

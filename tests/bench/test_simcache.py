@@ -11,9 +11,10 @@ from promptlb.bench import _simdetect
 from promptlb.bench._cli import main
 from promptlb.bench._scenario import Arrival, Fault, NodeSpec, parse_scenario
 from promptlb.bench._simcore import SimParams, SimResult, simulate
-from promptlb.bench._simprompt import prefix_load, prepare
+from promptlb.bench._simprompt import Prompted, prefix_load, prepare
 from promptlb.bench._stats import percentile
-from promptlb.middleware._prefix import prompt_blocks
+from promptlb.middleware._predictive import Predictive
+from promptlb.middleware._prefix import PrefixIndex, Reading, prompt_blocks
 from promptlb.shared import BLOCK_TOKENS, prompt_bytes
 
 SYSTEM = "s" * 4000  # 1,000 tokens: 62 full blocks
@@ -142,6 +143,43 @@ def test_replicas_that_share_their_index_hit_more_than_alone() -> None:
     assert hit["predictive+shared"] > 1.5 * hit["predictive"]  # 0.67 against 0.22
 
 
+def _four_sharing(
+    scenario: Any, arrivals: list[Arrival], prepared: list[Prompted | None]
+) -> SimResult:
+    return simulate(
+        scenario.nodes,
+        arrivals,
+        "predictive+shared",
+        duration=scenario.duration,
+        params=SimParams(replicas=4, seed=scenario.seed),
+        prepared=prepared,
+    )
+
+
+def test_replicas_that_share_learn_from_every_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each answer one replica learnt from reaches the model of each of the three others.
+    scenario = _chat()
+    arrivals = scenario.arrivals()
+    told: list[object] = []
+    learnt: list[object] = []
+    tell, learn = PrefixIndex.tell, Predictive._learn_reading
+
+    def telling(index: PrefixIndex, reading: Reading) -> None:
+        told.append(reading)
+        tell(index, reading)
+
+    def learning(strategy: Predictive, reading: Reading) -> None:
+        learnt.append(reading)
+        learn(strategy, reading)
+
+    monkeypatch.setattr(PrefixIndex, "tell", telling)
+    monkeypatch.setattr(Predictive, "_learn_reading", learning)
+    run = _four_sharing(scenario, arrivals, prepare(arrivals, scenario.model))
+    assert run.ok == len(told) == len(arrivals)  # one reading a successful answer
+    # The last quarter second's readings are told after the last exchange, or never read.
+    assert 2.5 * len(told) < len(learnt) <= 3 * len(told)
+
+
 def test_the_shared_store_drops_what_every_replica_has_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -153,14 +191,7 @@ def test_the_shared_store_drops_what_every_replica_has_read(
     runs = []
     for trim_at in (1, 10**9):
         monkeypatch.setattr(_simdetect, "_TRIM_AT", trim_at)
-        run = simulate(
-            scenario.nodes,
-            arrivals,
-            "predictive+shared",
-            duration=scenario.duration,
-            params=SimParams(replicas=4, seed=scenario.seed),
-            prepared=prepared,
-        )
+        run = _four_sharing(scenario, arrivals, prepared)
         runs.append((run.hit_tokens, list(run.ttfts)))
     assert runs[0] == runs[1]
     assert runs[0][0] > 0

@@ -132,6 +132,46 @@ def test_the_outbox_is_bounded_when_no_one_drains_it(node: MakeNode) -> None:
     assert 1000 <= len(index.sent()) <= 10_000 // 2
 
 
+def test_readings_go_out_only_while_sharing_and_come_in_only_for_known_nodes(
+    node: MakeNode,
+) -> None:
+    index = PrefixIndex()
+    reading = ("a", 20.0, 300.0, 0.5, 0.2, True)
+    index.tell(reading)
+    assert index.readings() == []  # not sharing: nothing kept for others
+    index.share()
+    for _ in range(10_000):
+        index.tell(reading)
+    assert 1000 <= len(index.readings()) <= 10_000 // 2  # bounded when no one drains it
+    assert index.readings() == []  # drained
+    index.tell(reading)
+    index.unshare()
+    assert index.readings() == []  # sharing turned off: what was kept goes
+    index.learn_readings([reading], {"a"})  # no strategy takes them: nothing happens
+    heard: list[object] = []
+    index.on_reading = heard.append
+    index.learn_readings([reading, ("gone", 1.0, 1.0, 1.0, None, False)], {"a", "b"})
+    assert heard == [reading]
+
+
+def test_a_replica_learns_a_node_from_the_answers_another_one_read(node: MakeNode) -> None:
+    """Two replicas, one index shared: the second's model of a node is the first's, though
+    every answer came to the first, and it is warm (no probe, no guess)."""
+    views = [node("a", running=0), node("b", running=0)]
+    one, two = Predictive(PowerOfTwoChoices()), Predictive(PowerOfTwoChoices())
+    assert one.index is not None and two.index is not None
+    one.index.share()
+    warm(one, views, 0.001)
+    two.index.learn_readings(one.index.readings(), {"a", "b"})
+    for view in views:
+        mine, theirs = one.model_of(view.name), two.model_of(view.name)
+        assert mine is not None and theirs is not None
+        assert theirs.count == mine.count == 12
+        assert theirs.theta == mine.theta and theirs.mean_service == mine.mean_service
+    req = chat("z" * CHUNK * 4, 10)
+    assert two.expected_time(req, views[0], 20.0) == one.expected_time(req, views[0], 20.0)
+
+
 def test_the_index_bound_at_a_thousand_nodes() -> None:
     """The figure the docs state: entries are capped per node, whatever the traffic."""
     index = PrefixIndex(capacity=64)

@@ -9,13 +9,23 @@ import random
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 import redis.asyncio
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import IndexShareConfig, load_config
 from promptlb.middleware._metrics import Metrics
+from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, prompt_blocks
-from promptlb.middleware._share import IndexShare, decode_records, encode_records
+from promptlb.middleware._scoring import PowerOfTwoChoices
+from promptlb.middleware._share import (
+    IndexShare,
+    decode_readings,
+    decode_records,
+    encode_readings,
+    encode_records,
+)
+from promptlb.middleware._view import RouteRequest
 from promptlb.shared import BYTES_PER_TOKEN, ConfigError
 
 from tests.conftest import RedisServer
@@ -44,6 +54,76 @@ def test_records_survive_the_wire_and_anything_else_is_refused() -> None:
     for bad in (b"\xc1", encode_records([]) + b"x", b"\x91\x92\xa1a\x91\xa1x", b"\x81\xa1a\x01"):
         with pytest.raises(ValueError, match=r"msgpack|list|record"):
             decode_records(bad)
+
+
+def test_readings_survive_the_wire_and_garbage_is_refused() -> None:
+    readings = [("a", 20.0, 300.0, 0.5, 0.2, True), ("b", 0.0, 0.0, 1.0, None, False)]
+    assert decode_readings(encode_readings(readings)) == readings
+    good = ["a", 20, 300, 0.5, 0.2, True]
+    for bad in (
+        [good[:5]],  # a field short
+        [["a", 20, 300, float("nan"), 0.2, True]],  # a NaN would wedge the fit
+        [["a", 20, -1, 0.5, 0.2, True]],  # negative
+        [["a", True, 300, 0.5, 0.2, True]],  # a bool is not a count
+        [["a", 20, 300, 0.5, 0.2, 1]],  # nor a count a bool
+        [[1, 20, 300, 0.5, 0.2, True]],
+        {"a": good},
+    ):
+        with pytest.raises(ValueError, match="reading"):
+            decode_readings(msgpack.packb(bad))
+    with pytest.raises(ValueError, match="msgpack"):
+        decode_readings(b"\xc1")
+
+
+async def test_a_replica_learns_a_node_from_the_answers_another_had(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    metrics = Metrics(lambda: None)
+    one, two = Predictive(PowerOfTwoChoices()), Predictive(PowerOfTwoChoices())
+    assert one.index is not None and two.index is not None
+    first = share(redis_server.url, one.index, metrics)
+    second = share(redis_server.url, two.index, metrics)
+    try:
+        await first.exchange()
+        await second.exchange()
+        b = node("b")
+        for tokens in (100, 900, 2000):
+            req = RouteRequest(model="m", input_tokens=tokens, max_tokens=20, stream=True)
+            one.observe(req, b, 0.3 + tokens / 1000, 0.1 + tokens / 1000, 0)
+        await first.exchange()  # no prefix record, the readings alone make an entry
+        await second.exchange()
+        mine, theirs = one.model_of("b"), two.model_of("b")
+        assert mine is not None and theirs is not None
+        assert theirs.count == 3 and theirs.theta == mine.theta
+        assert errors(metrics, "decode") == 0
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def test_entries_of_either_version_are_read_and_bad_readings_skipped(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    metrics = Metrics(lambda: None)
+    strategy = Predictive(PowerOfTwoChoices())
+    assert strategy.index is not None
+    reader = share(redis_server.url, strategy.index, metrics, key="k")
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    reading = encode_readings([("a", 20.0, 300.0, 0.5, 0.2, True)])
+    try:
+        await reader.exchange()
+        # the version before writes records alone; a peer's garbled readings lose its entry
+        await raw.xadd("k", {b"r": b"old", b"d": encode_records([("a", blocks("x" * CHUNK))])})
+        await raw.xadd("k", {b"r": b"odd", b"d": encode_records([]), b"a": b"\x91\x91\xa1a"})
+        await raw.xadd("k", {b"r": b"new", b"d": encode_records([]), b"a": reading})
+        await reader.exchange()
+        assert errors(metrics, "decode") == 1
+        assert strategy.index.matches(blocks("x" * CHUNK), [node("a")], 1) == {"a": 1}
+        model = strategy.model_of("a")
+        assert model is not None and model.count == 1
+    finally:
+        await raw.aclose()
+        await reader.stop()
 
 
 async def test_a_replica_learns_what_another_sent(
