@@ -119,9 +119,11 @@ class SimState:
                     phase = params.staleness * r / count
                     self._push(phase if phase > 0 else params.staleness, REFRESH, r)
         # The replicas' shared store, as the Redis stream holds it: one entry per exchange
-        # (replica, its prefix records, its readings) in the order written, and how far each
-        # replica has read.
-        self.shared: list[tuple[int, list[tuple[str, Sequence[int]]], list[Reading]]] = []
+        # (replica, its prefix records, its readings, its tries ended per node) in the order
+        # written, and how far each replica has read.
+        self.shared: list[
+            tuple[int, list[tuple[str, Sequence[int]]], list[Reading], list[tuple[str, int]]]
+        ] = []
         self.read_upto = [0] * len(self.replicas)
         every = self.share_every
         if every > 0:

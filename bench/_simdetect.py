@@ -24,6 +24,7 @@ class Detection(SimState):
             snap = node.cur
             view.snapshot = node.snapshot(now) if snap is None else snap
             view.in_flight_at_snapshot = view.in_flight
+            view.others_since_snapshot = 0
         if replica.ramping:
             self._ramp(replica, now)
 
@@ -35,16 +36,17 @@ class Detection(SimState):
         if index is None:
             return
         shared = self.shared
-        records, readings = index.sent(), index.readings()
-        if records or readings:
-            shared.append((r, records, readings))
+        records, readings, finishes = index.sent(), index.readings(), index.finishes()
+        if records or readings or finishes:
+            shared.append((r, records, readings, finishes))
         start = self.read_upto[r]
         self.read_upto[r] = len(shared)
-        known = {view.name for view in replica.views}
-        for writer, records, readings in shared[start:]:
+        views = {view.name: view for view in replica.views}
+        for writer, records, readings, finishes in shared[start:]:
             if writer != r:
-                index.learn(records, known)
-                index.learn_readings(readings, known)
+                index.learn(records, views)
+                index.learn_readings(readings, views)
+                index.learn_finishes(finishes, views)
         # What every replica has read is gone from the store, as the stream's MAXLEN trims it:
         # a long run of many replicas would otherwise hold every record of the run.
         read = min(self.read_upto)

@@ -25,6 +25,9 @@ class Tries(Perfect, Detection):
         if view is not None:
             view.in_flight -= 1
             req.view = None
+            index = self.replicas[req.replica].strategy.prefix_index
+            if index is not None:  # for the other replicas, as the balancer tells it
+                index.finished(view.name)
         if req.retry_try:
             req.retry_try = False
             self.replicas[req.replica].budget.retrying -= 1

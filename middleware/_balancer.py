@@ -24,6 +24,7 @@ from ._background import Evidence
 from ._config import Config
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
+from ._prefix import PrefixIndex
 from ._refusals import NoNodeAvailable, UnknownModel, UpstreamError
 from ._rules import RetryBudget
 from ._share import IndexShare
@@ -112,6 +113,8 @@ class Balancer:
                 "index_share", config.index_share.redis, "a cache-aware strategy to share"
             )
         self._share: IndexShare | None = None
+        # Told of every try's end, for the other replicas while they share (a no-op else).
+        self.index: PrefixIndex | None = self.strategy.prefix_index
         self.alarms = Alarms()  # the tries' timeouts, and the proxy's request watches
         self._budget = RetryBudget(config.retry.budget_percent, config.retry.min_concurrent)
         self._session: aiohttp.ClientSession | None = None
@@ -423,7 +426,7 @@ class Try:
             request = self._request
             route = request.route
             admit = self._admit
-            table, metrics = lb.table, lb.metrics
+            table, metrics, index = lb.table, lb.metrics, lb.index
             tried: list[str] = []
             avoid = self._avoid
             if avoid is None:
@@ -492,6 +495,8 @@ class Try:
                             task.uncancel()
                     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                         view.in_flight -= 1
+                        if index is not None:
+                            index.finished(node.name)
                         # The detail names the node's address: for the log, not the client.
                         _log.debug("try on node %s failed: %r", node.name, exc)
                         if not isinstance(exc, TimeoutError):
@@ -514,6 +519,8 @@ class Try:
                         # Cancelled before the headers (a hedge's loser, a client gone): the
                         # try holds no place on the node any more.
                         view.in_flight -= 1
+                        if index is not None:
+                            index.finished(node.name)
                         raise
                     finally:
                         if len(tried) > 1:
@@ -541,6 +548,8 @@ class Try:
                     if retryable:
                         response.release()
                         view.in_flight -= 1
+                        if index is not None:
+                            index.finished(node.name)
                         last = f"a node answered {code}"
                         if code == 429:
                             lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
@@ -587,7 +596,10 @@ class Try:
                 upstream.response.close()  # the node sees the disconnect and stops working
             else:
                 upstream.response.release()
-            upstream.node.view.in_flight -= 1
+            node = upstream.node
+            node.view.in_flight -= 1
+            if lb.index is not None:
+                lb.index.finished(node.name)
             if lb.admission.enabled:
                 lb.admission.wake()
             lb._settle(upstream, self._request.route, aborted, self._whole)

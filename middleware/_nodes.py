@@ -250,6 +250,7 @@ class NodeTable:
         self._watch_leak(node, snapshot)
         node.snapshot, node.snapshot_at = snapshot, now
         node.view.in_flight_at_snapshot = node.view.in_flight
+        node.view.others_since_snapshot = 0
         if snapshot.models and not node.config.models:
             node.learnt_models = frozenset(snapshot.models)
             node.view.models = node.learnt_models

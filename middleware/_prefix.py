@@ -19,7 +19,10 @@ Memory: one dict entry per coarse block and node (about 100 bytes; `bench/pick_b
 
 Replicas that share (`share`): each keeps an outbox of what it recorded, and `learn` takes what
 the others recorded, stamped with this index's own clock at its last record (each replica's
-clock is its own count of picks). What moves them, Redis or the simulator, is not here.
+clock is its own count of picks). The same records, with the ends of the tries they started
+(`finished`, `learn_finishes`), keep each node's `NodeView.others_since_snapshot`: the other
+replicas' requests on it that its last snapshot does not show. What moves them, Redis or the
+simulator, is not here.
 
 The index is what a strategy shares with the other replicas, so the exchange moves one object's
 outboxes: a strategy that learns from answers (``predictive``) also passes its readings through
@@ -112,10 +115,8 @@ class PrefixIndex:
         self._now = 0.0  # the caller's clock at its last record: what `learn` stamps with
         self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
         self._readings: list[Reading] = []
+        self._finished: dict[str, int] = {}  # per node, our tries ended since the last drain
         self.on_reading: Callable[[Reading], None] | None = None  # the strategy's, if it learns
-        # Per node, the records learnt from the other replicas since the caller last reset
-        # it (at each new snapshot of the node): their requests the snapshot does not show yet.
-        self.others_sent: dict[str, int] = {}
 
     def __len__(self) -> int:
         """Entries held, over all nodes: what the memory bound counts."""
@@ -196,11 +197,35 @@ class PrefixIndex:
             self._outbox = []
 
     def unshare(self) -> None:
-        """Stop keeping records for others (sharing was turned off): the outbox and the counts
-        of the others' requests go, and the strategy goes back to its own estimate of them."""
+        """Stop keeping records for others (sharing was turned off): the outboxes go, and the
+        strategy goes back to its own estimate of the others' requests."""
         self._outbox = None
         self._readings = []
-        self.others_sent.clear()
+        self._finished = {}
+
+    def finished(self, name: str) -> None:
+        """A try on node ``name`` ended (whatever its outcome), for the other replicas: each
+        record of a pick is load on its node until the matching end comes."""
+        if self._outbox is not None:
+            ended = self._finished
+            ended[name] = ended.get(name, 0) + 1
+
+    def finishes(self) -> list[tuple[str, int]]:
+        """Per node, the tries ended since the last call, for the other replicas."""
+        ended = self._finished
+        if not ended:
+            return []
+        self._finished = {}
+        return list(ended.items())
+
+    def learn_finishes(
+        self, finishes: Iterable[tuple[str, int]], views: Mapping[str, NodeView]
+    ) -> None:
+        """Another replica's tries that ended: off their nodes' queues (`learn` put them on)."""
+        for name, ended in finishes:
+            view = views.get(name)
+            if view is not None:
+                view.others_since_snapshot -= ended
 
     def sent(self) -> list[tuple[str, Sequence[int]]]:
         """The (node, blocks) recorded since the last call, for the other replicas."""
@@ -210,16 +235,19 @@ class PrefixIndex:
         self._outbox = []
         return outbox
 
-    def learn(self, records: Iterable[tuple[str, Sequence[int]]], known: Container[str]) -> None:
-        """What another replica sent where: entries as if recorded now. Only nodes in ``known``
-        (this replica's own nodes): a peer's view must not grow this one's memory."""
+    def learn(
+        self, records: Iterable[tuple[str, Sequence[int]]], views: Mapping[str, NodeView]
+    ) -> None:
+        """What another replica sent where: entries as if recorded now, and a request more on
+        the node's view (`NodeView.others_since_snapshot`: load its snapshot does not show
+        yet). Only nodes in ``views`` (this replica's own): a peer's must not grow its memory."""
         now = self._now
         nodes = self._nodes
-        others = self.others_sent
         for name, blocks in records:
-            if name not in known:
+            view = views.get(name)
+            if view is None:
                 continue
-            others[name] = others.get(name, 0) + 1
+            view.others_since_snapshot += 1
             if not blocks:
                 continue
             state = nodes.get(name)

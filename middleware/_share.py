@@ -7,7 +7,8 @@ recorded since (node, coarse block hashes) as one stream entry, and reads the en
 others appended since its last read into its own index. The same records count the others'
 requests sent to each node since that node's last snapshot: load the snapshot cannot show yet.
 The entry also carries the answers the replica's strategy learnt from (`Reading`, field ``a``),
-so that each replica's model of a node learns from every replica's answers.
+so that each replica's model of a node learns from every replica's answers, and the tries that
+ended per node (field ``f``), which take the others' requests off the nodes' queues again.
 
 One task per balancer, never per request; the request path only appends to a list. Redis down,
 slow or answering garbage costs hit rate, never a request: the batch is dropped, the failure
@@ -21,7 +22,8 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -29,8 +31,20 @@ from ._config import IndexShareConfig
 from ._metrics import Metrics
 from ._prefix import OUTBOX_RECORDS, PrefixIndex, Reading
 from ._redis import connect
+from ._view import NodeView
 
-__all__ = ["IndexShare", "decode_readings", "decode_records", "encode_readings", "encode_records"]
+if TYPE_CHECKING:
+    from ._nodes import Node
+
+__all__ = [
+    "IndexShare",
+    "decode_finishes",
+    "decode_readings",
+    "decode_records",
+    "encode_finishes",
+    "encode_readings",
+    "encode_records",
+]
 
 log = logging.getLogger("promptlb.middleware")
 
@@ -38,6 +52,7 @@ _READ_COUNT = 512  # entries per XREAD; a round reads at most a few of those
 _READS_PER_ROUND = 8
 _MAX_BLOCKS = 4096  # per record: a 1M-token prompt in 256-token blocks
 _MAX_READING = 1e9  # tokens or seconds: beyond, a reading is garbage, not a slow node
+_MAX_ENDED = 1_000_000  # tries ended on one node in one round
 
 
 def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
@@ -114,20 +129,42 @@ def _float(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def encode_finishes(finishes: Sequence[tuple[str, int]]) -> bytes:
+    packed: bytes = msgpack.packb([list(item) for item in finishes], use_bin_type=True)
+    return packed
+
+
+def decode_finishes(raw: bytes) -> list[tuple[str, int]]:
+    """Per node, the tries that ended; `ValueError` for anything `encode_finishes` did not
+    write (a garbled count would leave load on a node, or take it off, for good)."""
+    finishes: list[tuple[str, int]] = []
+    for item in _items(raw, "finishes"):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or type(item[1]) is not int
+            or not 0 < item[1] <= _MAX_ENDED
+        ):
+            raise ValueError("a finish is not [node, count]")
+        finishes.append((item[0], item[1]))
+    return finishes
+
+
 class IndexShare:
     """Exchanges ``index``'s records with the other replicas every ``config.every``; only
-    records about nodes in ``known`` (this replica's node table) are learnt."""
+    records about ``nodes`` (this replica's node table, read each round) are learnt."""
 
     def __init__(
         self,
         config: IndexShareConfig,
         index: PrefixIndex,
-        known: Container[str],
+        nodes: Mapping[str, Node],
         metrics: Metrics,
     ) -> None:
         self._config = config
         self._index = index
-        self._known = known
+        self._nodes = nodes
         self._metrics = metrics
         self._client, self._errors = connect(config.redis, config.timeout)
         self.replica = secrets.token_hex(8)  # to skip our own entries when reading
@@ -156,14 +193,17 @@ class IndexShare:
 
     async def exchange(self) -> None:
         """One round: write what was recorded since the last, then read the others'."""
-        records, readings = self._index.sent(), self._index.readings()
+        index = self._index
+        records, readings, finishes = index.sent(), index.readings(), index.finishes()
         op = "write"
         try:
-            if records or readings:
+            if records or readings or finishes:
                 # ``d`` even when empty: a replica of the version before reads it alone
                 fields = {b"r": self.replica, b"d": encode_records(records)}
                 if readings:
                     fields[b"a"] = encode_readings(readings)
+                if finishes:
+                    fields[b"f"] = encode_finishes(finishes)
                 await self._client.xadd(
                     self._config.key,
                     fields,
@@ -195,6 +235,8 @@ class IndexShare:
             newest = await client.xrevrange(key, count=1)
             self._last_id = newest[0][0] if newest else b"0-0"
             return
+        index = self._index
+        views: dict[str, NodeView] | None = None
         for _ in range(_READS_PER_ROUND):
             got = await client.xread({key: self._last_id}, count=_READ_COUNT)
             entries = got[0][1] if got else []
@@ -205,11 +247,15 @@ class IndexShare:
                 try:
                     records = decode_records(fields.get(b"d", b""))
                     readings = decode_readings(fields[b"a"]) if b"a" in fields else []
+                    finishes = decode_finishes(fields[b"f"]) if b"f" in fields else []
                 except ValueError as exc:
                     self._metrics.index_share_errors.labels("decode").inc()
                     log.debug("promptlb: index share entry %r skipped: %s", entry_id, exc)
                     continue
-                self._index.learn(records, self._known)
-                self._index.learn_readings(readings, self._known)
+                if views is None:  # the table as it is now: nodes come and go on reloads
+                    views = {name: node.view for name, node in self._nodes.items()}
+                index.learn(records, views)
+                index.learn_readings(readings, views)
+                index.learn_finishes(finishes, views)
             if len(entries) < _READ_COUNT:
                 return

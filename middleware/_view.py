@@ -50,6 +50,9 @@ class NodeView:
     snapshot: Snapshot | None = None
     in_flight: int = 0  # requests this middleware has open on the node now
     in_flight_at_snapshot: int = 0  # ... when the current snapshot was taken in
+    # The other gateway replicas' tries started less those ended since the current snapshot
+    # came, as they share them (`[index_share]`); may be negative: ends of tries it counted.
+    others_since_snapshot: int = 0
     ewma_latency_s: float | None = None
     ewma_ttft_s: float | None = None
     error_rate: float = 0.0  # EWMA of failures, 0..1

@@ -10,7 +10,7 @@ from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._balancer import _NAMES_KEPT, Balancer
 from promptlb.middleware._config import RetryConfig
 from promptlb.middleware._refusals import UpstreamError
-from promptlb.middleware._request import RequestReader
+from promptlb.middleware._request import Request, RequestReader
 
 from tests.conftest import Serve
 from tests.middleware.conftest import chat_node
@@ -34,6 +34,20 @@ def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_t
         assert sent["content-type"] == "application/json"
         assert sent[f"x-made-up-{3 * _NAMES_KEPT - 1}"] == "v"
         assert not {"cookie", "x-promptlb-priority-token", "connection", "x-hop"} & set(sent)
+
+
+async def cancelled_while_waiting(lb: Balancer, request: Request) -> None:
+    """A try on a node that does not answer, cancelled from outside: it raises the cancel."""
+
+    async def enter() -> None:
+        async with lb.open(request):
+            pass
+
+    outside = asyncio.create_task(enter())
+    await asyncio.sleep(0.05)
+    outside.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outside
 
 
 async def test_a_try_past_its_time_is_a_timeout_and_a_cancel_from_outside_stays_a_cancel(
@@ -64,16 +78,62 @@ async def test_a_try_past_its_time_is_a_timeout_and_a_cancel_from_outside_stays_
             assert lb.table.nodes["a"].view.in_flight == 0
 
             # Cancelled from outside before its time (a client gone, a hedge lost): a cancel.
-            async def enter() -> None:
-                async with lb.open(request):
-                    pass
-
-            outside = asyncio.create_task(enter())
-            await asyncio.sleep(0.05)
-            outside.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await outside
+            await cancelled_while_waiting(lb, request)
             assert lb.table.nodes["a"].view.in_flight == 0
         finally:
             hold.set()  # the node's handlers end, so that the server stops at once
+            await lb.stop()
+
+
+async def test_every_try_that_ends_is_told_to_the_replicas_that_share(serve: Serve) -> None:
+    """Each pick is load on its node for the other replicas until its try ends: answered,
+    retried after a 503, timed out or cancelled, the end goes out as the pick did."""
+    hold = asyncio.Event()
+    mode = {"a": "503", "b": "ok"}
+
+    def answering(name: str) -> web.Application:
+        async def chat(request: web.Request) -> web.Response:
+            if mode[name] == "hang":
+                await hold.wait()
+            if mode[name] == "503":
+                return web.Response(status=503)
+            return web.json_response({"choices": []})
+
+        return chat_node(chat)
+
+    async with serve(answering("a")) as a_url, serve(answering("b")) as b_url:
+        config = Config(
+            nodes=(
+                NodeConfig(name="a", url=a_url, models=("m",)),
+                NodeConfig(name="b", url=b_url, models=("m",)),
+            ),
+            retry=RetryConfig(per_try_timeout=0.2, total_timeout=5.0, attempts=2),
+        )
+        lb = Balancer(config)
+        index = lb.strategy.prefix_index
+        assert index is not None and lb.index is index
+        index.share()
+        reader = RequestReader(config, lb.admission)
+        request = reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+
+        def told() -> tuple[list[str], dict[str, int]]:
+            return [name for name, _ in index.sent()], dict(index.finishes())
+
+        try:
+            for _ in range(6):  # the 503 on a, then b answers; or b at once
+                async with lb.open(request):
+                    pass
+            sent, ended = told()
+            assert len(sent) > 6 and ended == {n: sent.count(n) for n in set(sent)}
+            mode["a"] = mode["b"] = "hang"
+            with pytest.raises(UpstreamError):  # both tries time out
+                async with lb.open(request):
+                    pass
+            sent, ended = told()  # (a is ejected by now, for its 503s: b alone is tried)
+            assert sent and ended == {n: sent.count(n) for n in set(sent)}
+            await cancelled_while_waiting(lb, request)
+            sent, ended = told()
+            assert len(sent) == 1 and ended == {sent[0]: 1}
+        finally:
+            hold.set()
             await lb.stop()

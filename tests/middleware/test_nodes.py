@@ -192,6 +192,18 @@ def test_an_older_snapshot_never_replaces_a_newer_one(snap: MakeSnapshot) -> Non
     assert t.record_snapshot(n0, snap("n0", 1, boot="b2", running=1), 1.2)  # a new boot
 
 
+def test_a_snapshot_counts_the_other_replicas_requests_from_then_on(snap: MakeSnapshot) -> None:
+    # What they shared since the last one is in the new snapshot's engine count now.
+    t = table()
+    n0 = t.nodes["n0"]
+    n0.view.others_since_snapshot = 3
+    assert t.record_snapshot(n0, snap("n0", 5, running=5), 1.1)
+    assert n0.view.others_since_snapshot == 0
+    n0.view.others_since_snapshot = 2
+    assert not t.record_snapshot(n0, snap("n0", 4, running=4), 1.2)  # older: counts stand
+    assert n0.view.others_since_snapshot == 2
+
+
 def test_warming_and_draining_nodes_get_no_requests(snap: MakeSnapshot) -> None:
     t = table()
     t.record_snapshot(t.nodes["n0"], snap("n0", 1, warm=False, running=0), 1.0)

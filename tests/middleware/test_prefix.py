@@ -105,21 +105,42 @@ def test_replicas_that_share_learn_what_the_others_sent(node: MakeNode) -> None:
     assert [name for name, _ in records] == ["a", "b", "gone"]
     assert one.sent() == []  # drained
     two.record(b, blocks("t" * CHUNK), 7)
-    two.learn(records, {"a", "b"})
+    theirs_a, theirs_b = node("a"), node("b")  # the second replica's views of the nodes
+    two.learn(records, {"a": theirs_a, "b": theirs_b})
     assert two.matches(blocks(SYSTEM, "x" * CHUNK), [a, b], 8) == {"a": 5}
-    assert two.others_sent == {"a": 1, "b": 1}  # "gone" is not one of its nodes: left out
+    # a request more on each: "gone" is not one of its nodes, left out
+    assert theirs_a.others_since_snapshot == theirs_b.others_since_snapshot == 1
     assert two.matches(blocks(SYSTEM), [node("gone")], 8) == {}
+
+
+def test_the_ends_of_the_others_tries_take_their_load_off(node: MakeNode) -> None:
+    one, two = PrefixIndex(), PrefixIndex()
+    one.finished("a")
+    assert one.finishes() == []  # not sharing: nothing kept for others
+    one.share()
+    for name in ("a", "b", "a", "gone"):
+        one.finished(name)
+    ended = one.finishes()
+    assert sorted(ended) == [("a", 2), ("b", 1), ("gone", 1)]
+    assert one.finishes() == []  # drained
+    a, b = node("a"), node("b")
+    two.learn([("a", ()), ("a", ()), ("b", ())], {"a": a, "b": b})
+    two.learn_finishes(ended, {"a": a, "b": b})
+    assert a.others_since_snapshot == b.others_since_snapshot == 0
+    two.learn_finishes([("a", 1)], {"a": a})  # a try the snapshot showed, ended since
+    assert a.others_since_snapshot == -1
 
 
 def test_sharing_turned_off_keeps_nothing_for_others(node: MakeNode) -> None:
     index = PrefixIndex()
     index.share()
     index.record(node("a"), blocks(SYSTEM), 1)
-    index.learn([("a", ())], {"a"})
+    index.finished("a")
     index.unshare()
-    assert not index.sharing and index.others_sent == {}
+    assert not index.sharing and index.finishes() == []
     index.record(node("a"), blocks(SYSTEM), 2)
-    assert index.sent() == []
+    index.finished("a")
+    assert index.sent() == [] and index.finishes() == []
     assert index.matches(blocks(SYSTEM), [node("a")], 3) == {"a": 4}  # its own entries stay
 
 
@@ -240,13 +261,18 @@ def test_shared_records_count_as_load_until_the_next_snapshot(node: MakeNode) ->
     assert strategy.index is not None
     req = chat("", 50)
     alone, b_alone = strategy.expected_time(req, a, 20), strategy.expected_time(req, b, 20)
-    strategy.index.learn([("a", ())] * 6, {"a", "b"})  # not sharing: the records are not load
+    views = {"a": a, "b": b}
+    strategy.index.learn([("a", ())] * 6, views)  # not sharing: the records are not load
     assert strategy.expected_time(req, a, 20) == alone
     strategy.index.share()
     assert alone is not None and (strategy.expected_time(req, a, 20) or 0) > alone + 1.0
     assert strategy.expected_time(req, b, 20) == b_alone  # only where they were sent
-    fresh = node("a", seq=2, running=2)  # the snapshot that counts them
-    assert strategy.expected_time(req, fresh, 20) == alone
+    strategy.index.learn_finishes([("a", 6)], views)  # their ends take them off again
+    assert strategy.expected_time(req, a, 20) == alone
+    # More ended than were counted (tries the snapshot showed): the queue is empty, no less.
+    strategy.index.learn_finishes([("b", 9)], views)
+    idle = strategy.expected_time(req, node("b", running=0), 20)
+    assert strategy.expected_time(req, b, 20) == idle
 
 
 def test_guard_a_hot_prefix_does_not_pile_onto_its_node(node: MakeNode) -> None:

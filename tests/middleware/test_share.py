@@ -15,13 +15,16 @@ import redis.asyncio
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import IndexShareConfig, load_config
 from promptlb.middleware._metrics import Metrics
+from promptlb.middleware._nodes import Node, NodeTable
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, prompt_blocks
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._share import (
     IndexShare,
+    decode_finishes,
     decode_readings,
     decode_records,
+    encode_finishes,
     encode_readings,
     encode_records,
 )
@@ -32,7 +35,12 @@ from tests.conftest import RedisServer
 from tests.middleware.conftest import MakeCluster, MakeNode, Messages
 
 CHUNK = INDEX_TOKENS * BYTES_PER_TOKEN
-NODES = {"a", "b", "c"}
+
+
+def table() -> dict[str, Node]:
+    """A node table of a, b and c: the nodes a replica learns about (others are left out)."""
+    nodes = [{"name": n, "url": f"http://{n}:8000", "models": ["m"]} for n in "abc"]
+    return NodeTable(load_config({"nodes": nodes})).nodes
 
 
 def blocks(text: str) -> tuple[int, ...]:
@@ -44,8 +52,15 @@ def errors(metrics: Metrics, op: str) -> float:
     return value or 0.0
 
 
-def share(url: str, index: PrefixIndex, metrics: Metrics, **options: Any) -> IndexShare:
-    return IndexShare(IndexShareConfig(redis=url, **options), index, NODES, metrics)
+def share(
+    url: str,
+    index: PrefixIndex,
+    metrics: Metrics,
+    nodes: dict[str, Node] | None = None,
+    **options: Any,
+) -> IndexShare:
+    config = IndexShareConfig(redis=url, **options)
+    return IndexShare(config, index, table() if nodes is None else nodes, metrics)
 
 
 def test_records_survive_the_wire_and_anything_else_is_refused() -> None:
@@ -54,6 +69,14 @@ def test_records_survive_the_wire_and_anything_else_is_refused() -> None:
     for bad in (b"\xc1", encode_records([]) + b"x", b"\x91\x92\xa1a\x91\xa1x", b"\x81\xa1a\x01"):
         with pytest.raises(ValueError, match=r"msgpack|list|record"):
             decode_records(bad)
+
+
+def test_finishes_survive_the_wire_and_garbage_is_refused() -> None:
+    finishes = [("a", 3), ("b", 1)]
+    assert decode_finishes(encode_finishes(finishes)) == finishes
+    for bad in ([["a", 0]], [["a", -1]], [["a", 1.0]], [["a", True]], [["a"]], [[1, 1]], {"a": 1}):
+        with pytest.raises(ValueError, match="finish"):
+            decode_finishes(msgpack.packb(bad))
 
 
 def test_readings_survive_the_wire_and_garbage_is_refused() -> None:
@@ -112,12 +135,14 @@ async def test_entries_of_either_version_are_read_and_bad_readings_skipped(
     reading = encode_readings([("a", 20.0, 300.0, 0.5, 0.2, True)])
     try:
         await reader.exchange()
-        # the version before writes records alone; a peer's garbled readings lose its entry
+        # the version before writes records alone; a peer's garbled readings or finishes
+        # lose its entry
         await raw.xadd("k", {b"r": b"old", b"d": encode_records([("a", blocks("x" * CHUNK))])})
         await raw.xadd("k", {b"r": b"odd", b"d": encode_records([]), b"a": b"\x91\x91\xa1a"})
+        await raw.xadd("k", {b"r": b"odd", b"d": encode_records([]), b"f": b"\x91\x92\xa1a\x00"})
         await raw.xadd("k", {b"r": b"new", b"d": encode_records([]), b"a": reading})
         await reader.exchange()
-        assert errors(metrics, "decode") == 1
+        assert errors(metrics, "decode") == 2
         assert strategy.index.matches(blocks("x" * CHUNK), [node("a")], 1) == {"a": 1}
         model = strategy.model_of("a")
         assert model is not None and model.count == 1
@@ -131,7 +156,9 @@ async def test_a_replica_learns_what_another_sent(
 ) -> None:
     metrics = Metrics(lambda: None)
     one, two = PrefixIndex(), PrefixIndex()
-    first, second = share(redis_server.url, one, metrics), share(redis_server.url, two, metrics)
+    mine, theirs = table(), table()
+    first = share(redis_server.url, one, metrics, mine)
+    second = share(redis_server.url, two, metrics, theirs)
     try:
         await first.exchange()  # each starts reading at the stream's end
         await second.exchange()
@@ -139,12 +166,14 @@ async def test_a_replica_learns_what_another_sent(
         one.record(node("b"), prompt, 1)
         one.record(node("c"), (), 2)
         one.record(node("elsewhere"), prompt, 3)  # not one of the reader's nodes
+        one.finished("c")
         await first.exchange()
         await second.exchange()
         assert two.matches(prompt, [node("a"), node("b")], 4) == {"b": 3}
-        assert two.others_sent == {"b": 1, "c": 1}
+        load = {name: n.view.others_since_snapshot for name, n in theirs.items()}
+        assert load == {"a": 0, "b": 1, "c": 0}  # c's request came and went
         await first.exchange()  # its own entry, read back, is skipped
-        assert one.others_sent == {}
+        assert all(n.view.others_since_snapshot == 0 for n in mine.values())
         assert errors(metrics, "read") == errors(metrics, "write") == 0
     finally:
         await first.stop()
