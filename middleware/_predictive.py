@@ -310,15 +310,14 @@ class Predictive:
         if snap is None:
             # Unknown load is never idle: assume every slot we know of is taken.
             queue = max(queue, model.slots or model.peak + 1)
-        elif self.index is not None and self.index.sharing:
-            # The other replicas' requests since the snapshot, as their shared records and ends
-            # tell: counted, where the trend below can only guess (8 replicas, 1 s old
-            # snapshots, multi-tenant-chat: TTFT p90 2.12 s -> 1.90 s in the simulator, eight
-            # seeds, counting their starts; with their ends too, reset as each snapshot comes,
-            # 1.57 -> 1.50 s, and at 50 replicas 2.74 -> 2.23 s).
-            queue = max(queue + node.others_since_snapshot, node.in_flight)
-        elif model.trend > 0:
-            queue += 0.5 * model.trend  # half a snapshot period of the others' growth
+        elif model.trend > 0 and (self.index is None or not self.index.sharing):
+            # Half a snapshot period of the others' growth. Replicas that share tell theirs
+            # instead (`NodeView.others_since_snapshot`, in the effective queue): counted, where
+            # the trend only guesses (8 replicas, 1 s old snapshots, multi-tenant-chat: TTFT p90
+            # 2.12 s -> 1.90 s in the simulator, eight seeds, counting their starts; with their
+            # ends too, reset as each snapshot comes, 1.57 -> 1.50 s, at 50 replicas 2.74 ->
+            # 2.23 s; in the queue each answer is learnt against, 2.02 -> 1.71 s there).
+            queue += 0.5 * model.trend
         if cold:
             # Learnt from no answer yet, but the snapshots tell its decode speed: every replica
             # knows it from the first snapshot, not after probes of its own. The head (first

@@ -203,6 +203,7 @@ class LeastConn(Static):
             snap = node.snapshot
             if snap is not None and (engine := snap.engine) is not None:
                 others = engine.running + engine.waiting - node.in_flight_at_snapshot
+                others += node.others_since_snapshot
                 if others > 0:
                     queue += others
             capacity = node.weight * node.ramp

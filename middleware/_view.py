@@ -69,11 +69,13 @@ class NodeView:
     @property
     def effective_queue(self) -> int:
         """The node's queue now: others' requests as the engine last reported them (its count
-        less ours at that moment) plus ours now. Without a snapshot: ours alone."""
+        less ours at that moment) and as the other replicas told since, plus ours now. Without
+        a snapshot: ours alone."""
         engine = self.engine_queue
         if engine is None:
             return self.in_flight
-        return self.in_flight + max(0, engine - self.in_flight_at_snapshot)
+        others = engine - self.in_flight_at_snapshot + self.others_since_snapshot
+        return self.in_flight + max(0, others)
 
     @property
     def gpu_util(self) -> float | None:

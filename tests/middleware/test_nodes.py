@@ -237,6 +237,10 @@ def test_in_flight_at_snapshot_is_remembered_for_the_effective_queue(snap: MakeS
     t.tick(1.0)
     n0.view.in_flight = 4
     assert n0.view.effective_queue == 4 + 2
+    n0.view.others_since_snapshot = 3  # the other replicas sent 3 more since, they told
+    assert n0.view.effective_queue == 4 + 2 + 3
+    n0.view.others_since_snapshot = -5  # theirs ended, and more: no fewer than ours
+    assert n0.view.effective_queue == 4
 
 
 def test_unknown_models_and_nodes_without_models() -> None:

@@ -262,9 +262,8 @@ def test_shared_records_count_as_load_until_the_next_snapshot(node: MakeNode) ->
     req = chat("", 50)
     alone, b_alone = strategy.expected_time(req, a, 20), strategy.expected_time(req, b, 20)
     views = {"a": a, "b": b}
-    strategy.index.learn([("a", ())] * 6, views)  # not sharing: the records are not load
-    assert strategy.expected_time(req, a, 20) == alone
     strategy.index.share()
+    strategy.index.learn([("a", ())] * 6, views)
     assert alone is not None and (strategy.expected_time(req, a, 20) or 0) > alone + 1.0
     assert strategy.expected_time(req, b, 20) == b_alone  # only where they were sent
     strategy.index.learn_finishes([("a", 6)], views)  # their ends take them off again

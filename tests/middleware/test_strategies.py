@@ -308,6 +308,7 @@ def test_least_conn_matches_effective_queue_over_capacity(snap: MakeSnapshot) ->
                 ramp=rng.choice((0.2, 1.0)),
                 in_flight=rng.randrange(6),
                 in_flight_at_snapshot=rng.randrange(6),
+                others_since_snapshot=rng.randrange(-3, 4),  # other replicas' since
             )
             for i in range(5)
         ]
