@@ -439,7 +439,8 @@ class Predictive:
             # multi-tenant-chat: TTFT p90 1.83 s -> 1.51 s over six seeds, hit rate 0.34 -> 0.51).
             return first_node
         if second <= best * (1.0 + NEAR_TIE):
-            return self._least_busy(looked, times, first_node, held, rng)
+            shared = self.index is not None and self.index.sharing
+            return self._least_busy(looked, times, first_node, held, rng, shared)
         # The better of the two in proportion to the fourth power of the other's time: a near tie
         # is shared (1 s vs 1.2 s is 2:1), so that replicas on one stale view do not herd, but a
         # node twice as slow gets one request in 17, not one in 3. The linear share sent seed-3am's
@@ -458,6 +459,7 @@ class Predictive:
         best_node: NodeView,
         held: dict[str, int] | None,
         rng: random.Random,
+        shared: bool = False,
     ) -> NodeView:
         """A near tie: of the nodes within `NEAR_TIE` of the best node's time that fail no more
         often and hold as much of the prompt as it does, or as the deepest holder within
@@ -465,7 +467,14 @@ class Predictive:
         equals. Our own count is fresh and ours alone, where the snapshots behind the times are
         a second old and the same for every replica: replicas that each go to their own least
         busy node do not herd, as they would on the snapshot's best, and the time is not read
-        closer than it is known."""
+        closer than it is known.
+
+        Replicas that share (``shared``) know every replica's requests to within the exchange's
+        period instead: the fewest in the effective queue then. In the simulator (eight seeds,
+        8 sharing replicas) that took shared-system-prompt's TTFT p90 from 0.66 to 0.51 s and
+        multi-tenant-chat's from 1.39 to 1.28 s (50 replicas: 1.71 -> 1.58 s, hit rate 0.45 ->
+        0.43); replicas alone, on their snapshots, herd on it (shared-system-prompt 0.82 ->
+        0.88 s)."""
         best = times[best_node.name]
         bound = best * (1.0 + NEAR_TIE)
         errors = best_node.error_rate
@@ -493,7 +502,7 @@ class Predictive:
         for node in tied:
             if depth and held and held.get(node.name, 0) < depth:
                 continue
-            busy = node.in_flight
+            busy = node.effective_queue if shared else node.in_flight
             if busy < fewest:
                 fewest, pool = busy, [node]
             elif busy == fewest:

@@ -238,6 +238,24 @@ def test_a_near_tie_goes_to_a_node_holding_more_of_the_prompt_if_nearly_as_fast(
     assert set(got) == {"a", "b"} and min(got.values()) > 25
 
 
+def test_replicas_that_share_settle_a_near_tie_by_every_replicas_requests(
+    node: MakeNode,
+) -> None:
+    rng = random.Random(4)
+    a, b = node("a", running=0), node("b", running=0)
+    a.others_since_snapshot = 3  # the other replicas sent it three since its snapshot
+    b.in_flight = b.in_flight_at_snapshot = 1  # ours, and in the snapshot: one in all
+
+    def tie(shared: bool) -> Counter[str]:
+        times = {"a": 1.0, "b": 1.05}
+        return Counter(
+            Predictive._least_busy([a, b], times, a, None, rng, shared).name for _ in range(50)
+        )
+
+    assert tie(shared=True) == {"b": 50}  # b has one, a three
+    assert tie(shared=False) == {"a": 50}  # of ours, a has none
+
+
 def test_past_the_tie_margin_the_faster_node_gets_most(node: MakeNode) -> None:
     rng = random.Random(8)
     strategy = Predictive(PowerOfTwoChoices())
