@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         "with prompts always run the oracle",
     )
     cluster.add_argument("--duration", default=None, help="override the scenario's duration")
+    cluster.add_argument(
+        "--replicas", type=int, default=8, help="gateways of a +shared run (sharing one Redis)"
+    )
     cluster.add_argument("--out", default=None, help="results folder (default bench/results)")
     cluster.add_argument("--no-plot", action="store_true", help="skip the PNG")
 

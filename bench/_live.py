@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from promptlb.emulator import Service, start_command, start_service
+from promptlb.emulator import Service, start_command, start_redis, start_service
 from promptlb.middleware._strategies import STRATEGIES
 from promptlb.shared import ConfigError, parse_duration
 
@@ -226,9 +227,10 @@ def sidecar_args(spec: NodeSpec, model_url: str) -> list[str]:
 _RESET: dict[str, Any] = {"slow_factor": 1.0, "hang": False, "leak_mb_per_req": 0.0}
 
 
-def gateway_config(strategy: str, cluster: Cluster) -> str:
+def gateway_config(strategy: str, cluster: Cluster, redis_url: str | None = None) -> str:
     """The gateway's TOML: the nodes with their sidecars, the strategy, 1 s health checks and
-    everything else (retries, outlier ejection, slow start) at its default."""
+    everything else (retries, outlier ejection, slow start) at its default; ``[index_share]``
+    on ``redis_url`` when given."""
     tables = "".join(
         f"\n[[nodes]]\nname = '{name}'\nurl = '{node.model.url}'\n"
         f"sidecar = '{node.sidecar.url}'\nmodels = ['{cluster.scenario.model}']\n"
@@ -242,7 +244,8 @@ def gateway_config(strategy: str, cluster: Cluster) -> str:
     if options:
         head += f"strategy_options = {_toml_inline(options)}\n"
     health = f"\n[health]\ninterval = '{HEALTH_INTERVAL}'\n"
-    return head + health + _livecache.affinity_table(strategy) + tables
+    sharing = _livecache.share_table(redis_url)
+    return head + health + _livecache.affinity_table(strategy) + sharing + tables
 
 
 def _toml_inline(value: Any) -> str:
@@ -256,17 +259,39 @@ def _toml_inline(value: Any) -> str:
     return json.dumps(value)
 
 
-def start_gateway(strategy: str, cluster: Cluster, workdir: Path) -> Target:
-    path = workdir / f"gateway-{strategy}.toml"
-    path.write_text(gateway_config(strategy, cluster), encoding="utf-8")
-    service = start_service("middleware", "--config", str(path), "--log-level", "warning")
+def start_gateway(strategy: str, cluster: Cluster, workdir: Path, replicas: int = 1) -> Target:
+    """One gateway; for an ``X+shared`` run, ``replicas`` of them sharing through a Redis
+    started for the run (all stopped by the target's ``stop``)."""
+    redis: Service | None = None
+    if _livecache.shares(strategy):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: a +shared run needs one")
+        redis = start_redis(binary, str(workdir))
+    services: list[Service] = []
+
+    def stop() -> None:
+        for service in [*services, *([redis] if redis is not None else [])]:
+            service.stop()
+
+    try:
+        path = workdir / f"gateway-{strategy}.toml"
+        config = gateway_config(strategy, cluster, redis.url if redis is not None else None)
+        path.write_text(config, encoding="utf-8")
+        for _ in range(replicas if redis is not None else 1):
+            argv = ("--config", str(path), "--log-level", "warning")
+            services.append(start_service("middleware", *argv))
+    except BaseException:
+        stop()
+        raise
     return Target(
         name=f"promptlb {strategy}",
         kind="promptlb",
         strategy=strategy,
-        url=service.url,
-        stop=service.stop,
-        log=service.log,
+        url=services[0].url,
+        stop=stop,
+        log=lambda: "\n".join(service.log() for service in services),
+        urls=[service.url for service in services],
     )
 
 
@@ -277,17 +302,21 @@ async def wait_ready(http: aiohttp.ClientSession, target: Target, count: int) ->
         return
     deadline = time.monotonic() + READY_TIMEOUT_S
     seen: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-            async with http.get(target.url + "/_promptlb/status") as response:
-                seen = await response.json()
-            nodes = seen["nodes"]
-            if len(nodes) == count and all(
-                n["state"] == "ready" and n["snapshot_trusted"] for n in nodes
-            ):
-                return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{target.name}: nodes not all ready after {READY_TIMEOUT_S:g}s: {seen}")
+    for url in target.urls or [target.url]:  # every replica of a +shared run
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.get(url + "/_promptlb/status") as response:
+                    seen = await response.json()
+                nodes = seen["nodes"]
+                if len(nodes) == count and all(
+                    n["state"] == "ready" and n["snapshot_trusted"] for n in nodes
+                ):
+                    break
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{target.name}: nodes not all ready after {READY_TIMEOUT_S:g}s: {seen}"
+                )
+            await asyncio.sleep(0.2)
 
 
 class ProgressBar:
@@ -403,7 +432,7 @@ async def measure(
     drawing = asyncio.create_task(bar.run())
     try:
         results = await replay(
-            target.url,
+            target.urls or target.url,
             trace,
             model=scenario.model,
             timeout_s=REQUEST_TIMEOUT_S,
@@ -428,6 +457,7 @@ class Plan:
     ours: list[str]
     peers: list[tuple[str, str]]  # (peer, strategy)
     missing: list[str]
+    replicas: int = 8  # gateways of a +shared run
 
 
 def plan(strategies: str, peers: str) -> Plan:
@@ -457,9 +487,11 @@ def plan(strategies: str, peers: str) -> Plan:
     return Plan(ours, runs, missing)
 
 
-def _start_target(kind: str, strategy: str, cluster: Cluster, workdir: Path) -> Target:
+def _start_target(
+    kind: str, strategy: str, cluster: Cluster, workdir: Path, replicas: int = 1
+) -> Target:
     if kind == "promptlb":
-        return start_gateway(strategy, cluster, workdir)
+        return start_gateway(strategy, cluster, workdir, replicas)
     if kind == "nginx":
         return _peers.start_nginx(strategy, cluster.urls)
     if kind == "oracle":
@@ -504,7 +536,7 @@ async def run_all(
                     await cluster.reset(http)
                     try:
                         target = await asyncio.to_thread(
-                            _start_target, kind, strategy, cluster, Path(tmp)
+                            _start_target, kind, strategy, cluster, Path(tmp), chosen.replicas
                         )
                     except Exception as exc:  # a peer that fails to start is reported, not fatal
                         failed[name] = f"did not start: {exc}"[:2000]
@@ -580,6 +612,10 @@ def run_cluster(args: argparse.Namespace) -> None:
         scenario, scale = scaled(scenario, duration)
         meta = {"scenario_duration_s": original, "fault_time_scale": round(scale, 4)}
     chosen = plan(args.strategies, args.peers)
+    replicas = getattr(args, "replicas", 8)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError("replicas", replicas, "an integer >= 1")
+    chosen.replicas = replicas
     if scenario.workload.prompts is not None:
         chosen.ours = _livecache.cache_strategies(chosen.ours)
         if ("oracle", "oracle") not in chosen.peers:  # the reference the default is held to

@@ -2,6 +2,9 @@
 
 * ``X+affinity`` runs strategy X under ``[affinity]`` at its defaults (the 512-character prefix
   hash, bounded loads): today's affinity, measured beside the cache-aware default;
+* ``X+shared`` runs strategy X on several gateway replicas sharing through ``[index_share]``
+  and a Redis of their own, the load generator taking them in turn: the simulator's
+  ``X+shared``, live;
 * each run starts on empty caches (every emulator restarted on its port: a cache warmed by the
   previous router's run would flatter the next), and its hit rate is read from the emulators'
   own counters (``prefix_cache_query_tokens``/``hit_tokens`` of ``/_emulator/stats``), before
@@ -20,14 +23,19 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 
+from ._simparams import SHARED
+
 __all__ = [
     "AFFINITY",
+    "SHARED",
     "affinity_table",
     "cache_strategies",
     "hit_rate",
     "inner_strategy",
     "kv_counts",
     "restart_all",
+    "share_table",
+    "shares",
     "watch_kv",
 ]
 
@@ -42,8 +50,19 @@ class _Restartable(Protocol):
 
 
 def inner_strategy(name: str) -> str:
-    """The strategy a run name configures: ``predictive+affinity`` is ``predictive``."""
-    return name.removesuffix(AFFINITY)
+    """The strategy a run name configures: ``predictive+affinity`` is ``predictive``, and so is
+    ``predictive+shared``."""
+    return name.removesuffix(SHARED).removesuffix(AFFINITY)
+
+
+def shares(name: str) -> bool:
+    """Whether a run is of replicas sharing through ``[index_share]``."""
+    return name.endswith(SHARED)
+
+
+def share_table(redis_url: str | None) -> str:
+    """The gateway TOML's ``[index_share]`` on ``redis_url``, or nothing."""
+    return f"\n[index_share]\nredis = '{redis_url}'\n" if redis_url else ""
 
 
 def known(name: str) -> bool:
@@ -52,16 +71,16 @@ def known(name: str) -> bool:
 
 def affinity_table(name: str) -> str:
     """The gateway TOML's ``[affinity]`` for a ``X+affinity`` run, else nothing."""
-    return "\n[affinity]\n" if name.endswith(AFFINITY) else ""
+    return "\n[affinity]\n" if name.removesuffix(SHARED).endswith(AFFINITY) else ""
 
 
 def cache_strategies(ours: Iterable[str]) -> list[str]:
-    """The runs of a prompt-carrying scenario: the ones asked, and today's affinity beside
-    the default, which the report holds the default to."""
+    """The runs of a prompt-carrying scenario: the ones asked, today's affinity beside the
+    default, which the report holds the default to, and the default on replicas that share."""
     out = list(ours)
-    wanted = DEFAULT_STRATEGY + AFFINITY
-    if wanted not in out:
-        out.append(wanted)
+    for wanted in (DEFAULT_STRATEGY + AFFINITY, DEFAULT_STRATEGY + SHARED):
+        if wanted not in out:
+            out.append(wanted)
     return out
 
 

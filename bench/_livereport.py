@@ -25,7 +25,8 @@ from ._report import (
     write_json,
 )
 from ._scenario import Scenario
-from ._simcache import cache_lines, cache_ratios, cache_targets, plot_cache
+from ._simcache import cache_lines, cache_ratios, cache_targets, cache_verdicts, plot_cache
+from ._simparams import SHARED
 
 __all__ = ["Run", "build_report", "live_cache", "publish", "target_lines", "targets"]
 
@@ -173,7 +174,12 @@ def live_cache(
         row = {f"ttft_{p}_s": None if v is None else v / 1000 for p, v in ttft.items()}
         rows.append({"strategy": run["strategy"], **row, "hit_rate": run["hit_rate"]})
     cache_ratios(rows)
-    return {"rows": rows, "targets": cache_targets(rows, goals, applies)}
+    shared = cache_targets(rows, goals, applies, DEFAULT_STRATEGY + SHARED)
+    return {
+        "rows": rows,
+        "targets": cache_targets(rows, goals, applies),
+        "targets_shared": shared,
+    }
 
 
 def publish(
@@ -216,5 +222,7 @@ def publish(
         print(line)
     if "cache" in report:
         for line in cache_lines(report["cache"]["rows"], report["cache"]["targets"]):
+            print(line)
+        for line in cache_verdicts(report["cache"].get("targets_shared", {})):
             print(line)
     print(f"wrote {out / f'cluster-{scenario.name}.json'}")

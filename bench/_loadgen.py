@@ -201,7 +201,7 @@ def chat_body(model: str, arrival: Arrival) -> bytes:
 
 
 async def replay(
-    base_url: str,
+    base_url: str | Sequence[str],
     trace: Sequence[Arrival],
     *,
     model: str,
@@ -213,12 +213,15 @@ async def replay(
     on_start: Callable[[], None] | None = None,
 ) -> list[Result]:
     """Replay ``trace`` against ``base_url``'s ``/v1/chat/completions``; one Result each.
+    Several base URLs (gateway replicas) take the requests in turn, as the simulator's
+    replicas do.
 
     The bodies are built before the clock starts, so sending costs only the write. Requests
     still pending at the trace end + ``drain_s`` are cancelled and marked ``unfinished``.
     ``on_start`` runs when the clock starts (the fault schedule keys off the same moment).
     """
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [base.rstrip("/") + "/v1/chat/completions" for base in bases]
     upstreams = upstreams or {}
     send_headers = {"content-type": "application/json", **(headers or {})}
     by_class = {cls: {**send_headers, CLASS_HEADER: cls} for cls in {a.prompt_class for a in trace}}
@@ -241,6 +244,7 @@ async def replay(
         async def one(result: Result, body: bytes) -> None:
             try:
                 sent = by_class[result.prompt_class]
+                url = urls[result.index % len(urls)]
                 await request_once(http, url, body, result, clock, upstreams, sent)
             except asyncio.CancelledError:
                 result.error = result.error or "unfinished"

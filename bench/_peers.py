@@ -69,6 +69,7 @@ class Target:
     stop: Callable[[], None]
     upstreams: dict[str, str] = field(default_factory=dict)  # host:port or id -> node name
     log: Callable[[], str] = lambda: ""
+    urls: list[str] = field(default_factory=list)  # replicas the load takes in turn, if several
 
 
 def host_port(url: str) -> str:

@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Service", "start_command", "start_service"]
+__all__ = ["Service", "start_command", "start_redis", "start_service"]
 
 _LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
 
@@ -105,6 +106,43 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
         with contextlib.suppress(OSError):
             os.unlink(log.name)
         raise
+
+
+def start_redis(binary: str, workdir: str, timeout: float = 5.0) -> Service:
+    """A throwaway ``redis-server`` (no persistence) on a free loopback port, once it answers
+    PING; its `Service.url` is ``redis://127.0.0.1:PORT/0``. Redis has no port 0 of its own,
+    so the port is one the kernel just handed out."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started_at = time.monotonic()
+    with tempfile.NamedTemporaryFile(prefix="promptlb-redis-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(
+            [
+                *(binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""),
+                *("--appendonly", "no", "--dir", workdir, "--logfile", log.name),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    service = Service("redis", proc, f"redis://127.0.0.1:{port}/0", port, log.name, started_at)
+    deadline = time.monotonic() + timeout
+    while not _pong(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            service.stop()
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        time.sleep(0.02)
+    return service
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def _read(path: str) -> str:

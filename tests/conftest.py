@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import pytest
 from aiohttp import web
-from promptlb.emulator import Service, start_service
+from promptlb.emulator import Service, start_redis, start_service
 
 Launcher = Callable[..., Service]
 Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
@@ -76,41 +73,10 @@ class RedisServer:
     """A real ``redis-server`` on a random loopback port, in its own directory."""
 
     def __init__(self, binary: str, workdir: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 5
-        while not self._pong():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
-
-    def _pong(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        self.service = start_redis(binary, str(workdir))
+        self.port = self.service.port
+        self.url = self.service.url
+        self.proc = self.service.proc
 
     def kill(self) -> None:
         """SIGKILL: Redis dies as it would on a crash (idempotent)."""
@@ -138,3 +104,4 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+        server.service.stop()  # its log file

@@ -106,7 +106,21 @@ def test_affinity_runs_configure_the_inner_strategy_under_affinity() -> None:
         "round_robin",
         "predictive",
         "predictive+affinity",
+        "predictive+shared",
     ]
+
+
+def test_shared_runs_configure_the_inner_strategy_sharing_through_the_runs_redis() -> None:
+    import tomllib
+
+    cluster = Cluster(load_scenario("multi-tenant-chat"))
+    parsed = tomllib.loads(gateway_config("predictive+shared", cluster, "redis://127.0.0.1:1/0"))
+    assert parsed["strategy"] == "predictive"
+    assert parsed["index_share"] == {"redis": "redis://127.0.0.1:1/0"}
+    assert "index_share" not in tomllib.loads(gateway_config("predictive", cluster))
+    assert plan("predictive+shared", "none").ours == ["predictive+shared"]
+    with pytest.raises(ConfigError):
+        plan("fastest+shared", "none")
 
 
 def test_the_oracle_is_a_peer_that_is_never_missing() -> None:

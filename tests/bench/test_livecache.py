@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from pathlib import Path
 
 import aiohttp
+from promptlb.bench._live import Cluster, start_gateway, wait_ready
 from promptlb.bench._livecache import watch_kv
+from promptlb.bench._loadgen import replay
+from promptlb.bench._scenario import Arrival, load_scenario
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, need_binary
 
 
 async def test_kv_use_is_read_off_each_nodes_gauge_over_the_run(launch: Launcher) -> None:
@@ -31,3 +35,47 @@ async def test_kv_use_is_read_off_each_nodes_gauge_over_the_run(launch: Launcher
     assert len(points) >= 2 and points[0] == [0.0, 0.0]
     assert 0.1 < points[-1][1] <= 1.0  # ~800 tokens of 1,600 held, cached after the answer
     assert all(b[0] > a[0] for a, b in itertools.pairwise(points))
+
+
+def _left(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.suffix != ".toml"]
+
+
+async def test_a_shared_run_is_replicas_on_one_redis_taking_the_load_in_turn(
+    tmp_path: Path,
+) -> None:
+    """``predictive+shared`` live: two gateways sharing through a Redis of their own, the
+    trace's requests alternating between them, and every process gone once it stops."""
+    need_binary("redis-server", "redis-server")
+    path = tmp_path / "two.toml"
+    path.write_text(
+        'duration = "3s"\nseed = 3\n[workload.prompts]\nkind = "chat"\ntenants = 2\n'
+        "users = 2\nsystem_tokens = 600\n"
+        '[[nodes]]\nname = "n"\ncount = 2\nttft_ms = 5\ntokens_per_s = 2000\n',
+        encoding="utf-8",
+    )
+    cluster = Cluster(load_scenario(str(path)))
+    cluster.start()
+    try:
+        target = start_gateway("predictive+shared", cluster, tmp_path, replicas=2)
+        try:
+            text = (tmp_path / "gateway-predictive+shared.toml").read_text(encoding="utf-8")
+            assert "[index_share]" in text and "strategy = 'predictive'" in text
+            assert len(target.urls) == 2 and target.url == target.urls[0]
+            async with aiohttp.ClientSession() as http:
+                await wait_ready(http, target, len(cluster.nodes))
+                trace = [Arrival(0.05 * i, "chat", 50, 4) for i in range(6)]
+                results = await replay(target.urls, trace, model=cluster.scenario.model)
+                assert not any(r.error for r in results), results
+                served = []
+                for url in target.urls:
+                    async with http.get(url + "/_promptlb/status") as response:
+                        status = await response.json()
+                    served.append(sum(n["requests"] for n in status["nodes"]))
+            assert served == [3, 3]
+        finally:
+            target.stop()
+        assert _left(tmp_path) == []  # the Redis persisted nothing
+    finally:
+        cluster.stop()
+    assert all(s.proc.poll() is not None for s in cluster.services)
