@@ -19,8 +19,6 @@ import asyncio
 import json
 import random
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Any
 import aiohttp
 from promptlb.bench._report import RESULTS, environment, write_json
 from promptlb.bench._stats import percentile
-from promptlb.emulator import Service, start_service
+from promptlb.emulator import Service, start_redis, start_service
 
 SIDECAR = ("--sample-interval", "100ms", "--no-warmup-required", "--log-level", "WARNING")
 HEALTH = "[health]\ninterval = '250ms'\ninterval_jitter = '25ms'\ntimeout = '250ms'\n"
@@ -174,30 +172,6 @@ async def outage(args: argparse.Namespace) -> dict[str, Any]:
             service.stop()
 
 
-class Redis:
-    """A throwaway redis-server on a free loopback port, or None when it is not installed."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        self.proc: subprocess.Popen[bytes] | None = None
-        if binary is None:
-            return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-
-
 async def hit_latency(backend: str, count: int) -> dict[str, Any]:
     """Sequential requests for one cached answer (``serve_fresh``) and the node's first one."""
     started, gateway, _ = cluster(backend, serve_fresh=True)
@@ -227,14 +201,16 @@ async def hit_latency(backend: str, count: int) -> dict[str, Any]:
 
 async def cache_hits(count: int) -> dict[str, Any]:
     out: dict[str, Any] = {"memory": await hit_latency("memory", count)}
-    redis = Redis()
-    try:
-        if redis.proc is None:
-            out["redis"] = "missing: redis-server is not installed"
-        else:
-            out["redis"] = await hit_latency(f"redis://127.0.0.1:{redis.port}/0", count)
-    finally:
-        redis.stop()
+    binary = shutil.which("redis-server")
+    if binary is None:
+        out["redis"] = "missing: redis-server is not installed"
+        return out
+    with tempfile.TemporaryDirectory() as workdir:
+        redis = start_redis(binary, workdir)
+        try:
+            out["redis"] = await hit_latency(redis.url, count)
+        finally:
+            redis.stop()
     return out
 
 

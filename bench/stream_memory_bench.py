@@ -27,8 +27,7 @@ from typing import Any
 import aiohttp
 from promptlb.bench._faults import rss_mb
 from promptlb.bench._report import RESULTS, environment, write_json
-from promptlb.bench.degrade_bench import Redis
-from promptlb.emulator import Service, start_service
+from promptlb.emulator import Service, start_redis, start_service
 
 
 async def one_round(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -116,7 +115,6 @@ def main() -> None:
     if args.cache == "redis" and shutil.which("redis-server") is None:
         raise SystemExit("stream_memory_bench: redis-server is not installed")
     services: list[Service] = []
-    redis: Redis | None = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             model = start_service(
@@ -129,9 +127,11 @@ def main() -> None:
             config = "[health]\ninterval = '1s'\n[retry]\ntotal_timeout = '1h'\n"
             if args.cache != "none":
                 backend = "memory"
-                if args.cache == "redis":
-                    redis = Redis()
-                    backend = f"redis://127.0.0.1:{redis.port}/0"
+                binary = shutil.which("redis-server")
+                if args.cache == "redis" and binary is not None:
+                    redis = start_redis(binary, tmp)
+                    services.append(redis)  # stopped after the gateway that uses it
+                    backend = redis.url
                 config += f"[cache]\nbackend = '{backend}'\n"
                 if args.entry_bytes is not None:
                     config += f"max_entry_bytes = {args.entry_bytes}\n"
@@ -144,8 +144,6 @@ def main() -> None:
         finally:
             for service in reversed(services):
                 service.stop()
-            if redis is not None:
-                redis.stop()
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     write_json(args.out, {"benchmark": "stream_memory", **environment(), **settings, **report})
 
