@@ -302,7 +302,7 @@ async def wait_ready(http: aiohttp.ClientSession, target: Target, count: int) ->
         return
     deadline = time.monotonic() + READY_TIMEOUT_S
     seen: Any = None
-    for url in target.urls or [target.url]:  # every replica of a +shared run
+    for url in target.bases:  # every replica of a +shared run
         while True:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with http.get(url + "/_promptlb/status") as response:
@@ -432,7 +432,7 @@ async def measure(
     drawing = asyncio.create_task(bar.run())
     try:
         results = await replay(
-            target.urls or target.url,
+            target.bases,
             trace,
             model=scenario.model,
             timeout_s=REQUEST_TIMEOUT_S,

@@ -71,6 +71,11 @@ class Target:
     log: Callable[[], str] = lambda: ""
     urls: list[str] = field(default_factory=list)  # replicas the load takes in turn, if several
 
+    @property
+    def bases(self) -> list[str]:
+        """Where the load goes: the replicas, or the one URL."""
+        return self.urls or [self.url]
+
 
 def host_port(url: str) -> str:
     parts = urlsplit(url)

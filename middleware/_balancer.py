@@ -283,6 +283,13 @@ class Balancer:
         leave none."""
         return Try(self, request, first_deadline, total, avoid, admit)
 
+    def _let_go(self, node: Node) -> None:
+        """A try on ``node`` is over, whatever its outcome: it holds no place there any more,
+        and the other replicas, while they share, are told so."""
+        node.view.in_flight -= 1
+        if self.index is not None:
+            self.index.finished(node.name)
+
     def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
         """Record how the passed-on try ended, and teach the strategy from a real answer;
         ``whole`` is the seconds the answer was given."""
@@ -426,7 +433,7 @@ class Try:
             request = self._request
             route = request.route
             admit = self._admit
-            table, metrics, index = lb.table, lb.metrics, lb.index
+            table, metrics = lb.table, lb.metrics
             tried: list[str] = []
             avoid = self._avoid
             if avoid is None:
@@ -494,9 +501,7 @@ class Try:
                         if expiry.fired:  # a cancel swallowed on the way: ours, take it back
                             task.uncancel()
                     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                        view.in_flight -= 1
-                        if index is not None:
-                            index.finished(node.name)
+                        lb._let_go(node)
                         # The detail names the node's address: for the log, not the client.
                         _log.debug("try on node %s failed: %r", node.name, exc)
                         if not isinstance(exc, TimeoutError):
@@ -518,9 +523,7 @@ class Try:
                     except BaseException:
                         # Cancelled before the headers (a hedge's loser, a client gone): the
                         # try holds no place on the node any more.
-                        view.in_flight -= 1
-                        if index is not None:
-                            index.finished(node.name)
+                        lb._let_go(node)
                         raise
                     finally:
                         if len(tried) > 1:
@@ -547,9 +550,7 @@ class Try:
                         retryable = False
                     if retryable:
                         response.release()
-                        view.in_flight -= 1
-                        if index is not None:
-                            index.finished(node.name)
+                        lb._let_go(node)
                         last = f"a node answered {code}"
                         if code == 429:
                             lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
@@ -596,10 +597,7 @@ class Try:
                 upstream.response.close()  # the node sees the disconnect and stops working
             else:
                 upstream.response.release()
-            node = upstream.node
-            node.view.in_flight -= 1
-            if lb.index is not None:
-                lb.index.finished(node.name)
+            lb._let_go(upstream.node)
             if lb.admission.enabled:
                 lb.admission.wake()
             lb._settle(upstream, self._request.route, aborted, self._whole)

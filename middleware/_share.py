@@ -22,7 +22,7 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -55,11 +55,13 @@ _MAX_READING = 1e9  # tokens or seconds: beyond, a reading is garbage, not a slo
 _MAX_ENDED = 1_000_000  # tries ended on one node in one round
 
 
-def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
-    packed: bytes = msgpack.packb(
-        [[name, list(blocks)] for name, blocks in records], use_bin_type=True
-    )
+def _pack(rows: Iterable[Sequence[object]]) -> bytes:
+    packed: bytes = msgpack.packb([list(row) for row in rows], use_bin_type=True)
     return packed
+
+
+def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
+    return _pack(records)  # a tuple of blocks packs as the array it is read back as
 
 
 def _items(raw: bytes, what: str) -> list[object]:
@@ -93,8 +95,7 @@ def decode_records(raw: bytes) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def encode_readings(readings: Sequence[Reading]) -> bytes:
-    packed: bytes = msgpack.packb([list(reading) for reading in readings], use_bin_type=True)
-    return packed
+    return _pack(readings)
 
 
 def _amount(value: object, *, optional: bool = False) -> bool:
@@ -130,8 +131,7 @@ def _float(value: float | None) -> float | None:
 
 
 def encode_finishes(finishes: Sequence[tuple[str, int]]) -> bytes:
-    packed: bytes = msgpack.packb([list(item) for item in finishes], use_bin_type=True)
-    return packed
+    return _pack(finishes)
 
 
 def decode_finishes(raw: bytes) -> list[tuple[str, int]]:
