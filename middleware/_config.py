@@ -255,11 +255,14 @@ class BatchingConfig:
 
 
 # Seconds; the simulator's "+shared" runs exchange as often. The others' load since a node's
-# snapshot is known to within this: in the simulator (eight seeds, 1 s old snapshots) 100 ms
-# instead of 250 took multi-tenant-chat's TTFT p90 from 1.50 to 1.42 s at 8 replicas and from
-# 2.23 to 2.02 s at 50, rag's from 1.71 to 1.59 s; each replica writes and reads Redis once a
-# round (50 replicas: 500 entries written a second, each read by the 49 others).
-INDEX_SHARE_EVERY = 0.1
+# snapshot is known to within this, and what a replica does not know yet it herds onto: in the
+# simulator (1 s old snapshots, 8 replicas) 20 ms instead of 100 took shared-system-prompt's
+# TTFT p90 from 0.52 to 0.43 s (oracle 0.43; 40 seeds), multi-tenant-chat's from 1.31 s / hit
+# 0.60 to 1.22 s / 0.64 (oracle 1.05 / 0.64; 24 seeds), at 50 replicas from 1.89 s / 0.43 to
+# 1.54 s / 0.49; 10 and 5 ms did no better. A round is one Redis round trip (write and read
+# pipelined): about 100 us of the gateway's CPU idle, 15 us more per entry of another replica
+# read (hiredis), so at 8 busy replicas about 1% of a core.
+INDEX_SHARE_EVERY = 0.02
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

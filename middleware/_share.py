@@ -192,26 +192,40 @@ class IndexShare:
             await self.exchange()
 
     async def exchange(self) -> None:
-        """One round: write what was recorded since the last, then read the others'."""
+        """One round: write what was recorded since the last and read the others', in one
+        round trip (a pipeline, not a transaction: the two need not be atomic)."""
         index = self._index
         records, readings, finishes = index.sent(), index.readings(), index.finishes()
-        op = "write"
+        client, key = self._client, self._config.key
+        fields: dict[bytes, bytes | str] | None = None
+        if records or readings or finishes:
+            # ``d`` even when empty: a replica of the version before reads it alone
+            fields = {b"r": self.replica, b"d": encode_records(records)}
+            if readings:
+                fields[b"a"] = encode_readings(readings)
+            if finishes:
+                fields[b"f"] = encode_finishes(finishes)
+        op = "read" if fields is None else "write"
         try:
-            if records or readings or finishes:
-                # ``d`` even when empty: a replica of the version before reads it alone
-                fields = {b"r": self.replica, b"d": encode_records(records)}
-                if readings:
-                    fields[b"a"] = encode_readings(readings)
-                if finishes:
-                    fields[b"f"] = encode_finishes(finishes)
-                await self._client.xadd(
-                    self._config.key,
-                    fields,
-                    maxlen=self._config.max_entries,
-                    approximate=True,
-                )
+            pipe = client.pipeline(transaction=False)
+            if fields is not None:
+                pipe.xadd(key, fields, maxlen=self._config.max_entries, approximate=True)
+            starting = self._last_id is None
+            if starting:
+                # A replica starting learns from now on: older entries name requests long
+                # done, and would count as load on nodes that finished them.
+                pipe.xrevrange(key, count=1)
+            else:
+                pipe.xread({key: self._last_id}, count=_READ_COUNT)
+            got = (await pipe.execute())[-1]
             op = "read"
-            await self._read()
+            if starting:
+                self._last_id = got[0][0] if got else b"0-0"
+            else:
+                reads = 1
+                while self._learn(got[0][1] if got else []) and reads < _READS_PER_ROUND:
+                    got = await client.xread({key: self._last_id}, count=_READ_COUNT)
+                    reads += 1
         except self._errors as exc:
             self._metrics.index_share_errors.labels(op).inc()
             if not self._down:
@@ -227,35 +241,26 @@ class IndexShare:
             self._down = False
             log.info("promptlb: index sharing through Redis works again")
 
-    async def _read(self) -> None:
-        client, key = self._client, self._config.key
-        if self._last_id is None:
-            # A replica starting learns from now on: older entries name requests long done,
-            # and would count as load on nodes that finished them.
-            newest = await client.xrevrange(key, count=1)
-            self._last_id = newest[0][0] if newest else b"0-0"
-            return
+    def _learn(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> bool:
+        """The others' entries into the index; whether a full batch came (more may wait)."""
         index = self._index
         views: dict[str, NodeView] | None = None
-        for _ in range(_READS_PER_ROUND):
-            got = await client.xread({key: self._last_id}, count=_READ_COUNT)
-            entries = got[0][1] if got else []
-            for entry_id, fields in entries:
-                self._last_id = entry_id
-                if fields.get(b"r") == self.replica.encode():
-                    continue
-                try:
-                    records = decode_records(fields.get(b"d", b""))
-                    readings = decode_readings(fields[b"a"]) if b"a" in fields else []
-                    finishes = decode_finishes(fields[b"f"]) if b"f" in fields else []
-                except ValueError as exc:
-                    self._metrics.index_share_errors.labels("decode").inc()
-                    log.debug("promptlb: index share entry %r skipped: %s", entry_id, exc)
-                    continue
-                if views is None:  # the table as it is now: nodes come and go on reloads
-                    views = {name: node.view for name, node in self._nodes.items()}
-                index.learn(records, views)
-                index.learn_readings(readings, views)
-                index.learn_finishes(finishes, views)
-            if len(entries) < _READ_COUNT:
-                return
+        mine = self.replica.encode()
+        for entry_id, fields in entries:
+            self._last_id = entry_id
+            if fields.get(b"r") == mine:
+                continue
+            try:
+                records = decode_records(fields.get(b"d", b""))
+                readings = decode_readings(fields[b"a"]) if b"a" in fields else []
+                finishes = decode_finishes(fields[b"f"]) if b"f" in fields else []
+            except ValueError as exc:
+                self._metrics.index_share_errors.labels("decode").inc()
+                log.debug("promptlb: index share entry %r skipped: %s", entry_id, exc)
+                continue
+            if views is None:  # the table as it is now: nodes come and go on reloads
+                views = {name: node.view for name, node in self._nodes.items()}
+            index.learn(records, views)
+            index.learn_readings(readings, views)
+            index.learn_finishes(finishes, views)
+        return len(entries) >= _READ_COUNT

@@ -123,7 +123,7 @@ def test_the_oracle_caches_more_and_answers_sooner_than_round_robin() -> None:
 
 def test_replicas_that_share_their_index_hit_more_than_alone() -> None:
     # Each of 4 replicas routes a quarter of the turns: alone it rarely knows where a
-    # conversation's history is; sharing (every 0.1 s, as [index_share] does) it does.
+    # conversation's history is; sharing (every 20 ms, as [index_share] does) it does.
     scenario = _chat()
     arrivals = scenario.arrivals()
     prepared = prepare(arrivals, scenario.model)

@@ -18,8 +18,10 @@ from promptlb.middleware._metrics import Metrics
 from promptlb.middleware._nodes import Node, NodeTable
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import INDEX_TOKENS, PrefixIndex, prompt_blocks
+from promptlb.middleware._redis import connect
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._share import (
+    _READ_COUNT,
     IndexShare,
     decode_finishes,
     decode_readings,
@@ -194,6 +196,43 @@ async def test_a_stray_entry_is_skipped_and_counted(
         await reader.exchange()
         assert errors(metrics, "decode") == 1
         assert index.matches(blocks("x" * CHUNK), [node("a")], 1) == {"a": 1}  # the next one
+    finally:
+        await raw.aclose()
+        await reader.stop()
+
+
+def test_redis_replies_are_parsed_in_c() -> None:
+    # Every round reads each other replica's entries: redis-py's pure-Python parser more than
+    # doubled a round's CPU, so the redis extra installs hiredis, and the client must use it.
+    client, _ = connect("redis://127.0.0.1:9/0", 0.1)
+    connection = client.connection_pool.make_connection()
+    assert type(connection._parser).__name__ == "_AsyncHiredisParser"
+
+
+async def test_a_backlog_longer_than_one_read_is_taken_in_one_round(
+    redis_server: RedisServer,
+) -> None:
+    """A replica that fell behind (a stall, a burst of peers) reads batch after batch in one
+    round, after the one that came back with its own write."""
+    metrics = Metrics(lambda: None)
+    index = PrefixIndex()
+    nodes = table()
+    reader = share(redis_server.url, index, metrics, nodes, key="k")
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    backlog = _READ_COUNT * 2 + 5
+    try:
+        await reader.exchange()
+        record = encode_records([("a", ())])
+        async with raw.pipeline(transaction=False) as pipe:
+            for _ in range(backlog):
+                pipe.xadd("k", {b"r": b"peer", b"d": record})
+            await pipe.execute()
+        index.record(nodes["b"].view, (), 1)
+        await reader.exchange()
+        assert nodes["a"].view.others_since_snapshot == backlog
+        assert nodes["b"].view.others_since_snapshot == 0  # its own, read back, skipped
+        assert await raw.xlen("k") == backlog + 1  # and written in the same round
+        assert errors(metrics, "read") == errors(metrics, "write") == 0
     finally:
         await raw.aclose()
         await reader.stop()
