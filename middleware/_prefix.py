@@ -18,8 +18,9 @@ Memory: one dict entry per coarse block and node (about 100 bytes; `bench/pick_b
 ``capacity`` bounds it per node.
 
 Replicas that share (`share`): each keeps an outbox of what it recorded, and `learn` takes what
-the others recorded, stamped with this index's own clock at its last record (each replica's
-clock is its own count of picks). The same records, with the ends of the tries they started
+the others recorded, stamped just after this index's own clock at its last record, in the order
+learnt (each replica's clock is its own count of picks), and bounded per node by that node's
+snapshot as its own records are. The same records, with the ends of the tries they started
 (`finished`, `learn_finishes`), keep each node's `NodeView.others_since_snapshot`: the other
 replicas' requests on it that its last snapshot does not show. What moves them, Redis or the
 simulator, is not here.
@@ -56,6 +57,12 @@ INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
 INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
 _DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
+# The others' records between two of ours are stamped this far apart, after our last, so that
+# the least recently sent goes first among them too (at 50 replicas a replica's own clock moves
+# once in fifty records); at most `_LEARN_SPAN` of a tick past it. In the simulator (50
+# replicas, multi-tenant-chat, eight seeds) hit rate 0.59 -> 0.63, TTFT p90 1.41 -> 1.35 s.
+_LEARN_STEP = 1e-4
+_LEARN_SPAN = 0.4
 OUTBOX_RECORDS = 4096  # kept for the others between two drains: beyond, they are dropped
 
 # One answer a learning strategy read off a node, as its model takes it: (node, output tokens,
@@ -112,7 +119,8 @@ class PrefixIndex:
         self.ttl = ttl
         self._nodes: dict[str, _Node] = {}
         self._entries = 0  # blocks held over all nodes, kept as they change
-        self._now = 0.0  # the caller's clock at its last record: what `learn` stamps with
+        self._now = 0.0  # the caller's clock at its last record
+        self._learnt = 0.0  # the stamp `learn` gave its last record: a step past the one before
         self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
         self._readings: list[Reading] = []
         self._finished: dict[str, int] = {}  # per node, our tries ended since the last drain
@@ -158,7 +166,7 @@ class PrefixIndex:
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
         """``blocks`` were sent to ``node``: it will hold them once it has prefilled. A request
         with none is recorded only for the other replicas, which count it as load."""
-        self._now = now
+        self._now = self._learnt = now
         if blocks:
             self._add(self._state(node), blocks, now)
         outbox = self._outbox
@@ -238,11 +246,14 @@ class PrefixIndex:
     def learn(
         self, records: Iterable[tuple[str, Sequence[int]]], views: Mapping[str, NodeView]
     ) -> None:
-        """What another replica sent where: entries as if recorded now, and a request more on
-        the node's view (`NodeView.others_since_snapshot`: load its snapshot does not show
-        yet). Only nodes in ``views`` (this replica's own): a peer's must not grow its memory."""
-        now = self._now
-        nodes = self._nodes
+        """What another replica sent where: entries as if recorded now (in the order learnt),
+        and a request more on the node's view (`NodeView.others_since_snapshot`: load its
+        snapshot does not show yet). Only nodes in ``views`` (this replica's own): a peer's must
+        not grow its memory. The node's entries are bounded by its snapshot as for our own
+        records: a replica that seldom sends to a node itself otherwise held every record
+        learnt for it, far more than the node's cache (in the simulator, 50 replicas on
+        multi-tenant-chat, eight seeds: hit rate 0.49 -> 0.59 of one replica's 0.66)."""
+        ceiling = self._now + _LEARN_SPAN
         for name, blocks in records:
             view = views.get(name)
             if view is None:
@@ -250,10 +261,9 @@ class PrefixIndex:
             view.others_since_snapshot += 1
             if not blocks:
                 continue
-            state = nodes.get(name)
-            if state is None:
-                state = nodes[name] = _Node(self.capacity)
-            self._add(state, blocks, now)
+            stamp = self._learnt + _LEARN_STEP
+            self._learnt = stamp = stamp if stamp < ceiling else ceiling
+            self._add(self._state(view), blocks, stamp)
 
     def _add(self, state: _Node, blocks: Sequence[int], now: float) -> None:
         # A chain's deeper blocks count as a hair older, so that trimming eats a chain from its

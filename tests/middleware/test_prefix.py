@@ -113,6 +113,30 @@ def test_replicas_that_share_learn_what_the_others_sent(node: MakeNode) -> None:
     assert two.matches(blocks(SYSTEM), [node("gone")], 8) == {}
 
 
+def test_what_a_replica_learns_is_bounded_by_the_nodes_cache(node: MakeNode) -> None:
+    """A node this replica never sends to itself: the others' records for it are trimmed to
+    what its snapshot says fits, as its own would be, least recently learnt first."""
+    index = PrefixIndex(capacity=1000)
+    index.record(node("b"), (), 1)  # our own clock: one pick
+    small = node("a", running=1, kv_cache=0.2, kv_tokens=10 * INDEX_TOKENS)
+    prompts = [blocks(f"{i:04d}" * (CHUNK // 4)) for i in range(40)]
+    for prompt in prompts:  # one at a time, as entries come: each after the one before
+        index.learn([("a", prompt)], {"a": small})
+    assert 10 <= len(index) <= 10 + 10 // 8
+    assert index.matches(prompts[-1], [small], 1) == {"a": 1}
+    assert index.matches(prompts[0], [small], 1) == {}
+    restarted = node("a", boot="new", running=0, kv_cache=0.0, kv_tokens=10 * INDEX_TOKENS)
+    index.learn([("a", prompts[5])], {"a": restarted})
+    assert len(index) == 1  # its cache is gone: so is what was learnt for it
+    # Between two picks of our own the learnt records keep their order: one sent again is
+    # the most recent, not the first in (at 50 replicas our clock moves once in fifty records).
+    index.record(small, (), 2)
+    for i in (7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 7, 17, 18):
+        index.learn([("a", prompts[i])], {"a": small})
+    assert index.matches(prompts[7], [small], 2) == {"a": 1}
+    assert index.matches(prompts[8], [small], 2) == {}
+
+
 def test_the_ends_of_the_others_tries_take_their_load_off(node: MakeNode) -> None:
     one, two = PrefixIndex(), PrefixIndex()
     one.finished("a")
