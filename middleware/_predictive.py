@@ -120,10 +120,11 @@ class ServiceModel:
 
     def service(self, out_tokens: float, in_tokens: float) -> float:
         a, b, c = self.theta
+        # Conditionals, not max(): this runs for every candidate of every pick.
         return (
-            max(a, 0.0)
-            + max(b, 0.0) * out_tokens / _OUT_SCALE
-            + max(c, 0.0) * in_tokens / _IN_SCALE
+            (a if a > 0.0 else 0.0)
+            + (b if b > 0.0 else 0.0) * out_tokens / _OUT_SCALE
+            + (c if c > 0.0 else 0.0) * in_tokens / _IN_SCALE
         )
 
     def wait(self, queue: float, mean_service: float | None = None) -> float:
@@ -299,7 +300,7 @@ class Predictive:
     ) -> float | None:
         """Seconds until ``request`` would finish on ``node`` with ``uncached`` of its prompt
         tokens to prefill (all of them by default); ``None`` while the node is cold."""
-        model = self._model(node.name)
+        model = self._models.get(node.name) or self._model(node.name)
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
             model.see(snap, node.in_flight_at_snapshot)
@@ -329,7 +330,8 @@ class Predictive:
             total = model.wait(queue) + model.service(out, prefill)
         if node.error_rate > 0:
             total /= max(0.05, 1.0 - node.error_rate)  # a failed try costs a retry
-        return total / max(node.ramp, 0.1)
+        ramp = node.ramp
+        return total if ramp >= 1.0 else total / (ramp if ramp > 0.1 else 0.1)
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
@@ -357,7 +359,8 @@ class Predictive:
     @staticmethod
     def _prefill(request: RouteRequest, depth: int) -> float:
         """The prompt tokens a node that holds ``depth`` coarse blocks of it has to prefill."""
-        return max(0.0, request.input_tokens - depth * INDEX_TOKENS)
+        left = request.input_tokens - depth * INDEX_TOKENS
+        return left if left > 0 else 0.0
 
     def _pick(
         self,
@@ -389,10 +392,11 @@ class Predictive:
         probes: list[NodeView] = []
         answered = busy_unknown = False
         times: dict[str, float] = {}
+        models = self._models
         for node in looked:
             uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
             t = self.expected_time(request, node, out, uncached)
-            if self._model(node.name).count:
+            if models[node.name].count:  # expected_time made it
                 answered = True
             elif node.in_flight:
                 busy_unknown = True  # requests out, none answered: its estimate is a guess yet
