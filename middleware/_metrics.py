@@ -207,8 +207,8 @@ class Metrics:
         )
         self.index_share_errors = Counter(
             "promptlb_index_share_errors",
-            "Exchanges of the prefix index through Redis that failed (write, read) or entries "
-            "skipped (decode).",
+            "Exchanges of the prefix index through Redis that failed (write: a round with "
+            "records to write, its read included; read) or entries skipped (decode).",
             ["op"],
             registry=r,
         )

@@ -129,12 +129,16 @@ def test_what_a_replica_learns_is_bounded_by_the_nodes_cache(node: MakeNode) -> 
     index.learn([("a", prompts[5])], {"a": restarted})
     assert len(index) == 1  # its cache is gone: so is what was learnt for it
     # Between two picks of our own the learnt records keep their order: one sent again is
-    # the most recent, not the first in (at 50 replicas our clock moves once in fifty records).
-    index.record(small, (), 2)
-    for i in (7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 7, 17, 18):
-        index.learn([("a", prompts[i])], {"a": small})
-    assert index.matches(prompts[7], [small], 2) == {"a": 1}
-    assert index.matches(prompts[8], [small], 2) == {}
+    # the most recent, not the first in (at 50 replicas our clock moves once in fifty records),
+    # and a pick of ours without blocks, at the same tick, does not send them back in time.
+    index.record(restarted, (), 2)
+    for i in (7, 8, 9, 10, 11, 12, 13, 14, 15):
+        index.learn([("a", prompts[i])], {"a": restarted})
+    index.record(node("b"), (), 2)
+    for i in (16, 7, 17, 18):
+        index.learn([("a", prompts[i])], {"a": restarted})
+    assert index.matches(prompts[7], [restarted], 2) == {"a": 1}
+    assert index.matches(prompts[8], [restarted], 2) == {}
 
 
 def test_the_ends_of_the_others_tries_take_their_load_off(node: MakeNode) -> None:

@@ -12,6 +12,7 @@ import aiohttp
 import msgpack
 import pytest
 import redis.asyncio
+import redis.utils
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import IndexShareConfig, load_config
 from promptlb.middleware._metrics import Metrics
@@ -204,7 +205,8 @@ async def test_a_stray_entry_is_skipped_and_counted(
 def test_redis_replies_are_parsed_in_c() -> None:
     # Every round reads each other replica's entries: redis-py's pure-Python parser more than
     # doubled a round's CPU, so the redis extra installs hiredis, and the client must use it.
-    client, _ = connect("redis://127.0.0.1:9/0", 0.1)
+    assert redis.utils.HIREDIS_AVAILABLE  # installed, and a version redis-py accepts
+    client, _ = connect("redis://127.0.0.1:9/0", 0.1)  # connects on first use: never here
     connection = client.connection_pool.make_connection()
     assert type(connection._parser).__name__ == "_AsyncHiredisParser"
 
