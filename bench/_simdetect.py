@@ -36,7 +36,7 @@ class Detection(SimState):
         if index is None:
             return
         shared = self.shared
-        records, readings, finishes = index.sent(), index.readings(), index.finishes()
+        records, readings, finishes = index.drain()
         if records or readings or finishes:
             shared.append((r, records, readings, finishes))
         start = self.read_upto[r]
@@ -44,9 +44,7 @@ class Detection(SimState):
         views = {view.name: view for view in replica.views}
         for writer, records, readings, finishes in shared[start:]:
             if writer != r:
-                index.learn(records, views)
-                index.learn_readings(readings, views)
-                index.learn_finishes(finishes, views)
+                index.take(records, readings, finishes, views)
         # What every replica has read is gone from the store, as the stream's MAXLEN trims it:
         # a long run of many replicas would otherwise hold every record of the run.
         read = min(self.read_upto)

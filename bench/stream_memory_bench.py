@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after each round")
     parser.add_argument("--out", type=Path, default=RESULTS / "quick" / "stream_memory.json")
     args = parser.parse_args()
-    if args.cache == "redis" and shutil.which("redis-server") is None:
+    binary = shutil.which("redis-server")
+    if args.cache == "redis" and binary is None:
         raise SystemExit("stream_memory_bench: redis-server is not installed")
     services: list[Service] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +128,6 @@ def main() -> None:
             config = "[health]\ninterval = '1s'\n[retry]\ntotal_timeout = '1h'\n"
             if args.cache != "none":
                 backend = "memory"
-                binary = shutil.which("redis-server")
                 if args.cache == "redis" and binary is not None:
                     redis = start_redis(binary, tmp)
                     services.append(redis)  # stopped after the gateway that uses it

@@ -300,7 +300,7 @@ class Predictive:
     ) -> float | None:
         """Seconds until ``request`` would finish on ``node`` with ``uncached`` of its prompt
         tokens to prefill (all of them by default); ``None`` while the node is cold."""
-        model = self._models.get(node.name) or self._model(node.name)
+        model = self._model(node.name)
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
             model.see(snap, node.in_flight_at_snapshot)

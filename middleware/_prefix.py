@@ -239,6 +239,25 @@ class PrefixIndex:
             if view is not None:
                 view.others_since_snapshot -= ended
 
+    def drain(
+        self,
+    ) -> tuple[list[tuple[str, Sequence[int]]], list[Reading], list[tuple[str, int]]]:
+        """What goes to the other replicas in one exchange: `sent`, `readings`, `finishes`."""
+        return self.sent(), self.readings(), self.finishes()
+
+    def take(
+        self,
+        records: Iterable[tuple[str, Sequence[int]]],
+        readings: Iterable[Reading],
+        finishes: Iterable[tuple[str, int]],
+        views: Mapping[str, NodeView],
+    ) -> None:
+        """One exchange of another replica's, as `drain` gave it there: `learn`,
+        `learn_readings`, `learn_finishes`, for the nodes in ``views``."""
+        self.learn(records, views)
+        self.learn_readings(readings, views)
+        self.learn_finishes(finishes, views)
+
     def sent(self) -> list[tuple[str, Sequence[int]]]:
         """The (node, blocks) recorded since the last call, for the other replicas."""
         outbox = self._outbox

@@ -194,8 +194,7 @@ class IndexShare:
     async def exchange(self) -> None:
         """One round: write what was recorded since the last and read the others', in one
         round trip (a pipeline, not a transaction: the two need not be atomic)."""
-        index = self._index
-        records, readings, finishes = index.sent(), index.readings(), index.finishes()
+        records, readings, finishes = self._index.drain()
         client, key = self._client, self._config.key
         fields: dict[bytes, bytes | str] | None = None
         if records or readings or finishes:
@@ -260,7 +259,5 @@ class IndexShare:
                 continue
             if views is None:  # the table as it is now: nodes come and go on reloads
                 views = {name: node.view for name, node in self._nodes.items()}
-            index.learn(records, views)
-            index.learn_readings(readings, views)
-            index.learn_finishes(finishes, views)
+            index.take(records, readings, finishes, views)
         return len(entries) >= _READ_COUNT
