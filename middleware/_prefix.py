@@ -139,13 +139,17 @@ class PrefixIndex:
 
         A chain is held from its start (what evicts a block evicts the deeper ones with it, as
         far as this index can tell), so the deepest held block is found by bisection: a few
-        lookups a node, whatever the prompt's length."""
+        lookups a node, whatever the prompt's length. Most candidates hold the same depth (a
+        shared system prompt, a conversation's history on its node), so the depth the last
+        candidate held is tried first: two lookups where it is the answer."""
         if not blocks:
             return {}
         nodes = self._nodes
         oldest = now - self.ttl - 0.5  # half a tick: the depth offsets stay inside it
         found: dict[str, int] = {}
         first = blocks[0]
+        length = len(blocks)
+        guess = 1
         for node in candidates:
             state = nodes.get(node.name)
             if state is None:
@@ -154,7 +158,19 @@ class PrefixIndex:
             sent = get(first)
             if sent is None or sent < oldest:
                 continue
-            low, high = 1, len(blocks)  # blocks[:low] held; is blocks[:high]?
+            low, high = 1, length  # blocks[:low] held; is blocks[:high]?
+            if guess > 1:
+                sent = get(blocks[guess - 1])
+                if sent is None or sent < oldest:
+                    high = guess - 1
+                else:
+                    low = guess
+                    if guess < length:
+                        sent = get(blocks[guess])
+                        if sent is None or sent < oldest:
+                            high = guess
+                        else:
+                            low = guess + 1
             while low < high:
                 mid = (low + high + 1) // 2
                 sent = get(blocks[mid - 1])
@@ -162,7 +178,7 @@ class PrefixIndex:
                     low = mid
                 else:
                     high = mid - 1
-            found[node.name] = low
+            found[node.name] = guess = low
         return found
 
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:

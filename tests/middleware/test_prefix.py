@@ -49,6 +49,19 @@ def test_the_deepest_block_sent_to_a_node_is_its_match(node: MakeNode) -> None:
     assert index.matches(blocks(SYSTEM), [b], 3) == {"b": 2}  # only the candidates asked about
 
 
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=8), st.integers(1, 12))
+def test_each_candidate_matches_the_depth_it_holds(depths: list[int], length: int) -> None:
+    # Candidates in a row holding the same depth, a deeper or a shallower one: the depth the
+    # one before held, tried first, must never stand in for a candidate's own.
+    chain = tuple(range(1_000, 1_012))  # one prompt's coarse blocks
+    views = [NodeView(name=f"n{i}", url="") for i in range(len(depths))]
+    index = PrefixIndex()
+    for view, depth in zip(views, depths, strict=True):
+        index.record(view, chain[:depth], 1)
+    held = {v.name: min(d, length) for v, d in zip(views, depths, strict=True) if d}
+    assert index.matches(chain[:length], views, 2) == held
+
+
 def test_entries_age_out_and_the_memory_is_bounded(node: MakeNode) -> None:
     a = node("a")
     index = PrefixIndex(capacity=16, ttl=10)
