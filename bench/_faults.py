@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 import aiohttp
 import psutil
-from promptlb.emulator import Service, start_service
+from promptlb.emulator import Service, start_redis, start_service
 
 from ._peers import free_port
 
@@ -69,7 +68,7 @@ class Cluster:
         self.redis_port = free_port()
         self.models: dict[str, Service] = {}
         self.sidecars: dict[str, Service] = {}
-        self.redis: subprocess.Popen[bytes] | None = None
+        self.redis: Service | None = None
         self.gateway: Service | None = None
 
     def start_model(self, name: str) -> None:
@@ -92,14 +91,14 @@ class Cluster:
         )
 
     def start_redis(self) -> None:
-        self.redis = subprocess.Popen(
-            [
-                *(self.redis_binary, "--port", str(self.redis_port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no", "--dir", str(self.workdir)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        """Redis on the port the gateway's config names, also when it comes back after a kill."""
+        self.redis = start_redis(self.redis_binary, str(self.workdir), port=self.redis_port)
+
+    def kill_redis(self) -> None:
+        """SIGKILL: Redis dies as it would on a crash."""
+        if self.redis is not None:
+            self.redis.proc.kill()
+            self.redis.stop()  # reaps it, removes its log
 
     def start(self) -> None:
         self.start_redis()
@@ -126,9 +125,7 @@ class Cluster:
                 with contextlib.suppress(OSError):
                     os.kill(service.pid, signal.SIGCONT)  # a stopped process cannot exit
                 service.stop()
-        if self.redis is not None:
-            self.redis.kill()
-            self.redis.wait(5)
+        self.kill_redis()
 
     @property
     def url(self) -> str:

@@ -108,9 +108,7 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
             await asyncio.to_thread(cluster.start_sidecar, name)
 
     async def kill_redis() -> None:
-        assert cluster.redis is not None
-        cluster.redis.kill()
-        cluster.redis.wait(5)
+        await asyncio.to_thread(cluster.kill_redis)
 
     async def poison_on() -> None:
         for model in cluster.models.values():

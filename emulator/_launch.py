@@ -108,13 +108,17 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
         raise
 
 
-def start_redis(binary: str, workdir: str, timeout: float = 5.0) -> Service:
+def start_redis(
+    binary: str, workdir: str, timeout: float = 5.0, *, port: int | None = None
+) -> Service:
     """A throwaway ``redis-server`` (no persistence) on a free loopback port, once it answers
     PING; its `Service.url` is ``redis://127.0.0.1:PORT/0``. Redis has no port 0 of its own,
-    so the port is one the kernel just handed out."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    so the port is one the kernel just handed out, unless ``port`` is given (a Redis brought
+    back where its clients were told to find it)."""
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
     started_at = time.monotonic()
     with tempfile.NamedTemporaryFile(prefix="promptlb-redis-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(
