@@ -1,12 +1,13 @@
 """What each middleware replica learns, on virtual time: snapshots every ``staleness`` seconds,
-health checks that take a node out and back, outlier ejection and slow start. The rules are the
-middleware's own (`promptlb.middleware._rules`); only their bookkeeping is the simulator's."""
+health checks that take a node out and back, error rates, outlier ejection and slow start. The
+rules are the middleware's own (`promptlb.middleware._rules`); only their bookkeeping is the
+simulator's."""
 
 from __future__ import annotations
 
 import math
 
-from promptlb.middleware._rules import MIN_RAMP, ejection_time, ramp
+from promptlb.middleware._rules import MIN_RAMP, after_try, ejection_time, faded, ramp
 
 from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
 from ._simnode import Node
@@ -20,11 +21,15 @@ __all__ = ["Detection"]
 class Detection(SimState):
     def _refresh(self, replica: Replica, now: float) -> None:
         # A crashed node's ``cur`` stays the last snapshot it sent: a dead engine sends nothing.
+        faded_at = replica.faded_at
         for node, view in zip(self.nodes, replica.views, strict=True):
             snap = node.cur
             view.snapshot = node.snapshot(now) if snap is None else snap
             view.in_flight_at_snapshot = view.in_flight
             view.others_since_snapshot = 0
+            if view.error_rate:  # as NodeTable.tick fades it, about as often
+                view.error_rate = faded(view.error_rate, now - faded_at[node.idx])
+                faded_at[node.idx] = now
         if replica.ramping:
             self._ramp(replica, now)
 
@@ -69,11 +74,20 @@ class Detection(SimState):
             replica.views[idx].ramp = MIN_RAMP
 
     def _record(self, r: int, idx: int, *, ok: bool, now: float) -> None:
-        """A failed try, for outlier detection (NodeTable.record_result)."""
-        limit = self.params.outlier_failures
-        if ok or not limit:
-            return
+        """A try that ended, for the node's error rate and outlier detection
+        (NodeTable.record_result)."""
         replica = self.replicas[r]
+        view = replica.views[idx]
+        rate = view.error_rate
+        if rate or not ok:
+            view.error_rate = after_try(faded(rate, now - replica.faded_at[idx]), ok)
+        replica.faded_at[idx] = now
+        limit = self.params.outlier_failures
+        if ok:
+            replica.consecutive[idx] = 0
+            return
+        if not limit:
+            return
         replica.consecutive[idx] += 1
         if replica.consecutive[idx] < limit or replica.ejected[idx]:
             return

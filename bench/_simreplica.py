@@ -1,5 +1,6 @@
 """A middleware replica as the simulator keeps it: its strategy, its node views, and the state
-of its node table (health, ejections, slow start) as indexed lists, so that an event costs O(1)."""
+of its node table (health, ejections, error rates, slow start) as indexed lists, so that an
+event costs O(1)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Replica:
         "consecutive",
         "ejected",
         "ejected_until",
+        "faded_at",
         "n_ejected",
         "ramping",
         "rng",
@@ -72,6 +74,7 @@ class Replica:
         self.n_ejected = 0
         self.times_ejected = [0] * n
         self.consecutive = [0] * n
+        self.faded_at = [0.0] * n  # when each view's error rate was last faded to
         self.ramping: dict[int, float] = {}  # node index -> ready since
         # Its ``active``: requests open on this replica; ``retrying``: retry tries waiting for
         # their headers, as Balancer.open counts them.

@@ -247,8 +247,7 @@ class Tries(Perfect, Detection):
                     head = None if self.service else req.start - req.sent + req.head * req.factor
                     replica.strategy.observe(route, view, t - req.sent, head, req.queued)
                 replica.budget.active -= 1
-                if replica.consecutive[node.idx]:
-                    replica.consecutive[node.idx] = 0
+                self._record(req.replica, node.idx, ok=True, now=t)
         self._next(node, t)
 
     def _timeout(self, t: float, req: Req, try_no: int) -> None:

@@ -17,20 +17,12 @@ from dataclasses import dataclass, field
 from promptlb.shared import Snapshot
 
 from ._config import Config, NodeConfig
-from ._rules import ejection_cap, ejection_time, ramp
+from ._rules import after_try, ejection_cap, ejection_time, faded, ramp
 from ._view import NodeView
 
 __all__ = ["Node", "NodeTable"]
 
-_EWMA = 0.2  # weight of the newest latency/TTFT/error observation
-# A node's error rate also fades with time, halving every this many seconds, and reads 0 below
-# ERROR_FLOOR. Over answers alone it never fell for a node sent nothing: the predictive strategy
-# sends a node that failed a few tries nothing while others serve (after a ten-second hang in the
-# fault suite, none while watched, its rate stuck at 0.59), and a node sent nothing cannot show a
-# leak or a recovery. Faded, it is tried again within half a minute; if it still fails, that
-# costs a retry (Finagle's peak EWMA latency decays with time for the same reason).
-ERROR_HALF_LIFE = 5.0
-ERROR_FLOOR = 0.01
+_EWMA = 0.2  # weight of the newest latency/TTFT observation
 # Recent answers kept per node for the status page's percentiles: appending to a bounded deque
 # is all a request pays; sorting 256 floats happens at status time, about once a second.
 RECENT = 256
@@ -300,7 +292,7 @@ class NodeTable:
         view = node.view
         node.requests += 1
         _fade(node, now)  # the rate as of now, before this answer moves it
-        view.error_rate += _EWMA * ((0.0 if ok else 1.0) - view.error_rate)
+        view.error_rate = after_try(view.error_rate, ok)
         if latency_s is not None:
             view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
             node.recent_latency_s.append(latency_s)
@@ -423,12 +415,9 @@ def _fade(node: Node, now: float) -> None:
     if since is not None and now <= since:
         return
     node.faded_at = now
-    view = node.view
-    if view.error_rate and since is not None:
-        rate = view.error_rate * 0.5 ** ((now - since) / ERROR_HALF_LIFE)
-        # Read as none at all: the predictive strategy weighs any rate above 0, and a node kept
-        # a hair behind equal ones would still lose every pick between the best two.
-        view.error_rate = rate if rate >= ERROR_FLOOR else 0.0
+    if since is not None:
+        view = node.view
+        view.error_rate = faded(view.error_rate, now - since)
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -8,11 +8,32 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MIN_RAMP", "RetryBudget", "ejection_cap", "ejection_time", "ramp"]
+__all__ = [
+    "ERROR_FLOOR",
+    "ERROR_HALF_LIFE",
+    "MIN_RAMP",
+    "RetryBudget",
+    "after_try",
+    "ejection_cap",
+    "ejection_time",
+    "faded",
+    "ramp",
+]
 
 # A node back from an outage starts at a tenth of its share: enough traffic to show whether it
 # really recovered, too little to drown it if it did not.
 MIN_RAMP = 0.1
+
+# A node's error rate is an EWMA of its tries' failures (this weight on the newest) that also
+# fades with time, halving every ERROR_HALF_LIFE seconds, and reads 0 below ERROR_FLOOR. Over
+# answers alone it never fell for a node sent nothing: the predictive strategy sends a node that
+# failed a few tries nothing while others serve (after a ten-second hang in the fault suite, none
+# while watched, its rate stuck at 0.59), and a node sent nothing cannot show a leak or a
+# recovery. Faded, it is tried again within half a minute; if it still fails, that costs a retry
+# (Finagle's peak EWMA latency decays with time for the same reason).
+ERROR_WEIGHT = 0.2
+ERROR_HALF_LIFE = 5.0
+ERROR_FLOOR = 0.01
 
 
 class RetryBudget:
@@ -48,3 +69,18 @@ def ejection_cap(pool: int, percent: float) -> int:
     """How many of ``pool`` nodes may be ejected at once: ``percent`` of them, but always one,
     or a small pool could never eject its bad node (Envoy's rule)."""
     return max(1, math.floor(pool * percent / 100))
+
+
+def faded(rate: float, elapsed: float) -> float:
+    """An error rate ``elapsed`` seconds on. Below the floor it reads as none at all: the
+    predictive strategy weighs any rate above 0, and a node kept a hair behind equal ones would
+    still lose every pick between the best two."""
+    if not rate or elapsed <= 0.0:
+        return rate
+    rate *= 0.5 ** (elapsed / ERROR_HALF_LIFE)
+    return rate if rate >= ERROR_FLOOR else 0.0
+
+
+def after_try(rate: float, ok: bool) -> float:
+    """The error rate once a try has ended (``rate`` faded to now first)."""
+    return rate + ERROR_WEIGHT * ((0.0 if ok else 1.0) - rate)

@@ -29,8 +29,9 @@ from promptlb.bench._scenario import (
     parse_scenario,
 )
 from promptlb.bench._sim import by_class, scale_nodes, summarise, trace_scenario
-from promptlb.bench._simcore import PERFECT, ServiceFn, SimParams, SimResult, simulate
+from promptlb.bench._simcore import PERFECT, ServiceFn, SimParams, SimResult, _Sim, simulate
 from promptlb.bench._stats import jain, percentile
+from promptlb.middleware._rules import ERROR_FLOOR, ERROR_HALF_LIFE
 from promptlb.shared import ConfigError
 
 
@@ -308,6 +309,29 @@ def test_a_hung_node_is_retried_around_and_ejected() -> None:
     assert never.ejections == 0
     assert never.dispatched[1] >= len(arrivals) / 2
     assert result.dispatched[1] < 0.7 * never.dispatched[1]
+
+
+def test_a_replica_keeps_each_nodes_error_rate_by_the_middlewares_rule() -> None:
+    """Failures raise it, answers lower it, time fades it (each refresh, as the node table's
+    tick): the numbers of the node table's own test, so that predictive weighs failing nodes
+    in the simulator as it does live."""
+    scenario = _cluster(rate=1.0, nodes=2, duration=10.0, seed=1)
+    params = SimParams(replicas=1, outlier_failures=0)
+    sim = _Sim(scenario.nodes, scenario.arrivals(), "predictive", 10.0, params, {}, None)
+    replica = sim.replicas[0]
+    hurt, ok = replica.views[1], replica.views[0]
+    for _ in range(4):
+        sim._record(0, 1, ok=False, now=1.0)
+    sim._record(0, 0, ok=True, now=1.0)
+    rate = 1 - 0.8**4
+    assert hurt.error_rate == pytest.approx(rate) and ok.error_rate == 0.0
+    sim._refresh(replica, 1.0 + ERROR_HALF_LIFE)
+    assert hurt.error_rate == pytest.approx(rate / 2)
+    sim._record(0, 1, ok=True, now=1.0 + 2 * ERROR_HALF_LIFE)  # faded to now, then the answer
+    assert hurt.error_rate == pytest.approx(rate / 4 * 0.8)
+    sim._refresh(replica, 1.0 + 8 * ERROR_HALF_LIFE)
+    assert rate / 4 * 0.8 / 64 < ERROR_FLOOR
+    assert hurt.error_rate == 0.0
 
 
 def test_retries_stay_within_the_budget() -> None:

@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._config import HealthConfig, OutlierConfig
-from promptlb.middleware._nodes import ERROR_FLOOR, ERROR_HALF_LIFE, NodeTable
+from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._predictive import Predictive
+from promptlb.middleware._rules import ERROR_FLOOR, ERROR_HALF_LIFE
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._view import RouteRequest
 
