@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -210,6 +210,13 @@ class Metrics:
             "Exchanges of the prefix index through Redis that failed (write: a round with "
             "records to write, its read included; read) or entries skipped (decode).",
             ["op"],
+            registry=r,
+        )
+        self.index_share_lag = Histogram(
+            "promptlb_index_share_lag_seconds",
+            "Age of the other replicas' index entries when this replica learnt them (from "
+            "Redis's time of the write): the exchange's period plus the delays on the way.",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=r,
         )
         self.hedges = Counter(

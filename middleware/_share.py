@@ -13,7 +13,9 @@ ended per node (field ``f``), which take the others' requests off the nodes' que
 One task per balancer, never per request; the request path only appends to a list. Redis down,
 slow or answering garbage costs hit rate, never a request: the batch is dropped, the failure
 counted (``promptlb_index_share_errors_total{op}``) and logged once per outage, and the next
-round tries again.
+round tries again. How old the others' entries are when learnt
+(``promptlb_index_share_lag_seconds``) tells whether the exchange keeps up: a replica starved of
+CPU learns late, and routes on what the others sent a while ago.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import math
 import secrets
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -245,6 +248,8 @@ class IndexShare:
         index = self._index
         views: dict[str, NodeView] | None = None
         mine = self.replica.encode()
+        lag = self._metrics.index_share_lag
+        now_ms = time.time() * 1000.0  # the ids are Redis's clock in ms: the same hosts' NTP
         for entry_id, fields in entries:
             self._last_id = entry_id
             if fields.get(b"r") == mine:
@@ -260,4 +265,5 @@ class IndexShare:
             if views is None:  # the table as it is now: nodes come and go on reloads
                 views = {name: node.view for name, node in self._nodes.items()}
             index.take(records, readings, finishes, views)
+            lag.observe(max(0.0, now_ms - int(entry_id.split(b"-", 1)[0])) / 1000.0)
         return len(entries) >= _READ_COUNT

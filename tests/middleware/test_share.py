@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import aiohttp
@@ -235,6 +236,35 @@ async def test_a_backlog_longer_than_one_read_is_taken_in_one_round(
         assert nodes["b"].view.others_since_snapshot == 0  # its own, read back, skipped
         assert await raw.xlen("k") == backlog + 1  # and written in the same round
         assert errors(metrics, "read") == errors(metrics, "write") == 0
+    finally:
+        await raw.aclose()
+        await reader.stop()
+
+
+async def test_how_late_the_others_entries_are_learnt_is_measured(
+    redis_server: RedisServer,
+) -> None:
+    """Entries Redis took two seconds before the read show as two seconds old; the replica's
+    own entry, read back in the same round, is not counted."""
+    metrics = Metrics(lambda: None)
+    index = PrefixIndex()
+    nodes = table()
+    reader = share(redis_server.url, index, metrics, nodes, key="k")
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await reader.exchange()
+        written = int(time.time() * 1000) - 2000
+        record = encode_records([("a", ())])
+        for seq in range(3):
+            await raw.xadd("k", {b"r": b"peer", b"d": record}, id=f"{written}-{seq}")
+        index.record(nodes["b"].view, (), 1)
+        await reader.exchange()
+        assert nodes["a"].view.others_since_snapshot == 3
+        sample = metrics.registry.get_sample_value
+        assert sample("promptlb_index_share_lag_seconds_count") == 3
+        mean = (sample("promptlb_index_share_lag_seconds_sum") or 0.0) / 3
+        assert 2.0 <= mean < 10.0  # read at once, but this machine may stall
+        assert sample("promptlb_index_share_lag_seconds_bucket", {"le": "1.0"}) == 0
     finally:
         await raw.aclose()
         await reader.stop()
