@@ -547,6 +547,9 @@ async def run_all(
                         await wait_ready(http, target, len(cluster.nodes))
                         before = await _livecache.kv_counts(http, cluster.urls)
                         runs[name] = await measure(http, cluster, target, trace)
+                        if _livecache.shares(strategy):
+                            lag = await _livecache.share_lag(http, target.bases)
+                            runs[name].share_lag = lag
                         after = await _livecache.kv_counts(http, cluster.urls)
                         hits[name] = _livecache.hit_rate(before, after) if prompted else None
                     except RuntimeError as exc:

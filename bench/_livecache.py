@@ -8,13 +8,16 @@
 * each run starts on empty caches (every emulator restarted on its port: a cache warmed by the
   previous router's run would flatter the next), and its hit rate is read from the emulators'
   own counters (``prefix_cache_query_tokens``/``hit_tokens`` of ``/_emulator/stats``), before
-  and after, as vLLM's ``prefix_cache_queries``/``hits`` would give it.
+  and after, as vLLM's ``prefix_cache_queries``/``hits`` would give it;
+* an ``X+shared`` run also reports how late its replicas learnt each other's records
+  (``promptlb_index_share_lag_seconds`` of every replica, read at the end of the run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -34,6 +37,7 @@ __all__ = [
     "inner_strategy",
     "kv_counts",
     "restart_all",
+    "share_lag",
     "share_table",
     "shares",
     "watch_kv",
@@ -86,6 +90,7 @@ def cache_strategies(ours: Iterable[str]) -> list[str]:
 
 KV_POLL_S = 1.0
 _KV_GAUGE = "vllm:kv_cache_usage_perc"
+_SHARE_LAG = "promptlb_index_share_lag_seconds"
 
 
 async def watch_kv(
@@ -135,3 +140,28 @@ def restart_all(cluster: _Restartable) -> None:
     """Every emulator again, side by side: empty KV caches, zeroed counters."""
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(cluster.restart, list(cluster.urls)))
+
+
+async def share_lag(http: aiohttp.ClientSession, bases: Iterable[str]) -> dict[str, Any] | None:
+    """How late the replicas at ``bases`` learnt each other's index entries, over the run:
+    the entries learnt, and the share of them learnt within each of the histogram's bounds
+    (summed over the replicas that answer); None when none does."""
+    cumulative: dict[float, float] = {}
+    for base in bases:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async with http.get(base + "/_promptlb/metrics") as response:
+                text = await response.text()
+            for family in text_string_to_metric_families(text):
+                if family.name != _SHARE_LAG:
+                    continue
+                for sample in family.samples:
+                    if sample.name.endswith("_bucket"):
+                        bound = float(sample.labels["le"])
+                        cumulative[bound] = cumulative.get(bound, 0.0) + sample.value
+    entries = cumulative.get(math.inf, 0.0)
+    if not entries:
+        return None
+    within = {
+        f"{b:g}": round(n / entries, 4) for b, n in sorted(cumulative.items()) if b < math.inf
+    }
+    return {"entries": int(entries), "within_s": within}

@@ -42,6 +42,8 @@ class Run:
     states: dict[str, list[list[Any]]] | None = None
     # Scenarios with prompts: per node, its KV cache use as ``[t, use]`` once a second.
     kv_use: dict[str, list[list[float]]] | None = None
+    # ``X+shared`` runs: how late the replicas learnt each other's records (`share_lag`).
+    share_lag: dict[str, Any] | None = None
 
 
 def build_report(
@@ -69,6 +71,7 @@ def build_report(
             "crashes": crashes(run.results, run.faults, run.states),
             "node_states": run.states,
             "kv_use": run.kv_use,
+            "index_share_lag": run.share_lag,
         }
         for name, run in runs.items()
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 from promptlb.bench._live import Cluster, start_gateway, wait_ready
-from promptlb.bench._livecache import watch_kv
+from promptlb.bench._livecache import share_lag, watch_kv
 from promptlb.bench._loadgen import replay
 from promptlb.bench._scenario import Arrival, load_scenario
 
@@ -72,7 +72,13 @@ async def test_a_shared_run_is_replicas_on_one_redis_taking_the_load_in_turn(
                     async with http.get(url + "/_promptlb/status") as response:
                         status = await response.json()
                     served.append(sum(n["requests"] for n in status["nodes"]))
+                await asyncio.sleep(0.2)  # rounds of 20 ms: each learns the other's records
+                lag = await share_lag(http, target.urls)
             assert served == [3, 3]
+            # Both replicas' metrics read and summed: each learnt the other's entries, and
+            # within seconds (the same host's clock on both sides of the lag).
+            assert lag is not None and lag["entries"] >= 2, lag
+            assert lag["within_s"]["5"] == 1.0 and next(iter(lag["within_s"])) == "0.005", lag
         finally:
             target.stop()
         assert _left(tmp_path) == []  # the Redis persisted nothing
