@@ -292,7 +292,8 @@ class NodeTable:
         view = node.view
         node.requests += 1
         _fade(node, now)  # the rate as of now, before this answer moves it
-        view.error_rate = after_try(view.error_rate, ok)
+        if view.error_rate or not ok:  # a success on a node with none leaves it at none
+            view.error_rate = after_try(view.error_rate, ok)
         if latency_s is not None:
             view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
             node.recent_latency_s.append(latency_s)
@@ -415,8 +416,8 @@ def _fade(node: Node, now: float) -> None:
     if since is not None and now <= since:
         return
     node.faded_at = now
-    if since is not None:
-        view = node.view
+    view = node.view
+    if view.error_rate and since is not None:  # every request passes here: most have none
         view.error_rate = faded(view.error_rate, now - since)
 
 
