@@ -97,8 +97,8 @@ class Cluster:
     def kill_redis(self) -> None:
         """SIGKILL: Redis dies as it would on a crash."""
         if self.redis is not None:
-            self.redis.proc.kill()
-            self.redis.stop()  # reaps it, removes its log
+            self.redis.kill()
+            self.redis.stop()  # its log
 
     def start(self) -> None:
         self.start_redis()

@@ -39,6 +39,12 @@ class Service:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it, and reaped; `stop` still removes its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=5)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s; safe to call twice or after the process died."""
         if self.proc.poll() is None:

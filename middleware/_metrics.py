@@ -214,8 +214,8 @@ class Metrics:
         )
         self.index_share_lag = Histogram(
             "promptlb_index_share_lag_seconds",
-            "Age of the other replicas' index entries when this replica learnt them (from "
-            "Redis's time of the write): the exchange's period plus the delays on the way.",
+            "Age of the other replicas' index entries when this replica read them, from "
+            "their write to Redis (a record also waits up to one period in its writer's batch).",
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=r,
         )

@@ -143,7 +143,8 @@ class PrefixIndex:
         far as this index can tell), so the deepest held block is found by bisection: a few
         lookups a node, whatever the prompt's length. Most candidates hold the same depth (a
         shared system prompt, a conversation's history on its node), so the depth the last
-        candidate held is tried first: two lookups where it is the answer."""
+        candidate held is tried first: past the first block, two lookups where it is the
+        answer (one where it is the first block, or the whole prompt)."""
         if not blocks:
             return {}
         nodes = self._nodes
@@ -167,12 +168,12 @@ class PrefixIndex:
                     high = guess - 1
                 else:
                     low = guess
-                    if guess < length:
-                        sent = get(blocks[guess])
-                        if sent is None or sent < oldest:
-                            high = guess
-                        else:
-                            low = guess + 1
+            if low == guess < length:  # held as deep as the guess: and one deeper?
+                sent = get(blocks[guess])
+                if sent is None or sent < oldest:
+                    high = guess
+                else:
+                    low = guess + 1
             while low < high:
                 mid = (low + high + 1) // 2
                 sent = get(blocks[mid - 1])

@@ -11,6 +11,7 @@ import math
 __all__ = [
     "ERROR_FLOOR",
     "ERROR_HALF_LIFE",
+    "ERROR_WEIGHT",
     "MIN_RAMP",
     "RetryBudget",
     "after_try",

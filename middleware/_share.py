@@ -13,9 +13,10 @@ ended per node (field ``f``), which take the others' requests off the nodes' que
 One task per balancer, never per request; the request path only appends to a list. Redis down,
 slow or answering garbage costs hit rate, never a request: the batch is dropped, the failure
 counted (``promptlb_index_share_errors_total{op}``) and logged once per outage, and the next
-round tries again. How old the others' entries are when learnt
-(``promptlb_index_share_lag_seconds``) tells whether the exchange keeps up: a replica starved of
-CPU learns late, and routes on what the others sent a while ago.
+round tries again. How old the others' entries are when read, from their write to Redis
+(``promptlb_index_share_lag_seconds``), tells whether reading keeps up: a replica starved of
+CPU learns late, and routes on what the others sent a while ago. (A record also waits up to
+one ``every`` in its writer's batch, which an entry's age leaves out.)
 """
 
 from __future__ import annotations
@@ -249,7 +250,9 @@ class IndexShare:
         views: dict[str, NodeView] | None = None
         mine = self.replica.encode()
         lag = self._metrics.index_share_lag
-        now_ms = time.time() * 1000.0  # the ids are Redis's clock in ms: the same hosts' NTP
+        # An entry's id is Redis's clock (ms) at the write, held against ours: hosts kept in
+        # step by NTP agree to a few ms, and a skew that makes an entry look young reads as 0.
+        now_ms = time.time() * 1000.0
         for entry_id, fields in entries:
             self._last_id = entry_id
             if fields.get(b"r") == mine:

@@ -80,9 +80,7 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: Redis dies as it would on a crash (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=5)
+        self.service.kill()
 
 
 def need_binary(name: str, package: str) -> str:

@@ -334,6 +334,21 @@ def test_a_replica_keeps_each_nodes_error_rate_by_the_middlewares_rule() -> None
     assert hurt.error_rate == 0.0
 
 
+def test_a_runs_tries_move_the_error_rates() -> None:
+    """Through the event loop: tries timing out on a hung node raise its rate; answers on the
+    other take a rate it started with under the floor, where time alone would not."""
+    scenario = _two_nodes((Fault(at=4.0, kind="hang"),), duration=8.0)
+    params = SimParams(replicas=1, outlier_failures=0, per_try_timeout=1.0)
+    sim = _Sim(scenario.nodes, scenario.arrivals(), "predictive", 8.0, params, {}, None)
+    live, hung = sim.replicas[0].views
+    live.error_rate = 0.5
+    result = sim.run()
+    assert result.retries >= 2 and result.failed == 0
+    assert hung.error_rate > 0.3
+    assert 0.5 * 0.5 ** (8.0 / ERROR_HALF_LIFE) > ERROR_FLOOR  # time alone: 0.16
+    assert live.error_rate == 0.0
+
+
 def test_retries_stay_within_the_budget() -> None:
     scenario = _two_nodes((Fault(at=10.0, kind="crash"),))
     arrivals = scenario.arrivals()

@@ -1,4 +1,5 @@
-"""The launcher's Redis: started on a free port, answering, and gone once stopped."""
+"""The launcher's Redis: started on a free port (or the one asked for), answering, and gone
+once stopped or killed."""
 
 from __future__ import annotations
 
@@ -22,3 +23,20 @@ def test_a_throwaway_redis_answers_and_stop_leaves_nothing(tmp_path: Path) -> No
     assert service.proc.poll() is not None
     assert not os.path.exists(service.log_path)
     assert not list(tmp_path.iterdir())  # no dump: nothing persisted
+
+
+def test_a_redis_killed_comes_back_on_the_port_its_clients_know(tmp_path: Path) -> None:
+    binary = need_binary("redis-server", "redis-server")
+    first = start_redis(binary, str(tmp_path))
+    first.kill()
+    assert first.proc.returncode == -9  # SIGKILL, as a crash
+    first.stop()  # its log
+    again = start_redis(binary, str(tmp_path), port=first.port)
+    try:
+        assert again.port == first.port and again.url == first.url
+        client = redis.Redis.from_url(again.url)
+        assert client.ping()
+        client.close()
+    finally:
+        again.stop()
+    assert not os.path.exists(first.log_path) and not os.path.exists(again.log_path)
