@@ -13,6 +13,8 @@
 Nothing here installs anything: a peer that is not there is reported as missing.
 All answer the upstream in ``x-bench-upstream`` so the report knows each request's node.
 """
+# Over 350 lines: how the live runner starts and stops each peer (nginx, LiteLLM behind our small
+# server, the oracle), one concern; split, each part would be a few dozen lines.
 
 from __future__ import annotations
 

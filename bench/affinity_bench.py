@@ -21,6 +21,8 @@ requests open at each node (running + waiting, sampled every 250 ms) as max/avg 
 bound 1 + epsilon. Prints a table and writes bench/results/affinity.json (``--quick``: a short
 run, written under bench/results/quick/).
 """
+# Over 350 lines: one benchmark's cluster, workload, measurement and report; a third of it is
+# the docstring above.
 
 from __future__ import annotations
 

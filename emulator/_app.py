@@ -1,6 +1,8 @@
 """The emulated model server: OpenAI-compatible endpoints over the capacity model. The request
 handlers and the app; the prompt's reading, the answers, the faults and the metrics are their
 own modules."""
+# Over 350 lines: the handlers share one request's admission, faults, cache and streaming;
+# what they call is in the modules named above.
 
 from __future__ import annotations
 
