@@ -78,9 +78,7 @@ class Detection(SimState):
         (NodeTable.record_result)."""
         replica = self.replicas[r]
         view = replica.views[idx]
-        rate = view.error_rate
-        if rate or not ok:
-            view.error_rate = after_try(faded(rate, now - replica.faded_at[idx]), ok)
+        view.error_rate = after_try(faded(view.error_rate, now - replica.faded_at[idx]), ok)
         replica.faded_at[idx] = now
         limit = self.params.outlier_failures
         if ok:

@@ -292,8 +292,7 @@ class NodeTable:
         view = node.view
         node.requests += 1
         _fade(node, now)  # the rate as of now, before this answer moves it
-        if view.error_rate or not ok:  # a success on a node with none leaves it at none
-            view.error_rate = after_try(view.error_rate, ok)
+        view.error_rate = after_try(view.error_rate, ok)
         if latency_s is not None:
             view.ewma_latency_s = _ewma(view.ewma_latency_s, latency_s)
             node.recent_latency_s.append(latency_s)
