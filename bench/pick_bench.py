@@ -15,7 +15,6 @@ import time
 import timeit
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -169,7 +168,6 @@ def cache_aware(repeat: int, budget_s: float) -> dict[str, Any]:
         for i in range(6):
             learn = RouteRequest(model="m", input_tokens=500 + 700 * i, max_tokens=64)
             strategy.observe(learn, view, 1.0 + 0.0004 * i * 700, None, 0)
-    route = RouteRequest(model="m", input_tokens=CACHE_PROMPT_TOKENS, max_tokens=256)
     shared = prompt_blocks(prompt_bytes({"messages": body["messages"][:1]}))
     index = strategy.index
     assert index is not None
@@ -181,7 +179,11 @@ def cache_aware(repeat: int, budget_s: float) -> dict[str, Any]:
 
     def hash_and_pick() -> NodeView:
         blocks = prompt_blocks(prompt_bytes(body))
-        return strategy.pick(replace(route, blocks=blocks), nodes, pick_rng)
+        # Built whole, as the request reader builds it: dataclasses.replace is 3 us of its own.
+        request = RouteRequest(
+            model="m", input_tokens=CACHE_PROMPT_TOKENS, max_tokens=256, blocks=blocks
+        )
+        return strategy.pick(request, nodes, pick_rng)
 
     us = per_pick_us(hash_and_pick, repeat, budget_s)
     hashing = per_pick_us(lambda: prompt_blocks(prompt_bytes(body)), repeat, budget_s)

@@ -300,7 +300,17 @@ class Predictive:
     ) -> float | None:
         """Seconds until ``request`` would finish on ``node`` with ``uncached`` of its prompt
         tokens to prefill (all of them by default); ``None`` while the node is cold."""
-        model = self._model(node.name)
+        return self._time(request, node, self._model(node.name), out, uncached)
+
+    def _time(
+        self,
+        request: RouteRequest,
+        node: NodeView,
+        model: ServiceModel,
+        out: float,
+        uncached: float | None,
+    ) -> float | None:
+        """`expected_time` with the node's model at hand: the pick reads the model too."""
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
             model.see(snap, node.in_flight_at_snapshot)
@@ -392,11 +402,11 @@ class Predictive:
         probes: list[NodeView] = []
         answered = busy_unknown = False
         times: dict[str, float] = {}
-        models = self._models
         for node in looked:
             uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
-            t = self.expected_time(request, node, out, uncached)
-            if models[node.name].count:  # expected_time made it
+            model = self._model(node.name)
+            t = self._time(request, node, model, out, uncached)
+            if model.count:
                 answered = True
             elif node.in_flight:
                 busy_unknown = True  # requests out, none answered: its estimate is a guess yet

@@ -197,8 +197,9 @@ class LeastConn(Static):
         looked = sample_of(candidates, self.sample, rng)
         loads: list[float] = []
         for node in looked:
-            # NodeView.effective_queue, inlined: its two nested properties and max() cost three
-            # times the rest of this loop. A test holds the two to the same answer.
+            # NodeView.effective_queue, inlined: reading the property for each candidate took
+            # a 64-node pick from 12.5 to 16.7 us, and would take a full scan of 1,000 past its
+            # 200 us goal. A test holds the two to the same answer.
             queue = node.in_flight
             snap = node.snapshot
             if snap is not None and (engine := snap.engine) is not None:

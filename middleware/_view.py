@@ -71,11 +71,16 @@ class NodeView:
         """The node's queue now: others' requests as the engine last reported them (its count
         less ours at that moment) and as the other replicas told since, plus ours now. Without
         a snapshot: ours alone."""
-        engine = self.engine_queue
-        if engine is None:
-            return self.in_flight
-        others = engine - self.in_flight_at_snapshot + self.others_since_snapshot
-        return self.in_flight + max(0, others)
+        # Written flat (no engine_queue, no max()): least_conn reads it for every candidate,
+        # and the nested property and max() cost twice the rest of its loop.
+        queue = self.in_flight
+        snap = self.snapshot
+        if snap is not None and (engine := snap.engine) is not None:
+            others = engine.running + engine.waiting - self.in_flight_at_snapshot
+            others += self.others_since_snapshot
+            if others > 0:
+                queue += others
+        return queue
 
     @property
     def gpu_util(self) -> float | None:
