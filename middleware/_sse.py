@@ -22,9 +22,7 @@ class _Text:
     50 bytes for a few bytes of text, and whatever their size the allocator kept the memory
     once the streams ended (RSS 52 -> 914 MB over a soak of 1,000 ten-minute streams; 300
     streams that each let go of 200 KB of text left it 60 MB bigger, 12 MB with maps). A map
-    goes back to the system as soon as it is closed or dropped, and only pages written count.
-    The text never outgrows the raw bytes that carried it (a JSON string is at least as long
-    as its UTF-8), so ``max_bytes`` bounds it too."""
+    goes back to the system as soon as it is closed or dropped, and only pages written count."""
 
     __slots__ = ("_map", "size")
 
@@ -32,7 +30,8 @@ class _Text:
         self._map: mmap.mmap | None = None
         self.size = 0  # bytes of UTF-8 written
 
-    def add(self, piece: str) -> None:
+    def add(self, piece: str) -> int:
+        """Appends ``piece``; returns the bytes it took."""
         data = piece.encode("utf-8", _UTF8)
         end = self.size + len(data)
         mapped = self._map
@@ -40,6 +39,7 @@ class _Text:
             mapped = self._grow(end)
         mapped[self.size : end] = data
         self.size = end
+        return len(data)
 
     def _grow(self, need: int) -> mmap.mmap:
         capacity = max(_FIRST_MAP, 1 << (need - 1).bit_length())
@@ -64,7 +64,12 @@ class _Text:
 
 class StreamAssembler:
     """Fed the SSE bytes of a stream as they pass; gives the whole answer (non-stream JSON)
-    once the stream ended well, or ``None``."""
+    once the stream ended well, or ``None``.
+
+    ``max_bytes`` bounds the answer it gives, not the stream that carried it: a stream sent
+    token by token spends some 200 bytes of event on each few bytes of text, so a bound on
+    the stream kept no answer of more than about 5,000 tokens under the default 1 MB. While
+    it assembles, the text kept and the line not yet ended are each held to the bound."""
 
     __slots__ = (
         "_buffer",
@@ -92,12 +97,11 @@ class StreamAssembler:
     def feed(self, chunk: bytes) -> None:
         if self._failed or self._done:
             return
-        self._size += len(chunk)
-        if self._size > self.max_bytes:
+        *lines, rest = (self._buffer + chunk.replace(b"\r\n", b"\n")).split(b"\n")
+        if len(rest) > self.max_bytes:  # one event longer than any answer kept
             self._give_up()
             return
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        *lines, self._buffer = self._buffer.split(b"\n")
+        self._buffer = rest
         for line in lines:
             if line.startswith(b"data:"):
                 try:
@@ -106,6 +110,9 @@ class StreamAssembler:
                     # An event of a shape we do not know, or a memory map refused (past the
                     # system's count of maps): never break the client's stream for the
                     # cache's sake; just do not keep this one.
+                    self._give_up()
+                    return
+                if self._size > self.max_bytes:
                     self._give_up()
                     return
 
@@ -155,9 +162,9 @@ class StreamAssembler:
                 if delta.get("role"):
                     into["role"] = delta["role"]
                 if delta.get("content"):
-                    into["text"].add(delta["content"])
+                    self._size += into["text"].add(delta["content"])
             elif choice.get("text"):
-                into["text"].add(choice["text"])
+                self._size += into["text"].add(choice["text"])
             if choice.get("finish_reason"):
                 into["finish_reason"] = choice["finish_reason"]
 
@@ -165,9 +172,11 @@ class StreamAssembler:
         if self._failed or not self._done or not self._choices:
             return None
         try:
-            return self._whole()
+            whole = self._whole()
         except (TypeError, ValueError):
             return None
+        # JSON escapes the text (non-ASCII as \uXXXX): the answer may be longer than its text.
+        return whole if whole is not None and len(whole) <= self.max_bytes else None
 
     def _whole(self) -> bytes | None:
         choices = []

@@ -252,6 +252,37 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     assert whole.choices[0].message.content == text
 
 
+async def test_a_long_token_by_token_stream_is_kept_by_its_answer_not_its_events(
+    cluster: MakeCluster,
+    fast: Flags,
+    hello: Messages,
+) -> None:
+    """max_entry_bytes bounds the answer kept: a stream whose events outgrow it, carrying an
+    answer well under it, is cached (its events are some fifty times its text)."""
+    config = (
+        HEALTH + "[cache]\nmax_entry_bytes = 4096\n[[fallback]]\nmodel = 'm'\nthen = ['cache']\n"
+    )
+    c = cluster({"a": (*fast, "--stream-interval-ms", "1")}, config)  # an event a token
+    body = {"model": "m", "messages": hello, "max_tokens": 80, "temperature": 0, "stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(c.app.url + "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        events = await response.read()
+    assert len(events) > 2 * 4096 and events.count(b"data: ") > 80
+    await asyncio.sleep(0.2)
+    kill(c, "a")
+    await wait_down(c, "a")
+    raw = await c.client().chat.completions.with_raw_response.create(
+        model="m", messages=hello, max_tokens=80, temperature=0
+    )
+    assert raw.headers["x-promptlb-degraded"] == "cache"
+    whole = raw.parse()
+    assert whole.choices[0].message.content is not None
+    assert len(whole.choices[0].message.content.split()) == 80
+
+
 async def test_shedding_by_priority(cluster: MakeCluster, chat_body: ChatBody) -> None:
     config = (
         "[shedding]\nenabled = true\nmax_in_flight = 1\nqueue_timeout = '600ms'\n"

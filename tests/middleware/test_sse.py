@@ -149,12 +149,49 @@ def test_a_stream_too_long_to_store_lets_go_of_what_it_assembled() -> None:
     until the stream ends (a thousand of them held a gigabyte)."""
     recorder = StreamAssembler(True, max_bytes=200)
     event = b'data: {"choices": [{"index": 0, "delta": {"content": "word "}}]}\n\n'
-    for _ in range(2):
+    for _ in range(30):  # 2 KB of events, 150 bytes of text
         recorder.feed(event)
-    assert recorder._choices  # assembling while under the limit
-    for _ in range(10):
+    assert recorder._choices  # assembling while the text is under the limit
+    for _ in range(11):
         recorder.feed(event)
     assert recorder._choices == {} and recorder.result() is None
+
+
+def test_the_limit_bounds_the_answer_kept_not_the_events_that_carried_it() -> None:
+    """Token by token, a stream's events are some fifty times its text: a bound on them kept
+    no answer longer than a few thousand tokens."""
+    pieces = ["word "] * 2000  # 10 KB of text in 160 KB of events
+    events = _token_by_token(pieces)
+    assert sum(map(len, events)) > 100_000
+    recorder = StreamAssembler(True, max_bytes=16 * 1024)
+    for event in events:
+        recorder.feed(event)
+    whole = recorder.result()
+    assert whole is not None and len(whole) <= 16 * 1024
+    assert json.loads(whole)["choices"][0]["message"]["content"] == "".join(pieces)
+
+
+def test_an_answer_longer_than_the_limit_once_escaped_is_not_kept() -> None:
+    pieces = ["世界"] * 500  # 3,000 bytes of UTF-8, 6,000 of JSON escapes
+    recorder = StreamAssembler(True, max_bytes=4096)
+    for event in _token_by_token(pieces):
+        recorder.feed(event)
+    assert recorder._choices[0]["text"].size == 3000  # the text fitted
+    assert recorder.result() is None
+    roomy = StreamAssembler(True, max_bytes=8192)
+    for event in _token_by_token(pieces):
+        roomy.feed(event)
+    assert roomy.result() is not None
+
+
+def test_an_event_longer_than_the_limit_is_not_held_until_it_ends() -> None:
+    recorder = StreamAssembler(True, max_bytes=1024)
+    recorder.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "')
+    for _ in range(3):
+        recorder.feed(b"x" * 500)  # no line end yet
+    assert recorder._buffer == b""
+    recorder.feed(b'"}}]}\n\ndata: [DONE]\n\n')
+    assert recorder.result() is None
 
 
 def _token_by_token(pieces: list[str]) -> list[bytes]:
@@ -200,7 +237,7 @@ def test_a_token_by_token_stream_holds_no_object_per_token_and_comes_out_byte_id
 
 def test_giving_up_a_stream_empties_the_text_it_kept_at_once() -> None:
     recorder = StreamAssembler(True, max_bytes=4096)
-    events = _token_by_token(PIECES * 100)
+    events = _token_by_token(PIECES * 300)  # 7,500 bytes of text
     for event in events[:10]:
         recorder.feed(event)
     kept = recorder._choices[0]["text"]
