@@ -8,6 +8,9 @@ fraction of that, and one loop timer serves the earliest slot. Alarms run up to 
 (and a millisecond) late, which a deadline of seconds or the watch's 50 ms does not mind, and
 never before they are due. Slots wait in a heap until due, even emptied: at most one per
 ``resolution`` of the longest delay (6,000 for the default 30 s try timeout, under a megabyte).
+The timer is set for the earliest slot that still holds an alarm: 30 s after a burst, an idle
+gateway woke for every emptied slot of the burst's try timeouts, every 5 ms for as long as the
+burst had lasted (after 2,000 requests, 461 wakes in 3 s against 69 without them).
 """
 
 from __future__ import annotations
@@ -102,5 +105,7 @@ class Alarms:
                     loop.call_exception_handler(
                         {"message": "promptlb alarm failed", "exception": exc}
                     )
+        while heap and not slots[heap[0]]:  # emptied by cancels: no need to wake for it
+            del slots[heapq.heappop(heap)]
         if heap and heap[0] < self._armed:
             self._arm(heap[0])

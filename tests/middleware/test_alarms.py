@@ -105,6 +105,31 @@ async def test_an_earlier_alarm_set_later_moves_the_timer_up() -> None:
     assert ran == ["near"]
 
 
+async def test_the_timer_skips_slots_whose_alarms_were_all_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Most alarms are cancelled long before they are due (a try's 30 s timeout): an idle
+    gateway must not wake for each emptied slot."""
+    loop = asyncio.get_running_loop()
+    rounds: list[float] = []
+    run = Alarms._run
+
+    def counted(self: Alarms) -> None:
+        rounds.append(loop.time())
+        run(self)
+
+    monkeypatch.setattr(Alarms, "_run", counted)
+    alarms = Alarms(resolution=0.005)
+    ran: list[int] = []
+    start = loop.time()
+    set_ = [alarms.call_at(start + 0.01 * (i + 1), lambda i=i: ran.append(i)) for i in range(20)]
+    for alarm in set_[:-1]:
+        alarm.cancel()
+    await asyncio.sleep(0.25)
+    assert ran == [19]
+    assert len(rounds) <= 2, len(rounds)  # the first slot (armed before the cancels), the last
+
+
 def test_the_resolution_must_be_positive() -> None:
     with pytest.raises(ValueError, match="resolution"):
         Alarms(resolution=0.0)
