@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -122,7 +123,7 @@ async def test_the_timer_skips_slots_whose_alarms_were_all_cancelled(
     alarms = Alarms(resolution=0.005)
     ran: list[int] = []
     start = loop.time()
-    set_ = [alarms.call_at(start + 0.01 * (i + 1), lambda i=i: ran.append(i)) for i in range(20)]
+    set_ = [alarms.call_at(start + 0.01 * (i + 1), partial(ran.append, i)) for i in range(20)]
     for alarm in set_[:-1]:
         alarm.cancel()
     await asyncio.sleep(0.25)
