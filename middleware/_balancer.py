@@ -589,9 +589,10 @@ class Try:
         self._upstream = None
         lb = self._lb
         # The caller judged the node's own answer a failure (a final 5xx or 429 with a fallback
-        # hop onward, no first byte in time, a broken body): the node's outcome. Anything else
-        # raised means the caller gave up (client gone, deadline): not the node's fault.
-        aborted = exc is not None and not isinstance(exc, UpstreamError)
+        # hop onward, no first byte in time, a broken body: ``failed``, whatever it raised
+        # after): the node's outcome. Anything else raised means the caller gave up (client
+        # gone, deadline): not the node's fault.
+        aborted = exc is not None and not isinstance(exc, UpstreamError) and not upstream.failed
         try:
             if aborted or upstream.failed:
                 upstream.response.close()  # the node sees the disconnect and stops working

@@ -70,9 +70,15 @@ class CacheEntry:
         return cls(body, model, float(created), kind)
 
 
-def cache_key(path: str, body: Mapping[str, Any], model_key: str) -> str | None:
+def cache_key(
+    path: str, body: Mapping[str, Any], model_key: str, credential: bytes | None = None
+) -> str | None:
     """A hash of what decides the answer (the temperature included, so a sampled request
-    matches only its twin), or ``None`` for a body with no prompt or an unusable temperature."""
+    matches only its twin), or ``None`` for a body with no prompt or an unusable temperature.
+
+    ``path`` is the target as sent upstream (its query string too). ``credential``: the
+    client's ``Authorization`` when it is forwarded to the nodes, which may answer each key
+    differently (or refuse it): an answer is then shared only by callers of the same key."""
     if not any(f in body for f in _PROMPT_FIELDS):
         return None
     temperature = body.get("temperature")
@@ -81,10 +87,11 @@ def cache_key(path: str, body: Mapping[str, Any], model_key: str) -> str | None:
     shape = {k: v for k, v in body.items() if k not in _IGNORED}
     if isinstance(shape.get("temperature"), int | float):
         shape["temperature"] = float(shape["temperature"])  # 0 and 0.0 ask the same
+    what: list[Any] = [path, model_key, shape]
+    if credential is not None:
+        what.append(credential.decode("latin-1"))  # hashed below: the key never shows it
     try:
-        text = json.dumps(
-            [path, model_key, shape], sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        )
+        text = json.dumps(what, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()

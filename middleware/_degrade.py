@@ -88,11 +88,17 @@ class Dispatcher:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    def key(self, path: str, body: Mapping[str, Any], model: str) -> str | None:
-        cfg = self.cache_config
-        if cfg is None:
+    def key(self, request: Request, model: str) -> str | None:
+        """The cache key of ``request``'s answer from ``model`` (None: not to be cached)."""
+        if self.cache_config is None:
             return None
-        return cache_key(path, body, self._families.get(model, model))
+        credential = None
+        if self.config.forward_authorization:
+            # Nodes see the caller's own key: one caller's answer is not another's (a key the
+            # node refuses must not read a cached answer), nor is a caller without one.
+            credential = next((v for k, v in request.headers if k == b"authorization"), b"")
+        family = self._families.get(model, model)
+        return cache_key(request.target, request.body, family, credential)
 
     def answer(self, request: Request) -> _Answering:
         """``async with dispatcher.answer(request) as answer``: find the answer (raising a
@@ -138,7 +144,7 @@ class Dispatcher:
 
         def key_of(model: str) -> str | None:
             if model not in keys:
-                keys[model] = self.key(path, request.body, model)
+                keys[model] = self.key(request, model)
             return keys[model]
 
         # A sampled request's twin answer stands in for it only when asked (fresh) or degraded.

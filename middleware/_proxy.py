@@ -126,12 +126,16 @@ class Proxy:
         up = answer.upstream
         assert up is not None
         response = up.response
-        headers = [(k, v) for k, v in response.raw_headers if k.lower() not in _DROPPED]
+        # ASGI names are lower case (a middleware outside looks for b"content-length"); the
+        # node may have sent any case.
+        headers = [(n, v) for k, v in response.raw_headers if (n := k.lower()) not in _DROPPED]
         headers += answer_headers(answer)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sse = response.headers.get("content-type", "").encode().startswith(SSE)
         recorder: StreamAssembler | Body | None = None
-        if answer.store_key is not None:
+        # An answer the node compressed (the client's Accept-Encoding is passed on) is not kept:
+        # the cache would serve its bytes as plain JSON to a client that asked for none.
+        if answer.store_key is not None and not response.headers.get("content-encoding"):
             limit = self._entry_limit
             recorder = StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
             if not sse:
@@ -166,12 +170,14 @@ class Proxy:
         begun = clock()
         blocked = 0.0
         sending: float | None = None  # when the send under way began
+        last = answer.first  # the bytes passed on last
         try:
             async with asyncio.timeout_at(up.deadline):
                 async for chunk in response.content.iter_any():
                     if recorder is not None:
                         recorder.feed(chunk)
                     sending = clock()
+                    last = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     blocked += clock() - sending
                     sending = None
@@ -184,22 +190,22 @@ class Proxy:
                 now = clock()
                 up.client_slow = blocked + (now - sending) > (now - begun) / 2
             _log.debug("stream from node %s broke: %r", up.node.name, exc)
-            if sse:
-                why = "ran past its deadline" if up.overran else "broke"
-                event = {
-                    "error": {
-                        "message": f"upstream stream {why}",
-                        "type": "upstream_error",
-                        "code": 502,
-                    }
+            if not sse:
+                # A body cut short must not end as if whole (a short JSON, or a length the
+                # server refuses to close): the connection closes on it instead.
+                return
+            why = "ran past its deadline" if up.overran else "broke"
+            event = {
+                "error": {
+                    "message": f"upstream stream {why}",
+                    "type": "upstream_error",
+                    "code": 502,
                 }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                        "more_body": True,
-                    }
-                )
+            }
+            data = b"data: " + json.dumps(event).encode() + b"\n\n"
+            if not last.endswith((b"\n\n", b"\r\n\r\n")):
+                data = b"\n\n" + data  # the node stopped inside an event: the error its own
+            await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

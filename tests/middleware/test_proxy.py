@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 
 from tests.conftest import Launcher, Serve
+from tests.middleware.conftest import chat_node
 
 
 @pytest.fixture
@@ -235,3 +239,176 @@ async def test_a_final_answer_is_passed_on_when_no_retry_can_be_made(busy: str) 
         assert "promptlb_retry_budget_exhausted_total 1.0" in metrics
     finally:
         await app.balancer.stop()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def node_answering(
+    serve: Serve, chat: Handler, **config: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The middleware over one in-process node whose chat completions ``chat`` answers, with
+    ``config``'s keys beside the node; yields an httpx client on the middleware."""
+    async with serve(chat_node(chat)) as url:
+        app = PromptLBMiddleware(
+            noop, config={**config, "nodes": [{"name": "a", "url": url, "models": ["m"]}]}
+        )
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://test"
+            ) as http:
+                yield http
+        finally:
+            await app.balancer.stop()
+
+
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+FRESH = {"cache": {"serve_fresh": True}}
+
+
+async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_forwarded_key(
+    serve: Serve,
+) -> None:
+    """With the caller's key forwarded, the node decides per key: an answer it gave one key
+    must not reach a caller whose key it refuses, nor one with none."""
+
+    async def chat(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer good":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return web.json_response({"id": "x", "choices": [{"index": 0, "text": "secret"}]})
+
+    async with node_answering(serve, chat, forward_authorization=True, **FRESH) as http:
+
+        async def ask(key: str | None) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            response = await http.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
+            await asyncio.sleep(0.05)  # the cache is written in the background
+            return response
+
+        assert (await ask("good")).status_code == 200
+        again = await ask("good")
+        assert again.status_code == 200 and again.headers["x-promptlb-cache"] == "hit"
+        for other in ("bad", None):
+            refused = await ask(other)
+            assert refused.status_code == 401, other
+            assert "x-promptlb-cache" not in refused.headers
+
+
+async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"index": 0, "text": request.query_string}]})
+
+    async with node_answering(serve, chat, **FRESH) as http:
+        answers = []
+        for query in ("a=1", "a=2", "a=1"):
+            response = await http.post(f"/v1/chat/completions?{query}", json=CHAT_BODY)
+            answers.append(
+                (response.json()["choices"][0]["text"], "x-promptlb-cache" in response.headers)
+            )
+            await asyncio.sleep(0.05)
+    assert answers == [("a=1", False), ("a=2", False), ("a=1", True)]
+
+
+async def test_header_names_are_passed_on_lower_case(serve: Serve) -> None:
+    """ASGI header names are lower case: a middleware outside (GZip's) looks up b"content-length"
+    and would miss the node's "Content-Length"."""
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []}, headers={"X-Node-Header": "yes"})
+
+    async with node_answering(serve, chat) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT_BODY)
+    names = [name for name, _ in response.headers.raw]
+    assert b"x-node-header" in names and b"content-length" in names
+    assert all(name == name.lower() for name in names), names
+
+
+async def test_a_compressed_answer_is_passed_on_but_not_cached(serve: Serve) -> None:
+    plain = json.dumps({"choices": [{"index": 0, "text": "hello"}]}).encode()
+
+    async def chat(request: web.Request) -> web.Response:
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(
+                body=gzip.compress(plain),
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            )
+        return web.Response(body=plain, content_type="application/json")
+
+    async with node_answering(serve, chat, **FRESH) as http:
+        zipped = await http.post(
+            "/v1/chat/completions", json=CHAT_BODY, headers={"Accept-Encoding": "gzip"}
+        )
+        assert zipped.headers["content-encoding"] == "gzip" and zipped.content == plain
+        await asyncio.sleep(0.05)
+        bare = await http.post(
+            "/v1/chat/completions", json=CHAT_BODY, headers={"Accept-Encoding": "identity"}
+        )
+    assert "x-promptlb-cache" not in bare.headers  # the gzip bytes were not kept
+    assert "content-encoding" not in bare.headers and bare.content == plain
+
+
+async def test_a_stream_cut_inside_an_event_ends_with_the_error_as_an_event_of_its_own(
+    serve: Serve,
+) -> None:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n')
+        await asyncio.sleep(0.05)
+        await response.write(b'data: {"choices": [{"delta": {"content": "he')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()  # the node dies inside an event
+        return response
+
+    async with node_answering(serve, chat) as http:
+        response = await http.post("/v1/chat/completions", json={**CHAT_BODY, "stream": True})
+    events = response.content.split(b"\n\n")
+    assert events[0] == b'data: {"choices": []}'
+    assert events[1].endswith(b'"he')  # the cut event, ended
+    error = json.loads(events[2].removeprefix(b"data: "))
+    assert error["error"]["type"] == "upstream_error"
+
+
+async def test_a_body_cut_short_is_not_ended_as_whole_and_counts_against_the_node(
+    launch: Launcher, serve: Serve, tmp_path: Path
+) -> None:
+    """A non-stream answer the node cut short: the client must not take it for a whole (short)
+    body, and the node's failure is recorded as its own, not as a caller who left."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if request.query_string == "sized":
+            response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b'{"choices": [{"index": 0, "text": "')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    async with serve(chat_node(chat)) as url:
+        config = tmp_path / "promptlb.toml"
+        config.write_text(
+            "admin_local_only = true\n[health]\ninterval = '100ms'\n"
+            f"[[nodes]]\nname = 'a'\nurl = '{url}'\nmodels = ['m']\n"
+        )
+        # Its first health check finds this loop blocked in launch(): wait for the next ones.
+        gateway = launch("middleware", "--config", str(config))
+        async with aiohttp.ClientSession() as http:
+            for _ in range(100):
+                async with http.get(gateway.url + "/_promptlb/status") as response:
+                    if (await response.json())["nodes"][0]["state"] == "ready":
+                        break
+                await asyncio.sleep(0.05)
+            for query in ("sized", "chunked"):
+                async with http.post(
+                    f"{gateway.url}/v1/chat/completions?{query}", json=CHAT_BODY
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await response.read()
+            async with http.get(gateway.url + "/_promptlb/metrics") as response:
+                metrics = await response.text()
+    assert 'outcome="broken"' in metrics and 'outcome="aborted"' not in metrics
