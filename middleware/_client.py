@@ -3,14 +3,18 @@ like proxied traffic, without an HTTP hop to ourselves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
+
 from ._answer import Answer
+from ._balancer import Upstream
 from ._degrade import Dispatcher
-from ._refusals import Refusal
+from ._refusals import Refusal, error_body
 from ._request import RequestReader
 from ._sse import replay_sse
 
@@ -100,8 +104,16 @@ class PromptLBClient:
                 parsed = json.loads(answer.entry.body)
                 assert isinstance(parsed, dict)
                 return parsed
-            data = answer.first + await up.response.read()
-            parsed = json.loads(data) if data else None
+            try:
+                # The answer's deadline holds for its body too, as on the proxy's path.
+                async with asyncio.timeout_at(up.deadline):
+                    data = answer.first + await up.response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _broke(up, exc) from None
+            try:
+                parsed = json.loads(data) if data else None
+            except ValueError:  # a node's error page, a proxy's HTML: kept as text
+                parsed = data.decode(errors="replace")
             if up.response.status >= 400:
                 raise PromptLBError(up.response.status, parsed, up.node.name)
             if not isinstance(parsed, dict):
@@ -121,14 +133,34 @@ class PromptLBClient:
                 raise PromptLBError(
                     up.response.status, (answer.first + rest).decode(errors="replace"), up.node.name
                 )
-            chunks = _chunks(answer.first, up.response.content.iter_any())
-            async for event in _aevents(chunks):
+            async for event in _aevents(_chunks(answer.first, up), up.node.name):
                 yield event
 
 
-async def _chunks(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+def _broke(up: Upstream, exc: BaseException) -> PromptLBError:
+    """The node's answer broke off or ran past the deadline: its failure, as the proxy tells
+    it (the detail, which may name the node's address, is left out)."""
+    up.failed = True
+    up.overran = isinstance(exc, TimeoutError)
+    status, why = (504, "ran past its deadline") if up.overran else (502, "broke")
+    return PromptLBError(
+        status, error_body(status, f"upstream answer {why}", "upstream_error"), up.node.name
+    )
+
+
+async def _chunks(first: bytes, up: Upstream) -> AsyncIterator[bytes]:
     yield first
-    async for chunk in rest:
+    rest = up.response.content.iter_any()
+    while True:
+        try:
+            # Each read under the deadline, not the whole loop: a timeout around a yield would
+            # cancel whatever the caller awaits between two events.
+            async with asyncio.timeout_at(up.deadline):
+                chunk = await anext(rest)
+        except StopAsyncIteration:
+            return
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _broke(up, exc) from None
         yield chunk
 
 
@@ -139,7 +171,7 @@ def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
                 yield json.loads(line[5:])
 
 
-async def _aevents(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+async def _aevents(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
     """SSE: events are separated by blank lines; "data: [DONE]" ends the stream."""
     pending = b""
     async for chunk in chunks:
@@ -151,4 +183,9 @@ async def _aevents(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
-            yield json.loads(data)
+            try:
+                event = json.loads(data)
+            except ValueError:
+                body = error_body(502, "upstream sent an event that is not JSON", "upstream_error")
+                raise PromptLBError(502, body, node) from None
+            yield event

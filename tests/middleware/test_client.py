@@ -1,0 +1,111 @@
+"""The in-app client (`request.state.promptlb`): what it raises when a node's answer is not
+what it expects, against in-process nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+from promptlb.middleware import PromptLBError, PromptLBMiddleware
+
+from tests.conftest import Serve
+from tests.middleware.conftest import chat_node
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+HI = [{"role": "user", "content": "hi"}]
+
+
+async def noop(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the app is not reached")
+
+
+async def collect(stream: AsyncIterator[dict[str, Any]], into: list[dict[str, Any]]) -> None:
+    async for event in stream:
+        into.append(event)
+
+
+@asynccontextmanager
+async def middleware_over(
+    serve: Serve, chat: Handler, **config: Any
+) -> AsyncIterator[PromptLBMiddleware]:
+    async with serve(chat_node(chat)) as url:
+        app = PromptLBMiddleware(
+            noop, config={**config, "nodes": [{"name": "a", "url": url, "models": ["m"]}]}
+        )
+        try:
+            yield app
+        finally:
+            await app.balancer.stop()
+
+
+async def test_a_node_error_that_is_not_json_is_a_promptlb_error(serve: Serve) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="Internal Server Error")
+
+    async with middleware_over(serve, chat) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=HI)
+    assert raised.value.status == 500 and raised.value.node == "a"
+    assert raised.value.body == "Internal Server Error"
+
+
+@pytest.fixture
+async def stalled() -> AsyncIterator[tuple[Handler, asyncio.Event]]:
+    """A node that sends its headers and a first piece, then nothing until released."""
+    release = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        stream = (await request.json()).get("stream", False)
+        kind = "text/event-stream" if stream else "application/json"
+        response = web.StreamResponse(headers={"Content-Type": kind})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n' if stream else b'{"choices": ')
+        await asyncio.wait_for(release.wait(), 10)
+        return response
+
+    yield chat, release
+    release.set()
+
+
+async def test_the_answer_is_held_to_the_total_deadline(
+    serve: Serve, stalled: tuple[Handler, asyncio.Event]
+) -> None:
+    """As on the proxy's path: a node that stalls after its first bytes is cut off at the
+    request's deadline, and the failure is the node's."""
+    chat, release = stalled
+    async with middleware_over(serve, chat, retry={"total_timeout": "1s"}) as app:
+        started = time.monotonic()
+        with pytest.raises(PromptLBError) as whole:
+            await asyncio.wait_for(app.client.chat(model="m", messages=HI), 5)
+        assert whole.value.status == 504 and whole.value.node == "a"
+        assert time.monotonic() - started < 3
+        events: list[dict[str, Any]] = []
+        with pytest.raises(PromptLBError) as streamed:
+            await asyncio.wait_for(
+                collect(app.client.chat_stream(model="m", messages=HI), events), 5
+            )
+        assert events == [{"choices": []}]  # what came before the deadline
+        assert streamed.value.status == 504
+        assert whole.value.body["error"]["type"] == "upstream_error"  # type: ignore[index]
+        metrics = app.balancer.metrics.render().decode()
+        assert app.balancer.table.nodes["a"].view.in_flight == 0
+        release.set()  # the node's handlers end: its server can close
+    assert 'outcome="broken"} 2.0' in metrics and 'outcome="aborted"' not in metrics
+
+
+async def test_an_event_that_is_not_json_is_a_promptlb_error(serve: Serve) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        body = b'data: {"choices": []}\n\ndata: {"choi\n\n'
+        return web.Response(body=body, content_type="text/event-stream")
+
+    async with middleware_over(serve, chat) as app:
+        events: list[dict[str, Any]] = []
+        with pytest.raises(PromptLBError) as raised:
+            await collect(app.client.chat_stream(model="m", messages=HI), events)
+    assert events == [{"choices": []}]
+    assert raised.value.status == 502 and raised.value.node == "a"
