@@ -109,8 +109,9 @@ class Balancer:
         same = previous is not None and _same_strategy(previous.config, config)
         self.strategy: Strategy = previous.strategy if previous and same else _strategy_for(config)
         if config.index_share is not None and self.strategy.prefix_index is None:
+            # The strategy named, not the Redis URL: that may carry a password.
             raise ConfigError(
-                "index_share", config.index_share.redis, "a cache-aware strategy to share"
+                "index_share", f"strategy {config.strategy!r}", "a cache-aware strategy to share"
             )
         self._share: IndexShare | None = None
         # Told of every try's end, for the other replicas while they share (a no-op else).

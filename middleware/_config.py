@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_duration
 
-from ._config_base import DURATION, check_url, positive, whole_number
+from ._config_base import DURATION, check_redis_url, check_url, positive, whole_number
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 from ._strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -282,8 +282,7 @@ class IndexShareConfig:
     timeout: float = field(default=0.2, metadata=DURATION)  # each Redis call
 
     def __post_init__(self) -> None:
-        if not self.redis.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("redis", self.redis, "a redis://host:port/db URL")
+        check_redis_url("redis", self.redis, "a redis://host:port/db URL")
         if not 0.01 <= self.every <= 60:
             raise ConfigError("every", self.every, "a duration in 10ms..60s")
         if not self.key:
@@ -349,6 +348,12 @@ class Config:
         positive("gossip_interval", self.gossip_interval)
         positive("gossip_timeout", self.gossip_timeout)
         positive("stale_after", self.stale_after)
+        # A snapshot is renewed once a gossip_interval at best: one that goes stale sooner is
+        # missing for part of every round, and a draining or warming node flaps to ready.
+        if self.stale_after <= self.gossip_interval:
+            raise ConfigError(
+                "stale_after", self.stale_after, f"> gossip_interval ({self.gossip_interval})"
+            )
         positive("slow_start", self.slow_start, zero=True)
         if self.gossip_concurrency < 1:
             raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")

@@ -7,16 +7,51 @@ from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError
 
-__all__ = ["DURATION", "check_url", "positive", "whole_number"]
+__all__ = ["DURATION", "check_redis_url", "check_url", "positive", "whole_number"]
 
 DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
 
 
 def check_url(key: str, value: str) -> str:
-    parts = urlsplit(value)
+    """A node's base URL, without its trailing slash: the routes (``/v1/...``) and the sidecar's
+    paths are appended to it as they are."""
+    expected = "an http(s) URL such as http://10.0.0.1:8000"
+    try:
+        parts = urlsplit(value)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise ConfigError(key, value, expected) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(key, value, "an http(s) URL such as http://10.0.0.1:8000")
+        raise ConfigError(key, value, expected)
+    try:
+        port = parts.port  # parsed on access: out of range or not a number raises
+    except ValueError:
+        port = 0
+    if port == 0:  # nothing listens there: the node would never turn healthy
+        raise ConfigError(key, value, f"{expected}, its port in 1..65535")
+    # The request's own path is appended: http://h:8000/v1 would get /v1/v1/chat/completions.
+    if parts.path not in ("", "/") or "?" in value or "#" in value:
+        raise ConfigError(
+            key, value, "a base URL such as http://10.0.0.1:8000 (no path like /v1, no query)"
+        )
     return value.rstrip("/")
+
+
+def check_redis_url(key: str, value: str, expected: str) -> None:
+    """A Redis URL that redis-py will take: checked now, or the gateway would fail on it as it
+    starts, or halfway through applying a reloaded config."""
+    # The error is printed and logged: the URL's password stays out of it.
+    scheme, _, rest = value.partition("://")
+    shown = f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else value
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(key, shown, expected)
+    try:
+        from redis.asyncio.connection import parse_url  # what Redis.from_url parses it with
+    except ImportError:  # without the redis extra, the gateway says so when it starts
+        return
+    try:
+        parse_url(value)
+    except ValueError as exc:
+        raise ConfigError(key, shown, f"{expected} ({str(exc).rstrip('.')})") from None
 
 
 def positive(key: str, value: float, *, zero: bool = False) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from promptlb.shared import ConfigError
 
-from ._config_base import DURATION, positive
+from ._config_base import DURATION, check_redis_url, positive
 
 __all__ = ["CACHE_HOP", "CacheConfig", "FallbackConfig", "SheddingConfig"]
 
@@ -79,10 +79,8 @@ class CacheConfig:
     timeout: float = field(default=0.05, metadata=DURATION)  # a slower lookup is a miss
 
     def __post_init__(self) -> None:
-        if self.backend != "memory" and not self.backend.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ConfigError("backend", self.backend, "'memory' or a redis://host:port/db URL")
+        if self.backend != "memory":
+            check_redis_url("backend", self.backend, "'memory' or a redis://host:port/db URL")
         positive("ttl", self.ttl)
         positive("stale_ttl", self.stale_ttl)
         if self.stale_ttl < self.ttl:

@@ -328,7 +328,11 @@ class NodeTable:
         node.request_faults += 1
 
     def _may_eject(self, node: Node, now: float) -> bool:
-        pool = [n for n in self.nodes.values() if n.models & node.models]
+        # The nodes that could take a request this one could: a node that names no model takes
+        # any (see `_rebuild`), so it shares a pool with every node. Otherwise model-less nodes
+        # would each have an empty pool and all of them could be ejected at once.
+        models = node.models
+        pool = [n for n in self.nodes.values() if not models or not n.models or n.models & models]
         ejected = sum(1 for n in pool if now < n.ejected_until)
         return ejected < ejection_cap(len(pool), self._config.outlier.max_ejection_percent)
 

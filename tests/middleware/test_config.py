@@ -97,6 +97,60 @@ def test_bad_values_name_the_key_the_value_and_what_was_expected(
     assert str(info.value).startswith(f"{key}: got ")
 
 
+TWO = NODE + "[[nodes]]\nname = 'b'\n"
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "expected"),
+    [
+        ("url = 'http://[::1'", "nodes[1].url", "http(s) URL"),
+        ("url = 'http://h:99999'", "nodes[1].url", "port in 1..65535"),
+        ("url = 'http://h:abc'", "nodes[1].url", "port in 1..65535"),
+        ("url = 'http://h:0'", "nodes[1].url", "port in 1..65535"),
+        # The routes are appended to the URL: /v1 here would make /v1/v1/chat/completions.
+        ("url = 'http://h:8000/v1'", "nodes[1].url", "no path like /v1"),
+        ("url = 'http://h:8000/?x=1'", "nodes[1].url", "no query"),
+        ("url = 'http://h:8000#top'", "nodes[1].url", "no query"),
+        ("url = 'http://h:1'\nsidecar = 'http://[::1:9500'", "nodes[1].sidecar", "http(s) URL"),
+        ("url = 'http://h:1'\nsidecar = 'http://h:95000'", "nodes[1].sidecar", "1..65535"),
+        ("url = 'http://h:1'\nsidecar = 'http://h:9500/snapshot'", "nodes[1].sidecar", "no path"),
+    ],
+)
+def test_a_url_that_is_not_a_base_url_is_a_config_error_naming_its_key(
+    tmp_path: Path, line: str, key: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, f"{TWO}{line}\n")
+    assert info.value.key == key
+    assert expected in info.value.expected
+
+
+def test_base_urls_load_without_their_trailing_slash(tmp_path: Path) -> None:
+    config = load(tmp_path, f"{TWO}url = 'https://[::1]:8443/'\nsidecar = 'http://h:9500'\n")
+    node = config.nodes[1]
+    assert (node.url, node.sidecar) == ("https://[::1]:8443", "http://h:9500")
+
+
+@pytest.mark.parametrize(("gossip", "stale"), [("1s", "1s"), ("2s", "1s"), ("500ms", "0.5")])
+def test_stale_after_must_exceed_the_gossip_interval(
+    tmp_path: Path, gossip: str, stale: str
+) -> None:
+    # Otherwise every snapshot is stale for part of each round: a draining node flaps to ready.
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, f"gossip_interval = '{gossip}'\nstale_after = '{stale}'\n{NODE}")
+    assert info.value.key == "stale_after"
+    assert "gossip_interval" in info.value.expected
+
+
+def test_stale_after_longer_than_the_gossip_interval_loads(tmp_path: Path) -> None:
+    loaded = load(tmp_path, f"gossip_interval = '2s'\nstale_after = '2.5s'\n{NODE}")
+    assert (loaded.gossip_interval, loaded.stale_after) == (2.0, 2.5)
+    default = Config(nodes=(NodeConfig(name="a", url="http://a:1"),))
+    assert default.stale_after > default.gossip_interval
+    with pytest.raises(ConfigError, match="stale_after"):  # the default stale_after, in code
+        Config(nodes=default.nodes, gossip_interval=default.stale_after)
+
+
 def test_unreadable_or_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="readable TOML"):
         load_config(tmp_path / "missing.toml")
@@ -163,6 +217,45 @@ def test_fallback_cache_and_shedding_tables_load_typed() -> None:
 def test_bad_degradation_config_names_the_key(extra: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         load_config({"nodes": [{"name": "a", "url": "http://a:1"}], **extra})
+
+
+@pytest.mark.parametrize(
+    ("table", "url"),
+    [
+        ("cache", "redis://h:abc"),
+        ("cache", "redis://h:99999/0"),
+        ("cache", "redis://[::1"),
+        ("cache", "unix:///tmp/r.sock?db=x"),
+        ("index_share", "redis://h:abc"),
+        ("index_share", "rediss://h:6380/0?socket_timeout=soon"),
+    ],
+)
+def test_a_redis_url_redis_py_would_refuse_is_a_config_error(table: str, url: str) -> None:
+    # At startup, or halfway through a reload, redis-py would raise a bare ValueError instead.
+    key = {"cache": "backend", "index_share": "redis"}[table]
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], table: {key: url}})
+    assert info.value.key == f"{table}.{key}"
+    assert "redis://host:port/db URL" in info.value.expected
+
+
+def test_a_redis_url_error_keeps_the_password_out() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            {"nodes": [{"name": "a", "url": "http://a:1"}], "cache": {"backend": "redis://:pw@h:x"}}
+        )
+    assert info.value.value == "redis://***@h:x"
+    assert "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/0", "rediss://:pw@cache:6380/1", "unix:///tmp/r.sock"]
+)
+def test_good_redis_urls_load(url: str) -> None:
+    nodes = [{"name": "a", "url": "http://a:1"}]
+    config = load_config({"nodes": nodes, "cache": {"backend": url}, "index_share": {"redis": url}})
+    assert config.cache is not None and config.cache.backend == url
+    assert config.index_share is not None and config.index_share.redis == url
 
 
 def test_the_shipped_example_config_loads() -> None:

@@ -80,6 +80,37 @@ def test_consecutive_failures_eject_for_base_time_times_ejections_within_the_cap
     assert n0.ejected_until == 32.0  # ejected a second time: twice as long
 
 
+def test_nodes_without_models_share_one_ejection_pool() -> None:
+    # Model-less nodes take any model, so failing together they must not all be ejected.
+    nodes = tuple(NodeConfig(name=f"n{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(4))
+    t = NodeTable(Config(nodes=nodes, outlier=OutlierConfig(consecutive_failures=5)))
+    for node in t.nodes.values():
+        t.record_health(node, True, "ok", 0.0)
+    for node in t.nodes.values():
+        for _ in range(5):
+            t.record_result(node, False, None, None, 1.0)
+    t.tick(1.0)
+    assert sum(1 for n in t.nodes.values() if n.ejected_until) == 2  # 50% of 4
+    assert len(t.candidates("m") or ()) == 2
+
+
+def test_a_node_without_models_counts_in_every_models_pool() -> None:
+    nodes = (
+        NodeConfig(name="a", url="http://127.0.0.1:9000", models=("m",)),
+        NodeConfig(name="b", url="http://127.0.0.1:9001", models=("m",)),
+        NodeConfig(name="any", url="http://127.0.0.1:9002"),
+    )
+    t = NodeTable(Config(nodes=nodes, outlier=OutlierConfig(consecutive_failures=1)))
+    for node in t.nodes.values():
+        t.record_health(node, True, "ok", 0.0)
+    for name in ("a", "b", "any"):
+        t.record_result(t.nodes[name], False, None, None, 1.0)
+    t.tick(1.0)
+    # 50% of 3 is one: the first ejection is allowed, the others would leave m fewer than half.
+    assert [n.name for n in t.nodes.values() if n.ejected_until] == ["a"]
+    assert {v.name for v in t.candidates("m") or ()} == {"b", "any"}
+
+
 def test_an_ejection_and_the_return_each_log_one_line(caplog: pytest.LogCaptureFixture) -> None:
     t = table(2, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=10))
     n0 = t.nodes["n0"]
