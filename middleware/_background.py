@@ -126,7 +126,10 @@ class Evidence:
                 if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
                     return  # the sidecar saw nothing new since the last poll: no news, no error
                 if snapshot.node != node.name and self._keys is not None:
-                    raise SnapshotError(f"signed snapshot names node {snapshot.node!r}")
+                    raise SnapshotError(
+                        f"signed snapshot names node {snapshot.node!r}, not {node.name!r}"
+                        " (the sidecar's --node-name must be the node's name here)"
+                    )
                 if self._freshness is not None:
                     self._freshness.check(snapshot)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:

@@ -6,10 +6,11 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
 from promptlb.middleware._balancer import Balancer
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, sidecar_args
 
 
 async def test_unsigned_snapshots_are_rejected_and_counted_when_a_key_is_set(
@@ -67,6 +68,51 @@ async def test_signed_snapshots_are_taken(launch: Launcher, tmp_path: Path) -> N
         assert lb.table.nodes["a"].snapshot_errors == 0
     finally:
         await lb.stop()
+
+
+async def test_under_dns_discovery_a_sidecar_named_ip_and_port_is_taken_signed(
+    launch: Launcher, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discovery names a node IP:port (the model's port); a signed snapshot must name the node
+    it is fetched for, so that is the --node-name the sidecar needs (examples/k8s passes
+    $(POD_IP):8000); any other name is rejected, saying which was expected."""
+    key = tmp_path / "key"
+    key.write_text("k1:a-long-enough-shared-secret\n")
+    model = launch("emulator", "--ttft-ms", "5")
+    name = f"127.0.0.1:{model.port}"
+    for node_name in (name, "model-0"):
+        sidecar = launch(
+            "sidecar",
+            *sidecar_args(model.url, node_name, "--sign-key-file", str(key)),
+        )
+        config = Config(
+            discovery=DiscoveryConfig(
+                mode="dns",
+                name="127.0.0.1",
+                port=model.port,
+                sidecar_port=sidecar.port,
+                models=("m",),
+                interval=0.2,
+            ),
+            sign_key_file=str(key),
+            gossip_interval=0.1,
+        )
+        lb = Balancer(config)
+        await lb.start()
+        try:
+            node = lb.table.nodes[name]
+            deadline = time.monotonic() + 5
+            while node.snapshot is None and node.snapshot_errors == 0:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            if node_name == name:
+                assert node.snapshot is not None and node.snapshot_errors == 0
+            else:
+                assert node.snapshot is None
+                assert f"names node 'model-0', not '{name}'" in caplog.text
+        finally:
+            await lb.stop()
+        sidecar.stop()
 
 
 async def test_an_unreachable_sidecar_keeps_the_last_view_until_it_goes_stale(

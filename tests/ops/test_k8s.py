@@ -181,12 +181,26 @@ def test_the_autoscaler_reads_the_sidecars_own_metrics_through_the_adapter() -> 
         assert f'"{name.removeprefix("promptlb_sidecar_")}"' in source or name in source
 
 
+def test_the_sidecar_names_its_node_as_the_gateways_discovery_does(tmp_path: Path) -> None:
+    """The snapshots are signed, and a signed snapshot must name the node the gateway fetched it
+    for: under DNS discovery that is the pod's address and the model port."""
+    configmap = _one("ConfigMap", "promptlb-gateway-config")
+    [(filename, toml)] = configmap["data"].items()
+    (tmp_path / filename).write_text(toml)
+    config = load_config(tmp_path / filename)
+    assert config.sign_key_file is not None and config.discovery.mode == "dns"
+    sidecar = _container(_one("Deployment", "promptlb-model"), "sidecar")
+    assert _flags(sidecar)["node-name"] == f"$(POD_IP):{config.discovery.port}"
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
 def test_the_command_lines_are_ones_promptlb_accepts() -> None:
     from promptlb.sidecar._cli import _parser
 
     sidecar = _container(_one("Deployment", "promptlb-model"), "sidecar")
     assert sidecar["command"] == ["promptlb-sidecar"]
-    args = _parser().parse_args([a.replace("$(POD_NAME)", "model-0") for a in sidecar["args"]])
-    assert args.node_name == "model-0"
+    args = _parser().parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in sidecar["args"]])
+    assert args.node_name == "10.0.0.7:8000"
     gateway = _container(_one("Deployment", "promptlb-gateway"), "gateway")
     assert gateway["command"] == ["promptlb-gateway"]
