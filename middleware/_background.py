@@ -212,7 +212,9 @@ class Evidence:
         wanted: list[NodeConfig] = []
         for family, _, _, _, address in infos:
             host = f"[{address[0]}]" if family == socket.AF_INET6 else str(address[0])
-            sidecar = f"{disc.scheme}://{host}:{disc.sidecar_port}" if disc.sidecar_port else None
+            sidecar = None
+            if disc.sidecar_port:
+                sidecar = f"{disc.sidecar_scheme}://{host}:{disc.sidecar_port}"
             wanted.append(
                 NodeConfig(
                     name=f"{host}:{disc.port}",

@@ -103,13 +103,16 @@ class AffinityConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiscoveryConfig:
     """``static``: the ``[[nodes]]`` list. ``dns``: A/AAAA records of ``name`` (a headless
-    service), each address one node at ``port``, with its sidecar at ``sidecar_port``."""
+    service), each address one node at ``port``, with its sidecar at ``sidecar_port``.
+    ``scheme`` is the model servers'; ``sidecar_scheme`` the sidecars' (which serve plain
+    HTTP themselves: https only behind a proxy that terminates it)."""
 
     mode: Literal["static", "dns"] = "static"
     name: str = ""
     port: int = 8000
     sidecar_port: int | None = 9500
     scheme: Literal["http", "https"] = "http"
+    sidecar_scheme: Literal["http", "https"] = "http"
     interval: float = field(default=30.0, metadata=DURATION)
     models: tuple[str, ...] = ()
 

@@ -70,6 +70,24 @@ async def test_signed_snapshots_are_taken(launch: Launcher, tmp_path: Path) -> N
         await lb.stop()
 
 
+async def test_dns_discovered_sidecars_keep_their_own_scheme() -> None:
+    """Model servers behind https do not make the sidecars (plain HTTP) https too."""
+    config = Config(
+        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8443, scheme="https"),
+        health=HealthConfig(enabled=False),
+    )
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        node = lb.table.nodes["127.0.0.1:8443"]
+        assert (node.config.url, node.config.sidecar) == (
+            "https://127.0.0.1:8443",
+            "http://127.0.0.1:9500",
+        )
+    finally:
+        await lb.stop()
+
+
 async def test_under_dns_discovery_a_sidecar_named_ip_and_port_is_taken_signed(
     launch: Launcher, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
