@@ -266,7 +266,11 @@ class NodeTable:
         window later, to leak again."""
         mark = node.leak_mark
         if mark is None:
-            if _leaking(snapshot, self._config.outlier.drain_before_oom):
+            # A model server that loads or warms up grows by gigabytes, and no such snapshot
+            # routes traffic: marked from one, the node would flap (its next not-warm snapshot
+            # clears the mark) and stay "leaking" once warm, with no growth left to end it.
+            serving = snapshot.ready and snapshot.warm
+            if serving and _leaking(snapshot, self._config.outlier.drain_before_oom):
                 node.leak_mark = (snapshot.boot, snapshot.rss or 0)
                 self._dirty = True
                 log.warning(

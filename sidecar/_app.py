@@ -17,14 +17,15 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from promptlb.shared import EngineSample, GpuSample, SnapshotError
-from promptlb.shared._snapshot import MAX_NAME_CHARS, MAX_NAMES, MAX_TPS
+from promptlb.shared._snapshot import MAX_TPS
 
 from ._config import SidecarConfig
 from ._engine import EngineMetricsError, parse_engine_metrics
 from ._gpu import GpuCollector
 from ._host import HostCollector, HostSample
 from ._live import Live, Problem
-from ._model_server import WarmupReport, list_models, probe, warmup
+from ._model_server import WarmupReport, probe, warmup
+from ._names import ModelNames
 from ._process import ProcessCollector, memory_free
 
 __all__ = ["LIVE", "create_app"]
@@ -144,6 +145,9 @@ async def _every(interval: float, step: Callable[[], Awaitable[None]], name: str
         await asyncio.sleep(next_at - loop.time())
 
 
+_NAMES = web.AppKey("promptlb_sidecar_model_names", ModelNames)
+
+
 class _Collectors:
     """The background sampling, one task per collector."""
 
@@ -161,7 +165,6 @@ class _Collectors:
         self.engine_problem = Problem(log, "engine metrics")
         self.process_problem = Problem(log, "model-server process")
         self.server_problem = Problem(log, "model server")
-        self.models_problem = Problem(log, "model names from /v1/models")
         self._last_tokens: tuple[float, float] | None = None
 
     @property
@@ -176,23 +179,35 @@ class _Collectors:
         self.live.host, self.live.gpus = await asyncio.to_thread(self._host_and_gpus)
         self.live.changed()
 
-    def _process_and_memory(self) -> tuple[int | None, float | None, int | None]:
+    def _process_and_memory(self, serving: bool) -> tuple[int | None, float | None, int | None]:
         rss, slope = self.process.sample()
+        if not serving:
+            # Loading the weights and warming up grow the RSS by gigabytes: were those samples
+            # kept, the first slope of a ready node would be a "leak". The window starts when
+            # the node serves.
+            self.process.restart_window()
+            slope = None
         return rss, slope, memory_free(rss, self.config.memory_limit, self.process.pid)
 
     async def sample_process(self) -> None:
         # psutil's port lookup walks /proc: keep it off the event loop.
         live = self.live
-        live.rss, live.rss_slope, live.mem_free = await asyncio.to_thread(self._process_and_memory)
+        # Read before the sample: a node that becomes ready meanwhile gets no slope from it.
+        serving = live.ready
+        live.rss, live.rss_slope, live.mem_free = await asyncio.to_thread(
+            self._process_and_memory, serving
+        )
         if self.process.reason:
             self.process_problem.report(self.process.reason)
         else:
             self.process_problem.clear()
-        if self.process.restarted and self.live.warm:
-            # A restart quicker than one probe never looks "gone" to the probe, but the new
-            # process has lost its caches all the same.
-            self.live.warm = False
-            log.warning("model-server process was replaced: warmup will run again")
+        if self.process.restarted:
+            self.app[_NAMES].expire()  # the new process may serve another model
+            if self.live.warm:
+                # A restart quicker than one probe never looks "gone" to the probe, but the new
+                # process has lost its caches all the same.
+                self.live.warm = False
+                log.warning("model-server process was replaced: warmup will run again")
         self.live.changed()
 
     async def sample_engine(self) -> None:
@@ -242,39 +257,17 @@ class _Collectors:
         live.server_reason = result.reason
         if result.ok:
             self.server_problem.clear()
-            if not was_ok and not cfg.models:
-                learnt = await list_models(self.session, cfg.model_url, cfg.probe_timeout_s)
-                live.models = self._usable_names(learnt)
+            names = self.app[_NAMES]
+            # Each time the server comes up (it may be a new one, with another model), and
+            # whenever the names are due: a failed answer must not leave them unknown for good.
+            if not cfg.models and (not was_ok or names.due()):
+                await names.learn(self.session)
         else:
             self.server_problem.report(result.reason)
             if result.gone and live.warm:
                 live.warm = False  # a restarted server is cold again
                 log.warning("model server went away: warmup will run again")
         live.changed()
-
-    def _usable_names(self, names: list[str]) -> tuple[str, ...]:
-        """The learnt names a snapshot can carry; the others are left out, logged once."""
-        kept: list[str] = []
-        bad: list[str] = []
-        for name in names:
-            if 0 < len(name) <= MAX_NAME_CHARS and _encodable(name):
-                kept.append(name)
-            else:
-                bad.append(name)
-        problems = []
-        if bad:
-            shown = ", ".join(repr(n[:40] + "..." if len(n) > 40 else n) for n in bad[:3])
-            problems.append(
-                f"{len(bad)} empty, unencodable or over {MAX_NAME_CHARS} characters ({shown})"
-            )
-        if len(kept) > MAX_NAMES:
-            problems.append(f"{len(kept) - MAX_NAMES} beyond the first {MAX_NAMES}")
-            kept = kept[:MAX_NAMES]
-        if problems:
-            self.models_problem.report("left out " + "; ".join(problems))
-        else:
-            self.models_problem.clear()
-        return tuple(kept)
 
     async def warm_when_ready(self) -> None:
         """Warm up whenever the server answers and is not warm; back off after failures."""
@@ -308,20 +301,13 @@ class _Collectors:
         return tasks
 
 
-def _encodable(name: str) -> bool:
-    try:
-        name.encode("utf-8")  # JSON may carry a lone surrogate, which msgpack cannot pack
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 async def run_warmup(app: web.Application) -> WarmupReport:
     live, cfg = app[LIVE], app[LIVE].config
     async with app[_WARMUP_LOCK]:
         model = (cfg.models or live.models or ("",))[0]
         if not model:
-            models = await list_models(app[_SESSION], cfg.model_url, cfg.probe_timeout_s)
+            # Names found here are kept too: the probe's own request may have failed.
+            models = await app[_NAMES].learn(app[_SESSION])
             model = models[0] if models else "default"
         report = await warmup(
             app[_SESSION],
@@ -414,6 +400,7 @@ def create_app(config: SidecarConfig) -> web.Application:
     live = Live(config)
     app[LIVE] = live
     app[_WARMUP_LOCK] = asyncio.Lock()
+    app[_NAMES] = ModelNames(live)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_LiveMetrics(live))
     app[_REGISTRY] = registry

@@ -78,8 +78,8 @@ class ProcessCollector:
 
     The slope is a least-squares fit over the last ``window_s``; it is ``None`` until the window
     holds two samples a second apart, and starts over when the process is replaced (a restart
-    is not a leak). ``restarted`` is true after a sample that found a different process than
-    the one before it.
+    is not a leak) or on ``restart_window()``. ``restarted`` is true after a sample that found a
+    different process than the one before it.
     """
 
     def __init__(self, *, pid: int | None, port: int | None, window_s: float = 60.0) -> None:
@@ -135,6 +135,11 @@ class ProcessCollector:
     def pid(self) -> int | None:
         """The model server's pid as last found; None while none is."""
         return self._proc.pid if self._proc is not None else None
+
+    def restart_window(self) -> None:
+        """Forget the samples so far: the next slope counts only what comes after (a model
+        loading its weights grows by gigabytes, and that is no leak)."""
+        self._history.clear()
 
     def sample(self, now: float | None = None) -> tuple[int | None, float | None]:
         self.restarted = False

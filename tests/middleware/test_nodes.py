@@ -361,3 +361,38 @@ def test_a_drained_leaking_node_is_back_once_its_model_server_restarts(snap: Mak
     assert t.state_of(n0) == "warming"
     t.record_snapshot(n0, replace(rewarming, seq=3, warm=True), 3.0)
     assert t.state_of(n0) == "ready"
+
+
+def test_memory_grown_while_loading_and_warming_does_not_mark_the_node_leaking(
+    snap: MakeSnapshot, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model loading its weights (2 GB to 10 GB in 40 s under a 24 GB limit) and then warming
+    up grows as fast as a leak, but routes nothing: the node is warming, never leaking, and
+    ready once warm with its memory flat."""
+    from dataclasses import replace
+
+    t = table(outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    gib, slope = 2**30, 200 * 2**20  # 8 GiB in 40 s
+    with caplog.at_level("INFO", logger="promptlb.middleware"):
+        for seq, second in enumerate(range(0, 41, 4), start=1):
+            rss = 2 * gib + slope * second
+            loading = replace(
+                snap("n0", seq, ready=seq > 5, warm=False),
+                rss=rss,
+                rss_slope=float(slope),
+                mem_free=24 * gib - rss,
+            )
+            left = loading.seconds_to_oom()
+            assert left is not None and left < 300.0  # as fast as a leak that would OOM it
+            t.record_snapshot(n0, loading, float(second))
+            assert t.state_of(n0) == "warming"
+        warm = replace(snap("n0", 20), rss=10 * gib, rss_slope=0.0, mem_free=14 * gib)
+        t.record_snapshot(n0, warm, 41.0)
+        assert t.state_of(n0) == "ready" and "n0" in names(t, 41.0)
+        # A real leak once warm is still drained.
+        leak = replace(warm, seq=21, rss_slope=float(slope))
+        t.record_snapshot(n0, leak, 42.0)
+        assert t.state_of(n0) == "leaking"
+    lines = [r.getMessage() for r in caplog.records if "memory" in r.getMessage()]
+    assert len(lines) == 1 and "draining" in lines[0], lines  # none while it warmed

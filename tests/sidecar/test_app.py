@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ from aiohttp import web
 from promptlb.shared import EngineSample, Snapshot, decode
 from promptlb.sidecar import EngineReading, SidecarConfig, create_app
 from promptlb.sidecar import _app as sidecar_app
+from promptlb.sidecar import _names as sidecar_names
 from promptlb.sidecar._app import LIVE, _Collectors
 from promptlb.sidecar._gpu import GpuCollector
 from promptlb.sidecar._live import Live
@@ -171,6 +173,65 @@ async def test_configured_models_override_the_learnt_ones(sidecar_beside: Sideca
         assert decode(live.encoded()).models == ("a", "b")
 
 
+async def test_model_names_are_asked_again_until_v1_models_answers(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    """/v1/models failing as the server comes up must not leave the node without names: the
+    gateway would send it every model's traffic."""
+    asked = {"times": 0}
+    failing = {"now": True}
+
+    def flaky(request: web.Request) -> web.StreamResponse:
+        asked["times"] += 1
+        if failing["now"]:
+            return web.Response(status=503, text="loading")
+        return web.json_response({"data": [{"id": "real"}]})
+
+    routes = {"/health": text("ok"), "/v1/models": flaky}
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.server_ok)
+        await asyncio.sleep(0.5)  # 25 probes
+        assert live.models == () and 3 <= asked["times"] <= 8  # asked again, backing off
+        failing["now"] = False
+        await until(lambda: live.models)
+        snap = decode(live.encoded())
+        assert snap.ready and snap.warm and snap.models == ("real",)
+        settled = asked["times"]
+        await asyncio.sleep(0.3)  # fifteen probes more
+        assert asked["times"] == settled  # known: not asked at every probe
+
+
+async def test_model_names_are_refreshed_and_a_failed_refresh_keeps_them(
+    monkeypatch: pytest.MonkeyPatch, sidecar_beside: SidecarBeside
+) -> None:
+    monkeypatch.setattr(sidecar_names, "_MODELS_REFRESH_S", 0.05)
+    models = {"reply": models_reply("a")}
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/v1/models": lambda request: models["reply"](request),
+    }
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.models == ("a",))
+        models["reply"] = text("overloaded", 503)
+        await asyncio.sleep(0.3)  # several refreshes fail
+        assert decode(live.encoded()).models == ("a",)  # never none: that is any model
+        models["reply"] = models_reply("b")  # the model was swapped on the running server
+        await until(lambda: live.models == ("b",))
+
+
+async def test_model_names_the_warmup_learns_are_kept(sidecar_beside: SidecarBeside) -> None:
+    # /health fails, so the probe asks nothing: only the warmup's own request learns names.
+    routes = {
+        "/health": text("loading", 503),
+        "/v1/models": models_reply("real"),
+        "/v1/chat/completions": text("{}"),
+    }
+    async with sidecar_beside(routes) as (app, live):
+        report = await sidecar_app.run_warmup(app)
+        assert report.ok
+        assert decode(live.encoded()).models == ("real",)
+
+
 # --- readiness ------------------------------------------------------------------------------------
 
 
@@ -325,3 +386,49 @@ async def test_a_replaced_model_server_process_makes_the_node_cold(
         await collectors.sample_process()
     assert not live.warm
     assert "warmup will run again" in caplog.text
+
+
+async def test_rss_grown_while_loading_and_warming_is_left_out_of_the_slope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model loading 2 GB to 10 GB in 40 s, then 1 GB more while warming, then flat: once
+    ready its slope is flat, not a leak to the gateway; a leak after that still shows."""
+    gib = 2**30
+    config = SidecarConfig(
+        model_url="http://127.0.0.1:9",
+        node_name="n",
+        gpu=False,
+        model_pid=os.getpid(),  # this process stands in; its RSS and the clock are scripted
+        rss_window_s=60.0,
+        memory_limit=24 * gib,
+    )
+    collectors = _Collectors(create_app(config))
+    live, process = collectors.live, collectors.process
+    script = {"now": 0.0, "rss": 2 * gib}
+    sample = process.sample
+    monkeypatch.setattr(process, "sample", lambda now=None: sample(now=script["now"]))
+    monkeypatch.setattr(process, "_tree_rss", lambda proc: script["rss"])
+
+    async def second(rss: float) -> Snapshot:
+        script["now"] += 1.0
+        script["rss"] = int(rss)
+        await collectors.sample_process()
+        return decode(live.encoded())
+
+    for t in range(40):  # loading: the server does not answer yet
+        await second(2 * gib + t * gib / 5)
+    live.server_ok = True
+    for t in range(5):  # warming up
+        await second(10 * gib + t * gib / 5)
+    live.warm = True
+    live.changed()
+    assert decode(live.encoded()).rss_slope is None  # nothing measured while serving yet
+    for _ in range(30):
+        snap = await second(11 * gib)
+        assert snap.rss_slope in (None, 0.0) and snap.seconds_to_oom() is None
+    assert snap.rss_slope == 0.0
+    for t in range(1, 61):  # a real leak, 100 MiB a second, for a whole window
+        snap = await second(11 * gib + t * 100 * 2**20)
+    assert snap.rss_slope == pytest.approx(100 * 2**20)
+    left = snap.seconds_to_oom()
+    assert left is not None and left < 300.0  # the gateway drains it
