@@ -9,7 +9,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError, SigningKey
-from promptlb.shared._snapshot import MAX_NAME_CHARS, MAX_NAMES
+from promptlb.shared._snapshot import MAX_COUNT, MAX_NAME_CHARS, MAX_NAMES
 
 __all__ = ["MIN_TOKEN_CHARS", "EngineChoice", "SidecarConfig"]
 
@@ -114,12 +114,16 @@ class SidecarConfig:
         _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)
         _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
         _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
+        # Up to a snapshot's largest count (2**53 bytes, 8 PiB): a limit beyond it made every
+        # snapshot's mem_free unencodable, and /snapshot failed on every request.
         if self.memory_limit is not None and (
             isinstance(self.memory_limit, bool)
             or not isinstance(self.memory_limit, int)
-            or self.memory_limit < 1
+            or not 1 <= self.memory_limit <= MAX_COUNT
         ):
-            raise ConfigError("memory_limit", self.memory_limit, "a number of bytes >= 1")
+            raise ConfigError(
+                "memory_limit", self.memory_limit, f"a number of bytes in 1..{MAX_COUNT}"
+            )
         if self.model_pid is not None and (
             isinstance(self.model_pid, bool)
             or not isinstance(self.model_pid, int)

@@ -51,3 +51,13 @@ def test_a_short_token_names_the_token() -> None:
     with pytest.raises(ConfigError) as error:
         SidecarConfig(node_name="n", token="short")
     assert error.value.key == "token" and "short" not in str(error.value)
+
+
+def test_a_memory_limit_beyond_what_a_snapshot_can_carry_is_a_config_error() -> None:
+    # 1e10 MiB: mem_free past 2**53 made every /snapshot fail to encode.
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(node_name="n", memory_limit=10**10 * 2**20)
+    assert error.value.key == "memory_limit"
+    largest = SidecarConfig(node_name="n", memory_limit=2**53)
+    snap = Snapshot(node="n", boot="b", seq=1, ts=1.0, mem_free=largest.memory_limit)
+    assert decode(encode(snap)).mem_free == 2**53
