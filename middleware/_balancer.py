@@ -459,7 +459,10 @@ class Try:
                             metrics.retry_budget_exhausted.inc()
                             break
                     elif not candidates:
-                        metrics.unavailable.labels(route.model).inc()
+                        # The label is the client's model only where a node names it: with
+                        # nodes that name none, any string reaches here, one series each.
+                        known = table.names_model(route.model)
+                        metrics.unavailable.labels(route.model if known else "other").inc()
                         raise NoNodeAvailable(route.model)
                     remaining = try_by - loop.time()
                     if remaining <= 0:

@@ -408,6 +408,13 @@ class NodeTable:
             return self._wildcard
         return () if model in self._known_models else None
 
+    def names_model(self, model: str) -> bool:
+        """Whether some node names ``model`` (configured or learnt from its snapshots): a
+        node that names none takes any, so a request's model may be anything the client sent."""
+        if self._dirty:
+            self.tick(self._clock())
+        return model in self._known_models
+
     def state_of(self, node: Node) -> str:
         oom_within = self._config.outlier.drain_before_oom
         return node.state(self._clock(), self._config.stale_after, oom_within)

@@ -9,7 +9,7 @@ from aiohttp import web
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._balancer import _NAMES_KEPT, Balancer
 from promptlb.middleware._config import RetryConfig
-from promptlb.middleware._refusals import UpstreamError
+from promptlb.middleware._refusals import NoNodeAvailable, UpstreamError
 from promptlb.middleware._request import Request, RequestReader
 
 from tests.conftest import Serve
@@ -137,3 +137,31 @@ async def test_every_try_that_ends_is_told_to_the_replicas_that_share(serve: Ser
         finally:
             hold.set()
             await lb.stop()
+
+
+async def test_no_node_available_is_counted_by_model_only_for_models_a_node_names() -> None:
+    """A node that names no model takes any: with it down, every string a client sends as its
+    model reaches the 503, and a label per string would grow the metrics without bound."""
+    config = Config(
+        nodes=(
+            NodeConfig(name="any", url="http://127.0.0.1:1"),
+            NodeConfig(name="named", url="http://127.0.0.1:1", models=("m",)),
+        )
+    )
+    lb = Balancer(config)
+    for node in lb.table.nodes.values():  # both down
+        lb.table.record_health(node, False, "down", 0.0)
+    reader = RequestReader(config, lb.admission)
+    try:
+        for model in ("m", "made-up-1", "made-up-2", "made-up-3"):
+            request = reader.build("/v1/chat/completions", {"model": model, "messages": []})
+            with pytest.raises(NoNodeAvailable):
+                async with lb.open(request):
+                    pass
+        metrics = lb.metrics.render().decode()
+    finally:
+        await lb.stop()
+    counted = [line for line in metrics.splitlines() if line.startswith("promptlb_no_node")]
+    assert 'promptlb_no_node_available_total{model="m"} 1.0' in counted
+    assert 'promptlb_no_node_available_total{model="other"} 3.0' in counted
+    assert not any("made-up" in line for line in counted)
