@@ -210,8 +210,10 @@ class ServiceModel:
         # token, a counter that moves at the end of a request): skipped, not taken as "slow".
         if tps and engine.running > 0:
             reading = _OUT_SCALE * engine.running / tps
-            rate = self.rate
-            self.rate = reading if rate == 0.0 else rate + 0.3 * (reading - rate)
+            # A tps so small the reading overflows would make the rate inf, then NaN for good.
+            if math.isfinite(reading):
+                rate = self.rate
+                self.rate = reading if rate == 0.0 else rate + 0.3 * (reading - rate)
         # Other gateways' requests only: ours since the snapshot are counted exactly already.
         others = engine.running + engine.waiting - in_flight_at_snapshot
         if self.others is not None:
@@ -381,14 +383,18 @@ class Predictive:
     ) -> NodeView:
         """``held``, when given, is filled with the index's matches among the nodes looked at."""
         n = len(candidates)
-        if n <= 1:
-            return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
         self._picks_left -= 1
         if self._picks_left <= 0:
             if self.index is not None:  # the nodes of two spans: a node gone for one is gone
                 self.index.keep_only(set(self._models) | set(self._old_models))
             self._old_models, self._models = self._models, {}
             self._picks_left = FORGET_SPAN
+        if n <= 1:
+            # Counted too: a model served by one node at a time (a one-pod deployment rolled
+            # over and over) kept every past pod's model and index entries for good.
+            if n:
+                self._model(candidates[0].name)  # alive: kept through the next forgetting
+            return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
         looked = candidates if n <= self.sample else rng.sample(candidates, self.sample)
         out = self.expected_output(request)
         mean_out = self._mean_out
@@ -440,7 +446,8 @@ class Predictive:
             # node is much worse, so that replicas that do not share an index agree.
             agreed = first_choice(request.blocks[0], candidates)
             if agreed.name not in times:
-                times[agreed.name] = self.expected_time(request, agreed, out) or math.inf
+                t = self.expected_time(request, agreed, out)
+                times[agreed.name] = math.inf if t is None else t  # 0.0 is a time: not None
             t = times.get(agreed.name)
             if t is not None and t <= best * (1.0 + self.cold_slack):
                 return agreed

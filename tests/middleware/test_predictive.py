@@ -405,3 +405,40 @@ async def test_a_burst_on_a_fresh_gateway_spreads_within_half_again_the_even_sha
         await asyncio.gather(*(one() for _ in range(300)))
     assert sum(got.values()) == 300
     assert max(got.values()) <= 150, got
+
+
+def test_a_model_served_by_one_node_at_a_time_forgets_the_nodes_gone(node: MakeNode) -> None:
+    """A one-pod deployment rolled over and over: each pod in turn the only candidate. What the
+    strategy learnt of the pods gone (their models, their prefix entries) must go with them."""
+    from promptlb.middleware._strategy import FORGET_SPAN
+
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive) and strategy.index is not None
+    rng = random.Random(3)
+    blocks = tuple(range(1, 9))
+    for pod in range(6):
+        view = node(f"pod-{pod}")
+        for _ in range(FORGET_SPAN):
+            route = RouteRequest(model="m", input_tokens=2048, max_tokens=16, blocks=blocks)
+            assert strategy.pick(route, [view], rng) is view
+    recent = {"pod-3", "pod-4", "pod-5"}  # forgetting keeps the nodes of the last two spans
+    known = set(strategy._models) | set(strategy._old_models)
+    assert known <= recent, known
+    assert set(strategy.index._nodes) <= recent, set(strategy.index._nodes)
+    assert "pod-5" in strategy.index._nodes  # the one serving keeps what it holds
+
+
+def test_a_snapshot_with_a_vanishing_token_rate_does_not_poison_the_speed(
+    node: MakeNode,
+) -> None:
+    """tps = 1e-308 passes the snapshot's checks; running / tps overflows: the rate must stay
+    a number, and the next sane snapshots must teach it."""
+    model = ServiceModel(0.97)
+    sick = node("a", running=4, tps=1e-308).snapshot
+    assert sick is not None
+    model.see(sick, 0)
+    for seq in range(2, 6):
+        well = node("a", running=4, tps=200.0, seq=seq).snapshot
+        assert well is not None
+        model.see(well, 0)
+    assert model.rate == pytest.approx(100.0 * 4 / 200.0)
