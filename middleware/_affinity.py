@@ -113,7 +113,7 @@ class Affinity:
         if n == 0:
             raise NoNodeAvailable(request.model)
         if n == 1:
-            return candidates[0]
+            return self._placed(request, candidates[0])
         ring = self._ring(candidates)
         total = 0
         weight = 0.0
@@ -135,11 +135,19 @@ class Affinity:
             node = candidates[i]
             # The tiny slack keeps float error from rounding an exact bound (1.25 * 8) up.
             if node.effective_queue < math.ceil(per_weight * node.weight * node.ramp - 1e-9):
-                return node
+                return self._placed(request, node)
             seen.add(i)
             if len(seen) == n:
                 break
         return self._inner.pick(request, candidates, rng)
+
+    def _placed(self, request: RouteRequest, node: NodeView) -> NodeView:
+        # Placed here, not by the inner strategy: its prefix index learns where the request went
+        # (and the other replicas, which the balancer tells of every try's end, of its start).
+        index = self._inner.prefix_index
+        if index is not None:
+            index.placed(node, request.blocks)
+        return node
 
     def observe(
         self,

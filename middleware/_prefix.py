@@ -184,6 +184,12 @@ class PrefixIndex:
             found[node.name] = guess = low
         return found
 
+    def placed(self, node: NodeView, blocks: Sequence[int]) -> None:
+        """A request a wrapper placed itself (``[affinity]``'s ring), recorded at the caller's
+        clock as last seen: its prefix is where it went, and the other replicas, told of its
+        end by the balancer, must be told of its start too."""
+        self.record(node, blocks, self._now)
+
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
         """``blocks`` were sent to ``node``: it will hold them once it has prefilled. A request
         with none is recorded only for the other replicas, which count it as load."""

@@ -371,3 +371,29 @@ async def test_the_proxy_routes_with_the_key_it_derives(
         await app.balancer.stop()
     assert response.status_code == 200
     assert seen == [expected]
+
+
+def test_keyed_requests_placed_on_the_ring_are_recorded_for_the_sharing_replicas(
+    nodes: MakePool,
+) -> None:
+    """Over a sharing `predictive`, the ring's placements skip the inner pick: its index must
+    still record them, or the other replicas, told of every try's end by the balancer but of
+    no start, count those nodes' load below zero (and the prefix is not known where it is)."""
+    inner = make_strategy("predictive")
+    index = inner.prefix_index
+    assert index is not None
+    index.share()
+    affinity = Affinity(inner)
+    pool = nodes(3)
+    rng = random.Random(1)
+    blocks = (11, 12, 13)
+    placed = []
+    for i in range(10):
+        request = RouteRequest(model="m", session_key=f"user-{i}", blocks=blocks)
+        placed.append(affinity.pick(request, pool, rng).name)
+    sent = index.sent()
+    assert [name for name, _ in sent] == placed  # a start for every end to come
+    assert all(list(b) == list(blocks) for _, b in sent)
+    for name in set(placed):
+        view = next(v for v in pool if v.name == name)
+        assert index.matches(blocks, [view], 1.0) == {name: 3}
