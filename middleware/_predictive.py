@@ -277,9 +277,10 @@ class Predictive:
             )
             self.index.on_reading = self._learn_reading
         self._tick = 0
-        # The uncached prompt tokens of each pick, until its answer teaches the model: the id of
-        # the route (one object per request, the same at pick and at observe), bounded.
-        self._uncached: dict[int, float] = {}
+        # The uncached prompt tokens of each pick, until its answer teaches the model: by the id
+        # of the route (one object per request, the same at pick and at observe) and the node,
+        # since a hedged request is picked twice and answered by either; bounded.
+        self._uncached: dict[tuple[int, str], float] = {}
 
     @property
     def prefix_index(self) -> PrefixIndex | None:
@@ -365,7 +366,7 @@ class Predictive:
         uncached = self._uncached
         if len(uncached) > 4096:
             uncached.clear()  # answers that never came (failed tries): let them go
-        uncached[id(request)] = self._prefill(request, depth)
+        uncached[id(request), chosen.name] = self._prefill(request, depth)
         return chosen
 
     @staticmethod
@@ -540,7 +541,7 @@ class Predictive:
     ) -> None:
         """A successful try took ``latency_s``; ``queue_at_pick`` was the node's queue then."""
         model = self._model(node.name)
-        prefill = self._uncached.pop(id(request), float(request.input_tokens))
+        prefill = self._uncached.pop((id(request), node.name), float(request.input_tokens))
         waited = model.wait(queue_at_pick) if model.count else 0.0
         # The wait is a guess: never let it take more than most of what was measured.
         service = max(latency_s - waited, 0.2 * latency_s)

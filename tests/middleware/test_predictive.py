@@ -442,3 +442,30 @@ def test_a_snapshot_with_a_vanishing_token_rate_does_not_poison_the_speed(
         assert well is not None
         model.see(well, 0)
     assert model.rate == pytest.approx(100.0 * 4 / 200.0)
+
+
+def test_a_hedged_request_is_learnt_with_the_prefix_its_answering_node_held(
+    node: MakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hedge picks twice for one request: the node that answers is taught the prompt tokens
+    it had to prefill, not those of the other pick."""
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive) and strategy.index is not None
+    holder, other = node("holder"), node("other")
+    blocks = tuple(range(1, 9))  # 8 coarse blocks: 2,048 tokens
+    strategy.index.record(holder, blocks, 0)
+    taught: list[tuple[str, float]] = []
+    update = ServiceModel.update
+
+    def spy(self: ServiceModel, out: float, prefill: float, *args: Any, **kw: Any) -> None:
+        taught.append((name_of[id(self)], prefill))
+        update(self, out, prefill, *args, **kw)
+
+    monkeypatch.setattr(ServiceModel, "update", spy)
+    route = RouteRequest(model="m", input_tokens=2048, max_tokens=16, blocks=blocks)
+    rng = random.Random(1)
+    assert strategy.pick(route, [holder], rng) is holder  # the first try
+    assert strategy.pick(route, [other], rng) is other  # the hedge
+    name_of = {id(strategy._model(n)): n for n in ("holder", "other")}
+    strategy.observe(route, holder, 1.0, 0.2, 0)
+    assert taught == [("holder", 0.0)]  # it held the whole prompt

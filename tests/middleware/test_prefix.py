@@ -443,10 +443,10 @@ def test_the_model_learns_prefill_from_what_was_not_cached(node: MakeNode) -> No
     a = node("a")
     req = chat("f" * CHUNK * 6, 10)  # cold: the inner strategy picks, alone
     assert strategy.pick(req, [a], random.Random(1)) is a
-    assert strategy._uncached[id(req)] == req.input_tokens  # nothing was held before
+    assert strategy._uncached[id(req), "a"] == req.input_tokens  # nothing was held before
     again = chat("f" * CHUNK * 6, 20)
     strategy.pick(again, [a], random.Random(1))
-    assert strategy._uncached[id(again)] == again.input_tokens - 6 * INDEX_TOKENS
+    assert strategy._uncached[id(again), "a"] == again.input_tokens - 6 * INDEX_TOKENS
 
 
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=700)
