@@ -159,6 +159,9 @@ class Affinity:
     ) -> None:
         self._inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
+    def forget_node(self, name: str) -> None:
+        self._inner.forget_node(name)
+
     def _ring(self, candidates: Sequence[NodeView]) -> _Ring:
         rings = self._rings
         ring = rings.get(id(candidates))

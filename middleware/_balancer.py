@@ -123,6 +123,7 @@ class Balancer:
         self._starting: asyncio.Lock | None = None
         if previous is None:
             self.table = NodeTable(config)
+            self.table.on_remove = self.strategy.forget_node
             self.metrics = Metrics(lambda: self.table, config.strategy)
             self.rng = rng or random.Random()
             self.admission = Admission(config.shedding, self.table)
@@ -176,6 +177,9 @@ class Balancer:
             # meanwhile still have the old nodes, and the new ones serve from the moment
             # they are members.
             await evidence.check(newcomers)
+        # What the strategy learnt of a node that leaves (or whose name is now another server's)
+        # goes with it; from now on this balancer's strategy is the one to tell.
+        self.table.on_remove = self.strategy.forget_node
         changed = self.table.reconfigure(self.config, newcomers)
         self.metrics.use_strategy(self.config.strategy)
         if evidence is not None:

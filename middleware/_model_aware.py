@@ -68,6 +68,9 @@ class ModelAware:
     ) -> None:
         self.inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
+    def forget_node(self, name: str) -> None:
+        self.inner.forget_node(name)
+
 
 def _matching(candidates: Sequence[NodeView], wanted: frozenset[str]) -> list[NodeView]:
     return [c for c in candidates if c.name in wanted or not c.tags.isdisjoint(wanted)]

@@ -100,6 +100,8 @@ class NodeTable:
         self.nodes: dict[str, Node] = {}
         self._candidates: dict[str, list[NodeView]] = {}
         self._known_models: set[str] = set()
+        # Told of each node that leaves (the balancer's strategy forgets what it learnt of it).
+        self.on_remove: Callable[[str], None] | None = None
         self._wildcard: list[NodeView] = []
         self._any_wildcard = False
         self._dirty = True
@@ -134,6 +136,8 @@ class NodeTable:
     def remove(self, name: str) -> None:
         if self.nodes.pop(name, None) is not None:
             self._dirty = True
+            if self.on_remove is not None:
+                self.on_remove(name)
 
     def replace_members(self, wanted: Iterable[NodeConfig]) -> None:
         """Discovery's answer: add the new nodes, drop the gone ones, keep the rest as they are."""

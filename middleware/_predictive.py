@@ -568,6 +568,12 @@ class Predictive:
         if self.index is not None:
             self.index.tell((node.name, out, prefill, service, decode, clean))
 
+    def forget_node(self, name: str) -> None:
+        self._models.pop(name, None)
+        self._old_models.pop(name, None)
+        if self.index is not None:
+            self.index.forget(name)
+
     def _learn_reading(self, reading: Reading) -> None:
         """Another replica's answer, read as its own model read it: 8 replicas on
         multi-tenant-chat, each learning from an eighth of the answers, had a TTFT p90 of

@@ -184,6 +184,12 @@ class PrefixIndex:
             found[node.name] = guess = low
         return found
 
+    def forget(self, name: str) -> None:
+        """Node ``name``'s entries go (it left the table)."""
+        state = self._nodes.pop(name, None)
+        if state is not None:
+            self._forget(state, 0)
+
     def placed(self, node: NodeView, blocks: Sequence[int]) -> None:
         """A request a wrapper placed itself (``[affinity]``'s ring), recorded at the caller's
         clock as last seen: its prefix is where it went, and the other replicas, told of its

@@ -88,6 +88,10 @@ class Strategy(Protocol):
         byte, ``queue_at_pick`` its `NodeView.effective_queue` when it was picked. Strategies
         that learn (``predictive``) learn here; the others ignore it."""
 
+    def forget_node(self, name: str) -> None:
+        """Node ``name`` left the table (removed, or its name now another server's): what was
+        learnt of it goes, or a server that takes the name later would inherit it."""
+
 
 class Static:
     """Strategies that decide from the views alone and learn nothing from outcomes."""
@@ -103,6 +107,9 @@ class Static:
         ttft_s: float | None,
         queue_at_pick: int,
     ) -> None:
+        return None
+
+    def forget_node(self, name: str) -> None:
         return None
 
 

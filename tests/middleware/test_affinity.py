@@ -68,6 +68,9 @@ class Recording:
     ) -> None:
         self.observed.append((node.name, latency_s, ttft_s, queue_at_pick))
 
+    def forget_node(self, name: str) -> None:
+        return None
+
 
 def test_a_key_stays_on_its_node_when_loads_are_balanced(nodes: MakePool) -> None:
     rng = random.Random(1)

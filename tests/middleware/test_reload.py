@@ -16,6 +16,7 @@ import httpx
 import pytest
 from promptlb.emulator import Service, start_command
 from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware._predictive import Predictive
 
 from tests.conftest import Launcher
 
@@ -268,3 +269,32 @@ async def test_sighup_reloads_a_running_gateway(launch: Launcher, tmp_path: Path
             assert gateway.proc.poll() is None  # still up
     finally:
         gateway.stop()
+
+
+async def test_a_name_pointed_at_another_server_starts_without_what_was_learnt_of_the_old(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    """predictive learns each node's speed and where prompts went; re-pointing a name at
+    another server must not hand that to it (nor keep a removed node's)."""
+    a, b, c = (launch("emulator", *FAST) for _ in range(3))
+    path = tmp_path / "promptlb.toml"
+    base = BASE.replace('"weighted"', '"predictive"')
+    app = mounted(path, base + nodes_toml(("a", a, 1), ("b", b, 1)))
+    # Long enough for the index to hold its head (a coarse block is 256 tokens).
+    long = {**ASK, "messages": [{"role": "user", "content": "a long question " * 200}]}
+    async with client(app) as http:
+        await placed(http, 12, long)
+        strategy = app.balancer.strategy
+        assert isinstance(strategy, Predictive) and strategy.index is not None
+        learnt = {n for n in ("a", "b") if strategy.model_of(n) is not None}
+        held = set(strategy.index._nodes)
+        assert learnt == held == {"a", "b"}
+        path.write_text(base + nodes_toml(("a", c, 1)))  # "a" is now c; b is gone
+        assert await app.reload()
+        assert app.balancer.strategy is strategy  # same settings: the strategy stays
+        assert strategy.model_of("a") is None and strategy.model_of("b") is None
+        assert not strategy.index._nodes
+        await placed(http, 3)  # the new "a" is learnt afresh
+        model = strategy.model_of("a")
+        assert model is not None and model.count <= 3
+    await drain(app)
