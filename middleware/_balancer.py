@@ -123,7 +123,7 @@ class Balancer:
         self._starting: asyncio.Lock | None = None
         if previous is None:
             self.table = NodeTable(config)
-            self.table.on_remove = self.strategy.forget_node
+            self.table.on_remove = self._forget_node
             self.metrics = Metrics(lambda: self.table, config.strategy)
             self.rng = rng or random.Random()
             self.admission = Admission(config.shedding, self.table)
@@ -179,7 +179,7 @@ class Balancer:
             await evidence.check(newcomers)
         # What the strategy learnt of a node that leaves (or whose name is now another server's)
         # goes with it; from now on this balancer's strategy is the one to tell.
-        self.table.on_remove = self.strategy.forget_node
+        self.table.on_remove = self._forget_node
         changed = self.table.reconfigure(self.config, newcomers)
         self.metrics.use_strategy(self.config.strategy)
         if evidence is not None:
@@ -193,6 +193,11 @@ class Balancer:
                 previous._share = None
             self._start_share()
         return changed
+
+    def _forget_node(self, name: str) -> None:
+        """Node ``name`` left the table: what the strategy learnt of it and its metrics go."""
+        self.strategy.forget_node(name)
+        self.metrics.forget_node(name)
 
     @property
     def started(self) -> bool:

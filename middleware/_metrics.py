@@ -9,6 +9,7 @@ The rest, touched on rarer events, are prometheus-client's own. (The hot four ha
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
@@ -232,6 +233,23 @@ class Metrics:
         if strategy != self._strategy:
             self._strategy = strategy
             self._nodes.clear()
+
+    def forget_node(self, name: str) -> None:
+        """Node ``name`` left the table: its series go. Under DNS discovery every rollout brings
+        nodes of new names, whose series would otherwise pile up for good; Prometheus marks the
+        ones gone stale. (A try still finishing there may count one outcome again.)"""
+        self._nodes.pop(name, None)
+        for key in [k for k in self.outcomes if k[0] == name]:
+            del self.outcomes[key]
+        for key in [k for k in self.picks if k[1] == name]:
+            del self.picks[key]
+        self.latency.pop(name, None)
+        self.ttft.pop(name, None)
+        with contextlib.suppress(KeyError):
+            self.retries.remove(name)
+        for kind in ("rejected", "unreachable"):  # the kinds _background counts
+            with contextlib.suppress(KeyError):
+                self.snapshot_errors.remove(name, kind)
 
     def node(self, name: str) -> NodeMetrics:
         found = self._nodes.get(name)

@@ -297,4 +297,8 @@ async def test_a_name_pointed_at_another_server_starts_without_what_was_learnt_o
         await placed(http, 3)  # the new "a" is learnt afresh
         model = strategy.model_of("a")
         assert model is not None and model.count <= 3
+        metrics = app.balancer.metrics.render().decode()
+    # b's series went with it; a's count only what the new server answered
+    assert 'node="b"' not in metrics
+    assert 'promptlb_requests_total{node="a",outcome="200"} 3.0' in metrics
     await drain(app)
