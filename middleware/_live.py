@@ -10,7 +10,7 @@ strategy when it is unchanged) passes from each `Live` to the next through `Bala
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ._balancer import Balancer
 from ._config import Config
@@ -74,23 +74,12 @@ def describe(old: Config, new: Config, added: list[str], removed: list[str]) -> 
         parts.append("nodes added " + ", ".join(added))
     if removed:
         parts.append("nodes removed " + ", ".join(removed))
+    # Every key but the nodes (told apart below): a list of keys to compare fell behind the
+    # config, and a reload of [index_share] or stale_after alone logged "nothing changed".
     changed = [
-        key
-        for key in (
-            "strategy",
-            "strategy_options",
-            "affinity",
-            "fallback",
-            "cache",
-            "shedding",
-            "retry",
-            "health",
-            "outlier",
-            "requests",
-            "batching",
-            "routes",
-        )
-        if getattr(old, key) != getattr(new, key)
+        f.name
+        for f in fields(new)
+        if f.name != "nodes" and getattr(old, f.name) != getattr(new, f.name)
     ]
     kept = {n.name: n for n in old.nodes}
     changed += [

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from promptlb.emulator import Service, start_command
 from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware._config import load_config
+from promptlb.middleware._live import describe
 from promptlb.middleware._predictive import Predictive
 
 from tests.conftest import Launcher
@@ -302,3 +304,12 @@ async def test_a_name_pointed_at_another_server_starts_without_what_was_learnt_o
     assert 'node="b"' not in metrics
     assert 'promptlb_requests_total{node="a",outcome="200"} 3.0' in metrics
     await drain(app)
+
+
+def test_the_reload_log_line_names_every_key_that_changed() -> None:
+    node = {"nodes": [{"name": "a", "url": "http://a:1", "models": ["m"]}]}
+    old = load_config(node)
+    new = load_config({**node, "stale_after": "9s", "index_share": {"redis": "redis://r:6379"}})
+    line = describe(old, new, [], [])
+    assert line == "changed stale_after, index_share", line
+    assert describe(old, load_config(node), [], []) == "nothing changed"
