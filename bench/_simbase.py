@@ -78,6 +78,8 @@ class SimState:
         self.duration = duration
         self.service = service
         self.service_rng = random.Random(params.seed * 7_919 + 17)
+        # The oracle's draw among equally good nodes, as the live oracle draws.
+        self.oracle_rng = random.Random(params.seed * 104_729 + 3)
         self.nodes = [Node(i, spec, kv) for i, spec in enumerate(nodes)]
         # (virtual time, sequence, event kind, object, try number)
         self.heap: list[tuple[float, int, int, Any, int]] = []

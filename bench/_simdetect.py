@@ -24,7 +24,9 @@ class Detection(SimState):
         faded_at = replica.faded_at
         for node, view in zip(self.nodes, replica.views, strict=True):
             snap = node.cur
-            view.snapshot = node.snapshot(now) if snap is None else snap
+            if snap is None or now >= node.cur_until:
+                snap = node.snapshot(now)
+            view.snapshot = snap
             view.in_flight_at_snapshot = view.in_flight
             view.others_since_snapshot = 0
             if view.error_rate:  # as NodeTable.tick fades it, about as often

@@ -4,6 +4,8 @@ that come after it, ``recover`` undoes them all; the replicas' health checks the
 
 from __future__ import annotations
 
+import math
+
 from ._scenario import Fault
 from ._simnode import CONNECTING, CRASHED, HUNG, QUEUED, UP, Node, Req
 from ._simtries import Tries
@@ -81,6 +83,7 @@ class Faults(Tries):
         node.stale = 0
         node.running = 0
         node.cur = last
+        node.cur_until = math.inf  # a dead engine's last word stands
         for req in broken:
             if not self.perfect:
                 self._record(req.replica, node.idx, ok=False, now=now)

@@ -5,6 +5,7 @@ that change it are `_simtries`' and `_simfaults`'."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from promptlb.emulator._kv import KVCache, Lease
@@ -116,6 +117,7 @@ class Node:
         "busy",
         "busy_mark",
         "cur",
+        "cur_until",
         "dispatched",
         "factor",
         "free",
@@ -173,6 +175,9 @@ class Node:
         # The snapshot of the counts now, or None once they changed: replicas refresh every
         # node every period, and most nodes' counts have not moved since the last replica did.
         self.cur: Snapshot | None = None
+        # ... and until when it holds with no event: a running request reaching its first
+        # token moves tokens/s (the engine's counter) though no count changed.
+        self.cur_until = math.inf
         self.free: list[float] = [0.0] * spec.slots  # perfect only: when each slot frees up
         self.group: Group | None = None
         self.version = 0
@@ -202,9 +207,13 @@ class Node:
         # Tokens/s as the engine's counter shows it: only requests past their first token
         # decode, each at the rate its slow factor set.
         tps = 0.0
+        until = math.inf
         for req in self.active:
-            if req.start + req.head * req.factor <= now:
+            first = req.start + req.head * req.factor
+            if first <= now:
                 tps += 1.0 / req.factor
+            elif first < until:
+                until = first
         tps = round(tps * self.spec.tokens_per_s, 1)
         # KV use as vLLM's gauge shows it, to the percent (snapshots stay interned).
         kv = None if self.kv is None else round(self.kv.usage, 2)
@@ -228,6 +237,7 @@ class Node:
             )
             self.snaps[key] = snap
         self.cur = snap
+        self.cur_until = until
         return snap
 
     def integrate(self, now: float) -> None:

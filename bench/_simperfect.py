@@ -67,9 +67,11 @@ class Perfect(SimState):
         return max(0, prompted.tokens - kv.cached_prefix(prompted.blocks) * BLOCK_TOKENS)
 
     def _oracle_pick(self, req: Req, now: float, tried: list[int]) -> Node | None:
-        """The least expected completion with exact queues and exact caches."""
+        """The least expected completion with exact queues and exact caches; equals drawn at
+        random, as the live oracle does (the first of them, every new prefix went to the
+        lowest-numbered idle node and thrashed its cache: a weaker reference than the live one)."""
         best = math.inf
-        chosen: Node | None = None
+        chosen: list[Node] = []
         out = req.arrival.max_tokens
         for node in self.nodes:
             if node.group is None or node.idx in tried:  # down, or tried already
@@ -77,9 +79,13 @@ class Perfect(SimState):
             free = node.free[0]
             service = node.ttft + self._uncached(req, node) * node.inv_prefill
             done = (free if free > now else now) + node.factor * (service + out * node.inv_tps)
-            if done < best:
-                best, chosen = done, node
-        return chosen
+            if done < best - 1e-9:
+                best, chosen = done, [node]
+            elif done <= best + 1e-9:
+                chosen.append(node)
+        if len(chosen) > 1:
+            return chosen[self.oracle_rng.randrange(len(chosen))]
+        return chosen[0] if chosen else None
 
     def _join_group(self, node: Node) -> None:
         spec = node.spec

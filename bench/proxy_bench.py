@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 from promptlb.bench._report import RESULTS, environment, write_json
+from promptlb.bench._stats import percentile
 from promptlb.emulator import Service, start_service
 
 BODY = json.dumps(
@@ -91,8 +92,10 @@ def ok(good: bool) -> str:
 
 
 def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+    """The bench's one percentile rule (`_stats.percentile`), ``p`` in 0..1."""
+    found = percentile(values, p * 100)
+    assert found is not None, "no values"
+    return found
 
 
 def cpu_s(service: Service) -> float:

@@ -550,3 +550,31 @@ def test_cli_sim_scaled_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixt
         main([*argv, "--strategies", "fastest"])
     assert exit_info.value.code == 2
     assert "strategies" in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class _Running:
+    """What a node's snapshot reads of a running request."""
+
+    start: float
+    head: float
+    factor: float
+
+
+def test_a_refresh_reads_the_tokens_per_s_of_a_request_past_its_first_token() -> None:
+    """The engine's tokens/s moves when a running request reaches its first token, though no
+    count changes: a snapshot kept until the next count change read it too low (often 0)."""
+    scenario = _cluster(rate=1.0, nodes=2, duration=10.0, seed=1)
+    sim = _Sim(scenario.nodes, [], "predictive", 10.0, SimParams(replicas=1), {}, None)
+    node = sim.nodes[0]
+    running = _Running(start=0.0, head=1.0, factor=1.0)  # first token at 1 s
+    node.active[running] = None  # type: ignore[index]
+    node.running, node.cur = 1, None
+    replica = sim.replicas[0]
+    sim._refresh(replica, 0.5)
+    before = replica.views[0].snapshot
+    assert before is not None and before.engine is not None and before.engine.tps == 0.0
+    sim._refresh(replica, 1.5)  # no event in between
+    after = replica.views[0].snapshot
+    assert after is not None and after.engine is not None
+    assert after.engine.tps == node.spec.tokens_per_s
