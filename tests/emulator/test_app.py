@@ -526,3 +526,29 @@ async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
     assert 0 < metrics["vllm:kv_cache_usage_perc"] <= 0.1
     # Its capacity as vLLM publishes it, which the sidecar reads into the snapshot.
     assert parse_engine_metrics(text).kv_tokens == 1000 * 16
+
+
+async def test_the_first_token_comes_with_the_end_of_prefill(
+    start_emulator: StartEmulator,
+) -> None:
+    """As an engine sends it, and as the simulator times it: not held for the first event's
+    interval (here 400 ms, eight tokens at 20 tokens/s), while the rest keep their pace."""
+    emu = start_emulator(
+        "--model", "m", "--ttft-ms", "50", "--tokens-per-s", "20", "--stream-interval-ms", "400"
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    body["stream"] = True
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(f"{emu.url}/v1/chat/completions", json=body) as resp,
+    ):
+        started = time.monotonic()
+        first = None
+        async for line in resp.content:
+            if first is None and line.startswith(b"data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    first = time.monotonic() - started
+        whole = time.monotonic() - started
+    assert first is not None and first < 0.3, first  # 50 ms of prefill, not 50 + 400
+    assert whole >= 9 / 20 - 0.05, whole  # the rest at 20 tokens/s, the last where it was
