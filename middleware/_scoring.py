@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from promptlb.shared import Snapshot
@@ -180,6 +180,8 @@ class Resource(_Scored):
         sample: int = DEFAULT_SAMPLE,
     ) -> None:
         super().__init__(weights=weights, queue_scale=queue_scale, unknown_score=unknown_score)
+        assert self.scoring is not None
+        self.scoring = replace(self.scoring, engine_queue_only=True)  # the snapshot alone
         self.sample = whole_number("sample", sample, 2)
         self._scores: dict[str, tuple[Snapshot, float]] = {}
         self._picks_left = FORGET_SPAN

@@ -194,6 +194,9 @@ class Scoring:
     weights: ResourceWeights = DEFAULT_WEIGHTS
     queue_scale: float = 8.0
     unknown_score: float = 0.5
+    # The queue the strategy scores by: the engine's as its snapshot says (``resource``), or
+    # `NodeView.effective_queue` (``p2c``): the status page shows the cost the strategy used.
+    engine_queue_only: bool = False
 
     @classmethod
     def from_options(

@@ -159,3 +159,19 @@ async def test_status_of_a_live_node(launch: Launcher) -> None:
     assert node["latency_ms"]["samples"] == 5 and node["latency_ms"]["p50"] > 0
     assert doc["totals"]["success_rate"] == 1.0 and doc["totals"]["nodes_ready"] == 1
     await app.dispatcher.stop()
+
+
+@pytest.mark.parametrize(("strategy", "queue"), [("p2c", 3 + 4), ("resource", 3)])
+def test_the_score_shown_is_the_one_the_strategy_ranks_by(
+    snap: MakeSnapshot, strategy: str, queue: int
+) -> None:
+    """p2c counts our requests since the snapshot into the queue; resource reads the snapshot
+    alone. The status page showed p2c's view for both."""
+    app = PromptLBMiddleware(None, config=config(strategy=strategy))  # type: ignore[arg-type]
+    lb = app.balancer
+    a = lb.table.nodes["a"]
+    lb.table.record_snapshot(a, snap("a", running=3), lb.table._clock())
+    lb.table.tick(lb.table._clock())
+    a.view.in_flight = 4  # ours, sent since the snapshot
+    nodes = {n["name"]: n for n in status_json(lb)["nodes"]}
+    assert nodes["a"]["score"]["queue"] == queue
