@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ._balancer import Try, Upstream
 from ._cache import CacheEntry
 
-__all__ = ["Answer", "answer_headers"]
+__all__ = ["ANSWER_HEADERS", "Answer", "answer_headers"]
 
 
 @dataclass(slots=True)
@@ -23,6 +23,16 @@ class Answer:
     attempts: int = 0
     store_key: str | None = None  # cache the answer under this key once it is complete
     held: Try | None = None  # open until passed on
+
+
+# Every header `answer_headers` may write.
+ANSWER_HEADERS = (
+    b"x-promptlb-node",
+    b"x-promptlb-model",
+    b"x-promptlb-attempts",
+    b"x-promptlb-degraded",
+    b"x-promptlb-cache",
+)
 
 
 def answer_headers(answer: Answer) -> list[tuple[bytes, bytes]]:

@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 
-from ._answer import Answer, answer_headers
+from ._answer import ANSWER_HEADERS, Answer, answer_headers
 from ._asgi import Receive, RequestWatch, Scope, Send, send_json, send_refusal
 from ._balancer import HOP_BY_HOP, Balancer
 from ._batch import Batcher, batch_key, string_inputs
@@ -24,12 +24,13 @@ from ._sse import StreamAssembler
 
 __all__ = ["Proxy", "models_response"]
 
-# Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), and
-# the node's Date and Server, which the server in front writes for the gateway (Date is a
-# singleton field: two of them are a malformed answer).
+# Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
+# node's Date and Server, which the server in front writes for the gateway (Date is a singleton
+# field: two of them are a malformed answer), and the headers this gateway writes itself (a
+# node that is another promptlb sends its own: each would come twice, with two values).
 _DROPPED = frozenset(
     name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
-)
+) | frozenset(ANSWER_HEADERS)
 _log = logging.getLogger("promptlb.middleware")
 
 

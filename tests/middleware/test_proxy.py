@@ -412,3 +412,18 @@ async def test_a_body_cut_short_is_not_ended_as_whole_and_counts_against_the_nod
             async with http.get(gateway.url + "/_promptlb/metrics") as response:
                 metrics = await response.text()
     assert 'outcome="broken"' in metrics and 'outcome="aborted"' not in metrics
+
+
+async def test_a_nodes_own_promptlb_headers_are_replaced_by_this_gateways(serve: Serve) -> None:
+    """A node that is itself a promptlb gateway answers with its x-promptlb-* headers: passed
+    on, every one would come twice with two values."""
+
+    async def chat(request: web.Request) -> web.Response:
+        inner = {"x-promptlb-node": "inner-node", "x-promptlb-attempts": "2", "x-other": "kept"}
+        return web.json_response({"choices": []}, headers=inner)
+
+    async with node_answering(serve, chat) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT_BODY)
+    assert response.headers.get_list("x-promptlb-node") == ["a"]
+    assert response.headers.get_list("x-promptlb-attempts") == ["1"]
+    assert response.headers["x-other"] == "kept"
