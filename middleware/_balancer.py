@@ -81,6 +81,14 @@ class Upstream:
     overran: bool = False  # the stream ran past its deadline (it may have asked for that much)
     client_slow: bool = False  # ... while the client was not taking what the node had sent
 
+    def broke(self, exc: BaseException) -> tuple[int, str]:
+        """Its answer broke off (``exc`` a ClientError) or ran past the deadline (a
+        TimeoutError) after the first byte: the node's failure. The status and the words a
+        client is told (not how: the exception may name the node's address)."""
+        self.failed = True
+        self.overran = isinstance(exc, TimeoutError)
+        return (504, "ran past its deadline") if self.overran else (502, "broke")
+
 
 class _PassThrough(aiohttp.ClientRequest):
     """A try carries the client's headers as they came: aiohttp adds no Accept,

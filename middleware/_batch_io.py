@@ -52,14 +52,9 @@ async def _read(answer: Answer) -> Reply:
             async with asyncio.timeout_at(up.deadline):
                 data = answer.first + await up.response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            up.failed = True
-            timed_out = isinstance(exc, TimeoutError)
-            # The detail may name the node's address: for the log, not the caller.
+            broken, why = up.broke(exc)
             _log.debug("answer of node %s broke: %r", up.node.name, exc)
-            why = "ran past its deadline" if timed_out else "broke"
-            return fail(
-                504 if timed_out else 502, f"upstream answer {why}", "upstream_error", *headers
-            )
+            return fail(broken, f"upstream answer {why}", "upstream_error", *headers)
     try:
         parsed = json.loads(data)
     except ValueError:

@@ -139,10 +139,8 @@ class PromptLBClient:
 
 def _broke(up: Upstream, exc: BaseException) -> PromptLBError:
     """The node's answer broke off or ran past the deadline: its failure, as the proxy tells
-    it (the detail, which may name the node's address, is left out)."""
-    up.failed = True
-    up.overran = isinstance(exc, TimeoutError)
-    status, why = (504, "ran past its deadline") if up.overran else (502, "broke")
+    it."""
+    status, why = up.broke(exc)
     return PromptLBError(
         status, error_body(status, f"upstream answer {why}", "upstream_error"), up.node.name
     )

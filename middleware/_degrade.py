@@ -96,7 +96,7 @@ class Dispatcher:
         if self.config.forward_authorization:
             # Nodes see the caller's own key: one caller's answer is not another's (a key the
             # node refuses must not read a cached answer), nor is a caller without one.
-            credential = next((v for k, v in request.headers if k == b"authorization"), b"")
+            credential = request.header(b"authorization") or b""
         family = self._families.get(model, model)
         return cache_key(request.target, request.body, family, credential)
 

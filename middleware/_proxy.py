@@ -85,7 +85,7 @@ class Proxy:
             return await self.forward(send, request, watch)
         auth = None
         if self._keyed_auth:
-            auth = next((v for k, v in request.headers if k == b"authorization"), None)
+            auth = request.header(b"authorization")
         route = request.route
         key = batch_key(
             request.path,
@@ -185,8 +185,7 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             # After the first byte nothing is retried: end the stream, say why (not how: the
             # exception may name the node's address, which is for the log).
-            up.failed = True
-            up.overran = isinstance(exc, TimeoutError)
+            _, why = up.broke(exc)
             if up.overran and sending is not None:
                 now = clock()
                 up.client_slow = blocked + (now - sending) > (now - begun) / 2
@@ -195,7 +194,6 @@ class Proxy:
                 # A body cut short must not end as if whole (a short JSON, or a length the
                 # server refuses to close): the connection closes on it instead.
                 return
-            why = "ran past its deadline" if up.overran else "broke"
             event = {
                 "error": {
                     "message": f"upstream stream {why}",

@@ -48,6 +48,10 @@ class Request:
     def model(self) -> str:
         return self.route.model
 
+    def header(self, name: bytes) -> bytes | None:
+        """The client's header ``name`` (lower case), the first if sent twice; None if not."""
+        return next((v for k, v in self.headers if k == name), None)
+
     def for_model(self, model: str) -> Request:
         """The same request to another model (a fallback hop): the body names it."""
         if model == self.route.model:
