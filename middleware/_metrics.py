@@ -247,9 +247,15 @@ class Metrics:
         self.ttft.pop(name, None)
         with contextlib.suppress(KeyError):
             self.retries.remove(name)
-        for kind in ("rejected", "unreachable"):  # the kinds _background counts
-            with contextlib.suppress(KeyError):
-                self.snapshot_errors.remove(name, kind)
+        # The kinds this node's snapshot errors were counted under, as the samples name them.
+        kinds = {
+            sample.labels["kind"]
+            for family in self.snapshot_errors.collect()
+            for sample in family.samples
+            if sample.labels.get("node") == name
+        }
+        for kind in kinds:
+            self.snapshot_errors.remove(name, kind)
 
     def node(self, name: str) -> NodeMetrics:
         found = self._nodes.get(name)

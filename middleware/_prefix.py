@@ -373,4 +373,4 @@ class PrefixIndex:
         """Forget every node not in ``names``: nodes that left (discovery, a reload) must not
         keep their entries, nor hand them to a newcomer reusing the name."""
         for name in [n for n in self._nodes if n not in names]:
-            self._forget(self._nodes.pop(name), 0)
+            self.forget(name)
