@@ -220,18 +220,14 @@ class _Handlers:
         start = loop.time()
         if reply.chat:
             await response.write(reply.event({"role": "assistant", "content": ""}, None))
-        # The first token comes with the end of prefill, as an engine sends it (and as the
-        # simulator times it): held for the first event's interval, every time to first token
-        # read one interval late (50 ms at the prefix scenarios' 40 tokens/s). The rest keep
-        # their pace, the last due where it was.
         sent = 0
-        if reply.n_out > 0:
-            await response.write(reply.event(words(0, 1), None))
-            sent = 1
-            self.state.stats.generation_tokens += 1
         while sent < reply.n_out:
-            count = min(per_event, reply.n_out - sent)
-            due = start + (sent + count) / rate
+            # The first token alone, as prefill ends, as an engine sends it (and as the
+            # simulator times it): held for the first event's interval, every time to first
+            # token read one interval late (50 ms at the prefix scenarios' 40 tokens/s). The
+            # rest keep their pace, the last due where it was.
+            count = min(per_event, reply.n_out - sent) if sent else 1
+            due = start + (sent + count) / rate if sent else start
             await asyncio.sleep(max(0.0, due - loop.time()))
             await response.write(reply.event(words(sent, count), None))
             sent += count
