@@ -6,11 +6,12 @@ simulator's."""
 from __future__ import annotations
 
 import math
+from copy import copy
 
 from promptlb.middleware._rules import MIN_RAMP, after_try, ejection_time, faded, ramp
 
 from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
-from ._simnode import Node
+from ._simnode import CRASHED, Node
 from ._simreplica import Replica
 
 _TRIM_AT = 1024  # entries every replica has read, dropped in one go
@@ -26,6 +27,12 @@ class Detection(SimState):
             snap = node.cur
             if snap is None or now >= node.cur_until:
                 snap = node.snapshot(now)
+            if node.state != CRASHED:
+                # Live, every exchange brings a new snapshot (its own seq), and a learning
+                # strategy reads each once (`ServiceModel.see`: the others' trend, the slots):
+                # the node's interned one, shared while its counts stand still, would be read
+                # as no news. A dead engine sends nothing: its last word stands.
+                snap = copy(snap)
             view.snapshot = snap
             view.in_flight_at_snapshot = view.in_flight
             view.others_since_snapshot = 0

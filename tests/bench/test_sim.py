@@ -30,7 +30,9 @@ from promptlb.bench._scenario import (
 )
 from promptlb.bench._sim import by_class, scale_nodes, summarise, trace_scenario
 from promptlb.bench._simcore import PERFECT, ServiceFn, SimParams, SimResult, _Sim, simulate
+from promptlb.bench._simnode import CRASHED
 from promptlb.bench._stats import jain, percentile
+from promptlb.middleware._predictive import ServiceModel
 from promptlb.middleware._rules import ERROR_FLOOR, ERROR_HALF_LIFE
 from promptlb.shared import ConfigError
 
@@ -578,3 +580,29 @@ def test_a_refresh_reads_the_tokens_per_s_of_a_request_past_its_first_token() ->
     after = replica.views[0].snapshot
     assert after is not None and after.engine is not None
     assert after.engine.tps == node.spec.tokens_per_s
+
+
+def test_every_refresh_is_a_new_snapshot_but_a_dead_engine_s_last_word_stands() -> None:
+    """Live, each exchange brings a new snapshot, and predictive learns from each
+    (`ServiceModel.see`: the others' queue trend decays while the counts stand still); the
+    node's interned one, reused while its counts did not move, was read as no news."""
+    scenario = _cluster(rate=1.0, nodes=2, duration=10.0, seed=1)
+    sim = _Sim(scenario.nodes, [], "predictive", 10.0, SimParams(replicas=1), {}, None)
+    replica = sim.replicas[0]
+    sim._refresh(replica, 0.5)
+    first = replica.views[0].snapshot
+    sim._refresh(replica, 1.5)  # nothing happened in between
+    second = replica.views[0].snapshot
+    assert first is not None and second is not None
+    assert second is not first and second == first
+    model = ServiceModel()
+    model.see(first, 0)
+    model.trend, model.others = 4.0, 0
+    model.see(second, 0)  # the same counts again: the trend fades
+    assert model.trend == pytest.approx(4.0 * 0.7)
+    node = sim.nodes[0]
+    node.state = CRASHED
+    sim._refresh(replica, 2.5)
+    assert replica.views[0].snapshot is node.cur  # nothing new from a dead engine
+    sim._refresh(replica, 3.5)
+    assert replica.views[0].snapshot is node.cur
