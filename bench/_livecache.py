@@ -89,7 +89,8 @@ def cache_strategies(ours: Iterable[str]) -> list[str]:
 
 
 KV_POLL_S = 1.0
-_KV_GAUGE = "vllm:kv_cache_usage_perc"
+# A node that does not answer, or answers something else, is left out of that reading.
+_UNREAD = (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError)
 _SHARE_LAG = "promptlb_index_share_lag_seconds"
 
 
@@ -99,17 +100,16 @@ async def watch_kv(
     clock: Callable[[], float],
     into: dict[str, list[list[float]]],
 ) -> None:
-    """Each node's KV cache use (vLLM's gauge on its /metrics) every `KV_POLL_S`, as
-    ``[t, use]`` on the run's clock: the report's per-node cache use over time."""
+    """How full each node's KV cache is, cached blocks included (the emulator's ``kv_filled``:
+    vLLM's own gauge counts a cached block no request holds as free), every `KV_POLL_S`, as
+    ``[t, filled]`` on the run's clock: the report's per-node cache use over time."""
     while True:
         t = round(clock(), 2)
         for name, url in urls.items():
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                async with http.get(url + "/metrics") as response:
-                    text = await response.text()
-                for family in text_string_to_metric_families(text):
-                    if family.name == _KV_GAUGE and family.samples:
-                        into.setdefault(name, []).append([t, round(family.samples[0].value, 3)])
+            with contextlib.suppress(*_UNREAD):
+                async with http.get(url + "/_emulator/stats") as response:
+                    stats: dict[str, Any] = await response.json()
+                into.setdefault(name, []).append([t, round(float(stats["kv_filled"]), 3)])
         await asyncio.sleep(KV_POLL_S)
 
 
@@ -117,7 +117,7 @@ async def kv_counts(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> dic
     """Prompt tokens looked up and found cached, summed over the emulators that answer."""
     total = {"query": 0, "hit": 0}
     for url in urls.values():
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+        with contextlib.suppress(*_UNREAD):
             async with http.get(url + "/_emulator/stats") as response:
                 stats: dict[str, Any] = await response.json()
             total["query"] += int(stats["prefix_cache_query_tokens"])

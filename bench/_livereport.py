@@ -40,7 +40,8 @@ class Run:
     faults: list[dict[str, Any]]
     # Our gateways only: per node, its state's changes as ``[t, state]`` on the run's clock.
     states: dict[str, list[list[Any]]] | None = None
-    # Scenarios with prompts: per node, its KV cache use as ``[t, use]`` once a second.
+    # Scenarios with prompts: per node, how full its KV cache is (cached blocks included) as
+    # ``[t, filled]`` once a second.
     kv_use: dict[str, list[list[float]]] | None = None
     # ``X+shared`` runs: how late the replicas learnt each other's records (`share_lag`).
     share_lag: dict[str, Any] | None = None

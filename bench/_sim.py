@@ -362,7 +362,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             scenario.nodes, arrivals, prepared, scenario.duration
         )
         report["cache_targets"] = cache_targets(rows, scenario.targets, applies)
-        # The default's per-node KV use over the run, a reading a second (the PNG's third panel).
+        # How full each node's KV cache is under the default (cached blocks included), a reading
+        # a second (the PNG's third panel).
         report["kv_use"] = {"strategy": DEFAULT_STRATEGY, "every_s": 1.0, "nodes": kv_use}
         report["cache_targets_shared"] = cache_targets(
             rows, scenario.targets, applies, DEFAULT_SHARED

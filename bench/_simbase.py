@@ -139,7 +139,7 @@ class SimState:
                 self._push(fault.at, FAULT, (node, fault))
         self._push(duration, MARK, None)
         self.kv_use: dict[str, list[float]] = {}
-        if kv:  # each node's KV use once a second, for the report's plot
+        if kv:  # how full each node's KV cache is, once a second, for the report's plot
             self.kv_use = {node.name: [] for node in self.nodes}
             self._push(0.0, KV_SAMPLE, None)
 

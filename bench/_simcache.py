@@ -121,8 +121,8 @@ def plot_cache(
     kv_use: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     kv_of: str = "",
 ) -> None:
-    """TTFT CDF per strategy (left), hit rate per strategy (middle) and, when given, each
-    node's KV cache use over the run under ``kv_of`` (right)."""
+    """TTFT CDF per strategy (left), hit rate per strategy (middle) and, when given, how full
+    each node's KV cache is (cached blocks included) over the run under ``kv_of`` (right)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
@@ -152,8 +152,8 @@ def plot_cache(
             use.plot([t for t, _ in points], [v for _, v in points], label=node, linewidth=1)
         use.set_ylim(0, 1.05)
         use.set_xlabel("seconds into the run")
-        use.set_ylabel("KV cache use (vLLM's gauge)")
-        use.set_title(f"per-node KV cache use, {kv_of}", fontsize=10)
+        use.set_ylabel("KV cache filled (cached + held)")
+        use.set_title(f"per-node KV cache filled, {kv_of}", fontsize=10)
         use.grid(True, alpha=0.3)
         use.legend(fontsize=6, loc="lower right", ncol=2)
     fig.tight_layout()

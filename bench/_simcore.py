@@ -133,7 +133,7 @@ class _Sim(Faults):
                 elif kind == KV_SAMPLE:
                     for node in self.nodes:
                         kv = node.kv
-                        self.kv_use[node.name].append(round(kv.usage, 3) if kv else 0.0)
+                        self.kv_use[node.name].append(round(kv.filled, 3) if kv else 0.0)
                     if t + 1.0 < self.duration:
                         push(heap, (t + 1.0, next(seq), KV_SAMPLE, None, 0))
                 elif kind == SHARE:

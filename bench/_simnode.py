@@ -215,7 +215,8 @@ class Node:
             elif first < until:
                 until = first
         tps = round(tps * self.spec.tokens_per_s, 1)
-        # KV use as vLLM's gauge shows it, to the percent (snapshots stay interned).
+        # KV use as vLLM's gauge shows it (held blocks: cached ones no request holds count as
+        # free), to the percent (snapshots stay interned).
         kv = None if self.kv is None else round(self.kv.usage, 2)
         key = (self.running, waiting, tps, kv)
         snap = self.snaps.get(key)

@@ -289,8 +289,9 @@ class _Handlers:
         return web.json_response({"status": "ok"})
 
     async def stats(self, request: web.Request) -> web.Response:
-        """``GET /_emulator/stats``: what the node did, for tests that check upstream effects."""
-        return web.json_response(self.state.stats.as_dict())
+        """``GET /_emulator/stats``: what the node did, for tests that check upstream effects,
+        and how full its prefix cache is (``kv_filled``, 0..1), which its /metrics cannot say."""
+        return web.json_response({**self.state.stats.as_dict(), "kv_filled": self.state.kv.filled})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.state.faults.as_dict())

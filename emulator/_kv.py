@@ -48,7 +48,15 @@ class KVCache:
 
     @property
     def usage(self) -> float:
-        """Used over capacity, 0..1."""
+        """The blocks running requests hold over capacity, 0..1: vLLM's KV use gauge, which
+        counts a cached block no request holds as free (it is evicted on demand). A node whose
+        requests all finished reads 0 however full its prefix cache is."""
+        return min(1.0, (len(self._held) + self._scratch) / self.capacity)
+
+    @property
+    def filled(self) -> float:
+        """Cached or held blocks over capacity, 0..1: how full the prefix cache is, which no
+        vLLM gauge shows (the benchmarks' per-node cache use over time)."""
         return min(1.0, self.used / self.capacity)
 
     def cached_prefix(self, blocks: Sequence[int]) -> int:

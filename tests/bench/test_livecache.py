@@ -16,7 +16,7 @@ from promptlb.bench._scenario import Arrival, load_scenario
 from tests.conftest import Launcher, need_binary
 
 
-async def test_kv_use_is_read_off_each_nodes_gauge_over_the_run(launch: Launcher) -> None:
+async def test_how_full_each_nodes_kv_cache_is_is_read_over_the_run(launch: Launcher) -> None:
     node = launch("emulator", "--ttft-ms", "0", "--kv-blocks", "100")
     started = time.monotonic()
     readings: dict[str, list[list[float]]] = {}

@@ -65,17 +65,31 @@ def test_output_and_a_partial_block_take_room_but_are_not_cached() -> None:
     lease = kv.start(blocks("p" * (BLOCK_BYTES * 2 + 10)), 35, output_tokens=40)
     assert lease.scratch == 3  # the prompt's last 3 tokens and 40 of output: 43 -> 3 blocks
     assert kv.used == 2 + lease.scratch
+    assert kv.usage == kv.filled == pytest.approx(0.05)
     kv.finish(lease)
     assert kv.used == 2
-    assert kv.usage == pytest.approx(0.02)
+    assert kv.filled == pytest.approx(0.02)
+
+
+def test_usage_reads_as_vllm_s_gauge_cached_blocks_no_request_holds_are_free() -> None:
+    kv = KVCache(10)
+    done = kv.start(blocks("d" * BLOCK_BYTES * 4), 64, 0)
+    kv.finish(done)  # four blocks cached, none held
+    assert kv.usage == 0.0 and kv.filled == pytest.approx(0.4)
+    running = kv.start(blocks("d" * BLOCK_BYTES * 4 + "e" * BLOCK_BYTES * 2), 96, 0)
+    assert running.cached_tokens == 64  # the cached four are held again, with two new ones
+    assert kv.usage == kv.filled == pytest.approx(0.6)
+    kv.finish(running)
+    assert kv.usage == 0.0 and kv.filled == pytest.approx(0.6)
 
 
 def test_a_cache_with_every_block_held_runs_over_and_reads_full() -> None:
     kv = KVCache(2)
     lease = kv.start(blocks("h" * BLOCK_BYTES * 3), 48, 0)
-    assert kv.used == 3 and kv.usage == 1.0
+    assert kv.used == 3 and kv.usage == kv.filled == 1.0
     kv.finish(lease)
     assert kv.used == 2
+    assert (kv.usage, kv.filled) == (0.0, 1.0)
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), max_size=40))
