@@ -127,6 +127,9 @@ class Node:
         "idx",
         "inv_prefill",
         "inv_tps",
+        "issued",
+        "issued_at",
+        "issued_from",
         "kv",
         "max_depth",
         "name",
@@ -178,6 +181,11 @@ class Node:
         # ... and until when it holds with no event: a running request reaching its first
         # token moves tokens/s (the engine's counter) though no count changed.
         self.cur_until = math.inf
+        # The copy of ``issued_from`` handed to the replicas at their ``issued_at``-th refresh
+        # (`Detection._refresh`): each refresh a new snapshot, as live.
+        self.issued: Snapshot | None = None
+        self.issued_from: Snapshot | None = None
+        self.issued_at = 0
         self.free: list[float] = [0.0] * spec.slots  # perfect only: when each slot frees up
         self.group: Group | None = None
         self.version = 0

@@ -54,6 +54,7 @@ class Replica:
         "faded_at",
         "n_ejected",
         "ramping",
+        "refreshes",
         "rng",
         "strategy",
         "times_ejected",
@@ -76,6 +77,7 @@ class Replica:
         self.consecutive = [0] * n
         self.faded_at = [0.0] * n  # when each view's error rate was last faded to
         self.ramping: dict[int, float] = {}  # node index -> ready since
+        self.refreshes = 0  # its snapshot refreshes so far (`Detection._refresh`)
         # Its ``active``: requests open on this replica; ``retrying``: retry tries waiting for
         # their headers, as Balancer.open counts them.
         self.budget = budget
