@@ -212,6 +212,12 @@ class RedisCache:
         self._probing = False
         self._on_error(op)
 
+    def _unsettled(self) -> None:
+        # A call cancelled on the way (its client left, a shutdown) said nothing of Redis: if
+        # it was the probe, the next call probes, where a probe that never settled left every
+        # later call skipping Redis until a restart.
+        self._probing = False
+
     def _ok(self) -> None:
         self._down_until = 0.0
         self._probing = False
@@ -225,6 +231,9 @@ class RedisCache:
         except self._errors:
             self._failed("get")
             return None
+        except BaseException:
+            self._unsettled()
+            raise
         self._ok()
         if not isinstance(data, bytes):
             return None
@@ -243,6 +252,9 @@ class RedisCache:
         except self._errors:
             self._failed("put")
             return
+        except BaseException:
+            self._unsettled()
+            raise
         self._ok()
 
     async def close(self) -> None:

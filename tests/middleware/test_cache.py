@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -265,3 +267,28 @@ async def test_a_sampled_answer_is_stored_only_when_some_hop_may_serve_it(
 
 async def noop(scope: Any, receive: Any, send: Any) -> None:
     raise AssertionError("balanced routes do not reach the app")
+
+
+async def test_a_probe_cancelled_on_the_way_lets_the_next_call_probe(
+    redis_server: RedisServer,
+) -> None:
+    """The one call that probes Redis after a failure, cancelled while Redis is slow (its client
+    left), settled nothing: every later call skipped Redis until a restart."""
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, timeout=2.0, on_error=errors.append)
+    try:
+        await cache.put("k", entry())
+        cache._down_until = time.monotonic()  # as after a failure, its backoff just over
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs
+        try:
+            probe = asyncio.create_task(cache.get("k"))
+            await asyncio.sleep(0.2)
+            probe.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await probe
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert await cache.get("k") == entry()  # probed, and Redis is back
+        assert "skipped" not in errors
+    finally:
+        await cache.close()
