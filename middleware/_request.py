@@ -62,11 +62,13 @@ class Request:
         )
 
     def with_body(self, body: Mapping[str, Any]) -> Request:
-        """The same request with another body (the batcher's merged one)."""
+        """The same request with another body (the batcher's merged one), asking for an
+        answer the gateway can read and split: without the caller's Accept-Encoding (the
+        session does not decompress, and a node that compresses would answer gzip)."""
         raw = json.dumps(body).encode()
-        return replace(
-            self, raw=raw, body=body, route=replace(self.route, input_tokens=_tokens(raw))
-        )
+        headers = [(k, v) for k, v in self.headers if k != b"accept-encoding"]
+        route = replace(self.route, input_tokens=_tokens(raw))
+        return replace(self, raw=raw, body=body, headers=headers, route=route)
 
 
 def _tokens(raw: bytes) -> int:

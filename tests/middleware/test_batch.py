@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import aiohttp
+import httpx
 import openai
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
@@ -22,6 +23,7 @@ from promptlb.middleware._batch import (
 from promptlb.middleware._batch_io import unless_gone
 from promptlb.shared import ConfigError
 
+from tests.conftest import Serve
 from tests.middleware.conftest import MakeCluster
 
 PATH = "/v1/embeddings"
@@ -353,3 +355,57 @@ async def test_concurrent_openai_clients_share_upstream_requests(cluster: MakeCl
     tokens = await api.embeddings.with_raw_response.create(model="m", input=[1, 2, 3])
     assert "x-promptlb-batch" not in tokens.headers
     assert len(tokens.parse().data) == 1
+
+
+async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compresses(
+    serve: Serve,
+) -> None:
+    """The merged request went up with the first caller's Accept-Encoding (httpx and the openai
+    client send gzip): a node that compresses answered gzip, which the gateway (it does not
+    decompress) could not split, and every caller got a 502."""
+    from aiohttp import web
+    from promptlb.middleware import PromptLBMiddleware
+
+    asked: list[str | None] = []
+
+    async def embed(request: web.Request) -> web.Response:
+        asked.append(request.headers.get("Accept-Encoding"))
+        body = await request.json()
+        # Each text's vector says which text it was ("t2" -> [2.0]).
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(text[1:])]}
+            for i, text in enumerate(body["input"])
+        ]
+        n = len(body["input"])
+        usage = {"prompt_tokens": n, "total_tokens": n}
+        response = web.json_response({"object": "list", "data": data, "model": "m", "usage": usage})
+        response.enable_compression()  # gzip whenever the request accepts it
+        return response
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    node_app = web.Application()
+    node_app.router.add_post("/v1/embeddings", embed)
+    async with serve(node_app) as url:
+        config = {
+            "nodes": [{"name": "n", "url": url}],
+            "health": {"enabled": False},
+            "batching": {"enabled": True, "batch_window": "50ms", "max_batch": 8},
+        }
+        app = PromptLBMiddleware(noop, config=config)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            replies = await asyncio.gather(
+                *(
+                    http.post("/v1/embeddings", json={"model": "m", "input": [f"t{i}"]})
+                    for i in range(3)
+                )
+            )
+        assert [r.status_code for r in replies] == [200] * 3
+        assert [r.json()["data"] for r in replies] == [
+            [{"object": "embedding", "index": 0, "embedding": [float(i)]}] for i in range(3)
+        ]
+        assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
+        assert asked == [None]  # one merged request, asking for no encoding
+        await app.dispatcher.stop()
