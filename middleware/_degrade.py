@@ -176,10 +176,10 @@ class Dispatcher:
                     return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
                 failures.append("cache: no answer")
                 continue
-            onward = i + 1 < len(hops) or outage_cache
-            nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1] != CACHE_HOP else None
+            final = i + 1 == len(hops)
+            nxt = None if final or hops[i + 1] == CACHE_HOP else hops[i + 1]
             try:
-                answer = await self._try_model(request.for_model(hop), chain, onward, nxt)
+                answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
             except _HopError as exc:
                 if isinstance(exc, UnknownModel) and chain is None:
                     raise
@@ -190,6 +190,18 @@ class Dispatcher:
                     metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
                 continue
             answer.attempts += attempts
+            up = answer.upstream
+            if final and outage_cache and CACHE_HOP not in hops and up is not None:
+                status = up.response.status
+                if status >= 500 or status == 429:
+                    # The last hop's own refusal: a stored answer stands in for it, else it is
+                    # passed on as it is, as without [cache] (its error body, its Retry-After).
+                    entry = usable(await self._cached(hops, key_of))
+                    if entry is not None:
+                        if answer.held is not None:
+                            answer.held.close(None)  # settled by its status: a node failure
+                        n = answer.attempts
+                        return Answer(entry.model, entry=entry, degraded="cache", attempts=n)
             if answer.model != route.model:
                 answer.degraded = "fallback"
             # Stored only if some hop may ever serve it: with both cache_sampled and

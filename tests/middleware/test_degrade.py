@@ -461,3 +461,48 @@ async def test_a_client_leaving_while_the_hedge_loser_unwinds_still_settles_the_
         await task
     await asyncio.sleep(0.2)
     assert len(settled) == 1 and isinstance(settled[0], asyncio.CancelledError)
+
+
+async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless_one_is_stored(
+    serve: Serve,
+) -> None:
+    """`[cache]` adds answers and changes nothing else: with no chain, a node's final 5xx (its
+    error body, its Retry-After) reaches the client as without it, unless a stored answer
+    stands in. It used to become the gateway's own "a node answered 500" with our Retry-After."""
+    from aiohttp import web
+    from promptlb.middleware import PromptLBMiddleware
+
+    failing = {"now": False}
+
+    async def node(request: web.Request) -> web.Response:
+        if failing["now"]:
+            error = {"error": {"message": "engine overloaded", "type": "engine", "code": 500}}
+            return web.json_response(error, status=500, headers={"Retry-After": "7"})
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    node_app = web.Application()
+    node_app.router.add_post("/v1/completions", node)
+    async with serve(node_app) as url:
+        config = {"nodes": [{"name": "n", "url": url}], "health": {"enabled": False}, "cache": {}}
+        app = PromptLBMiddleware(noop, config=config)
+        transport = httpx.ASGITransport(app=app)
+        stored = {"model": "m", "prompt": "stored", "temperature": 0}
+        fresh = {"model": "m", "prompt": "never asked before", "temperature": 0}
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            assert (await http.post("/v1/completions", json=stored)).status_code == 200
+            await asyncio.sleep(0.1)  # the store is written in the background
+            failing["now"] = True
+            got = await http.post("/v1/completions", json=fresh)
+            assert got.status_code == 500
+            assert got.json()["error"]["message"] == "engine overloaded"
+            assert (got.headers["retry-after"], got.headers["x-promptlb-node"]) == ("7", "n")
+            got = await http.post("/v1/completions", json=stored)
+            assert got.status_code == 200
+            assert got.headers["x-promptlb-degraded"] == "cache"
+            assert got.json()["choices"][0]["message"]["content"] == "ok"
+        assert app.balancer.table.nodes["n"].failures == 2  # both 500s were the node's
+        assert app.balancer.table.nodes["n"].view.in_flight == 0
+        await app.dispatcher.stop()
