@@ -110,7 +110,8 @@ class SheddingConfig:
     pool is saturated when every candidate is over ``max_waiting`` (the engine's queue, per its
     snapshot plus what we sent since), ``max_kv`` (KV-cache use, 0..1) or ``max_in_flight``
     (our own open requests). Then sheddable requests get 429 at once, standard ones wait up to
-    ``queue_timeout`` in a queue of ``queue_size`` (then degrade or get 429), critical ones go
+    ``queue_timeout`` in a queue of ``queue_size`` (then, or at once when it is full, degrade or
+    get 429), critical ones go
     through. Only clients from ``trusted_networks`` or with ``priority_token`` may raise their
     priority to critical; anyone may lower theirs."""
 

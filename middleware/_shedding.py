@@ -27,7 +27,8 @@ _POLL = 0.05  # a waiter also rechecks this often: snapshots change saturation w
 
 
 class QueueTimeout(Exception):
-    """A standard request waited ``queue_timeout`` and the pool is still saturated."""
+    """A standard request waited ``queue_timeout`` and the pool is still saturated, or found
+    the queue full: it takes the chain's next hop, else 429."""
 
 
 class Admission:
@@ -97,8 +98,12 @@ class Admission:
         if not self.enabled or priority == "critical" or not self._is_saturated(model):
             return
         cfg = self.config
-        if priority == "sheddable" or self.waiting >= cfg.queue_size:
+        if priority == "sheddable":
             raise Shed(model, cfg.retry_after)
+        if self.waiting >= cfg.queue_size:
+            # No room to wait: what a wait's end would do, at once (a chain's lighter model
+            # serves it where a 429 used to, just when the primary is most overwhelmed).
+            raise QueueTimeout(model)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.queue_timeout
         self.waiting += 1

@@ -506,3 +506,28 @@ async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless
         assert app.balancer.table.nodes["n"].failures == 2  # both 500s were the node's
         assert app.balancer.table.nodes["n"].view.in_flight == 0
         await app.dispatcher.stop()
+
+
+async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    """No room to wait (``queue_size = 0``) is what a wait's end is: the chain's next model,
+    at once. It used to be a 429 just when the lighter model should have served it."""
+    config = (
+        "[[fallback]]\nmodel = 'big'\nthen = ['small']\n"
+        "[shedding]\nenabled = true\nmax_in_flight = 1\nqueue_size = 0\nqueue_timeout = '5s'\n"
+    )
+    c = cluster(
+        {
+            "big": ("--model", "big", "--ttft-ms", "100", "--tokens-per-s", "10"),
+            "small": ("--model", "small", *fast),
+        },
+        config,
+    )
+    body = {"model": "big", "messages": hello, "max_tokens": 20, "temperature": 0}
+    busy = asyncio.ensure_future(post(c.app.url, body))  # ~2 s on big: big is at its cap
+    await asyncio.sleep(0.3)
+    code, headers, _, elapsed = await post(c.app.url, {**body, "max_tokens": 2})
+    assert code == 200 and elapsed < 1.0, (code, elapsed)
+    assert (headers["x-promptlb-model"], headers["x-promptlb-degraded"]) == ("small", "fallback")
+    assert (await busy)[0] == 200
