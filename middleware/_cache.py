@@ -167,6 +167,7 @@ class MemoryCache:
     async def close(self) -> None:
         self._items.clear()
         self.size_bytes = 0
+        self.max_bytes = 0  # a late write, from a request still on a replaced cache, keeps nothing
 
 
 class RedisCache:
@@ -196,6 +197,7 @@ class RedisCache:
         self._on_error = on_error
         self._down_until = 0.0  # 0: healthy
         self._probing = False
+        self._closed = False  # replaced or stopped: a late call must not open a connection
 
     def _skip(self) -> bool:
         # After a failure, Redis is skipped for ``backoff``; then one call probes it while the
@@ -223,7 +225,7 @@ class RedisCache:
         self._probing = False
 
     async def get(self, key: str) -> CacheEntry | None:
-        if self._skip():
+        if self._closed or self._skip():
             return None
         try:
             async with asyncio.timeout(self.timeout):
@@ -244,7 +246,7 @@ class RedisCache:
             return None
 
     async def put(self, key: str, entry: CacheEntry) -> None:
-        if self._skip():
+        if self._closed or self._skip():
             return
         try:
             async with asyncio.timeout(self.timeout):
@@ -258,6 +260,7 @@ class RedisCache:
         self._ok()
 
     async def close(self) -> None:
+        self._closed = True
         await self._client.aclose()
 
 

@@ -22,6 +22,7 @@ import aiohttp
 from ._answer import Answer
 from ._balancer import Balancer
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
+from ._config import Config
 from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Shed, UnknownModel, UpstreamError
 from ._request import Request
@@ -37,7 +38,7 @@ _log = logging.getLogger("promptlb.middleware")
 class Dispatcher:
     """``previous``: the dispatcher of the config this one replaces (a reload); its cache (and
     the cache writes under way) carries over when ``[cache]`` is unchanged. Otherwise the old
-    cache is left to ``previous``'s requests and is `retired` (closed at shutdown)."""
+    cache is left to ``previous``'s requests and is `retired`: closed once they are over."""
 
     def __init__(self, balancer: Balancer, *, previous: Dispatcher | None = None) -> None:
         self._lb = balancer
@@ -49,13 +50,14 @@ class Dispatcher:
         self.cache_config = cache_cfg
         self.cache: ResponseCache | None = None
         self._writes: set[asyncio.Task[None]] = set()
-        self.retired: list[ResponseCache] = []
+        self.retired: list[ResponseCache] = []  # replaced, not closed yet
+        self._closing: set[asyncio.Task[None]] = set()
         if previous is not None:
-            self.retired = previous.retired
+            self.retired, self._closing = previous.retired, previous._closing
             if previous.cache_config == cache_cfg:
                 self.cache, self._writes = previous.cache, previous._writes
             elif previous.cache is not None:
-                self.retired.append(previous.cache)
+                self._retire(previous.cache, previous._writes, previous.config)
         if cache_cfg is not None and self.cache is None:
             errors = balancer.metrics.cache_errors
             self.cache = open_cache(
@@ -71,7 +73,36 @@ class Dispatcher:
         # round of health checks.
         self.retry_after = str(max(1, round(config.health.interval))).encode()
 
+    def _retire(
+        self, cache: ResponseCache, writes: set[asyncio.Task[None]], config: Config
+    ) -> None:
+        """``cache`` was replaced by a reload: closed (a memory one's answers freed, a Redis
+        pool's connections) once the requests that began on it are over, at most the longest
+        answer its config allows from now, or at shutdown if that comes first. It was kept
+        until shutdown: each reload that touched [cache] held another 64 MB."""
+        self.retired.append(cache)
+        whole = config.retry.total_timeout
+        # Each hop of a chain is bounded by the chain's total (else the retry config's).
+        longest = max([whole, *((1 + len(c.then)) * (c.total or whole) for c in config.fallback)])
+
+        async def close() -> None:
+            await asyncio.sleep(longest)
+            if writes:
+                await asyncio.gather(*writes, return_exceptions=True)
+            await cache.close()
+            self.retired.remove(cache)
+
+        try:
+            task = asyncio.get_running_loop().create_task(close())
+        except RuntimeError:
+            return  # built outside a loop (not a live reload): closed at shutdown
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def stop(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         await self._lb.stop()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from promptlb.emulator import Service, start_command
 from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware._cache import CacheEntry, MemoryCache
 from promptlb.middleware._config import load_config
 from promptlb.middleware._live import describe
 from promptlb.middleware._predictive import Predictive
@@ -313,3 +314,33 @@ def test_the_reload_log_line_names_every_key_that_changed() -> None:
     line = describe(old, new, [], [])
     assert line == "changed stale_after, index_share", line
     assert describe(old, load_config(node), [], []) == "nothing changed"
+
+
+async def test_a_replaced_cache_is_closed_once_its_requests_are_over(tmp_path: Path) -> None:
+    """A reload that changes [cache] replaces the cache; the old one was kept until shutdown
+    (each such reload held another `max_bytes`). It is now closed once the longest answer its
+    config allows is over, and a late write to it keeps nothing."""
+    base = (
+        "[health]\nenabled = false\n[retry]\nper_try_timeout = '200ms'\ntotal_timeout = '300ms'\n"
+        "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\n"
+    )
+    path = tmp_path / "promptlb.toml"
+    app = mounted(path, base + "[cache]\nttl = '1m'\n")
+    old = app.dispatcher.cache
+    assert isinstance(old, MemoryCache)
+    await old.put("k", CacheEntry(b"{}", "m", time.time()))
+    path.write_text(base + "[cache]\nttl = '2m'\n")
+    assert await app.reload()
+    assert app.dispatcher.cache is not old and app.dispatcher.retired == [old]
+    assert len(old) == 1  # requests that began on it may still read it
+    await asyncio.sleep(0.6)  # past the 300 ms an answer may take
+    assert app.dispatcher.retired == [] and len(old) == 0
+    await old.put("late", CacheEntry(b"{}", "m", time.time()))
+    assert len(old) == 0
+    path.write_text(base + "[cache]\nttl = '3m'\n")
+    assert await app.reload()  # one replaced just before shutdown is closed by it
+    replaced = app.dispatcher.retired[0]
+    assert isinstance(replaced, MemoryCache) and len(replaced) == 0  # nothing put in it
+    await replaced.put("k", CacheEntry(b"{}", "m", time.time()))
+    await drain(app)
+    assert app.dispatcher.retired == [] and len(replaced) == 0
