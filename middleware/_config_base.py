@@ -46,8 +46,10 @@ def check_redis_url(key: str, value: str, expected: str) -> None:
         raise ConfigError(key, shown, expected)
     try:
         from redis.asyncio.connection import parse_url  # what Redis.from_url parses it with
-    except ImportError:  # without the redis extra, the gateway says so when it starts
-        return
+    except ImportError:
+        # Refused here, as a config error: at start a clear message, at a reload a refusal
+        # (it was a ModuleNotFoundError out of reload(), or out of a half-applied one).
+        raise ConfigError(key, shown, f"{expected}, with promptlb[redis] installed") from None
     try:
         parse_url(value)
     except ValueError as exc:

@@ -26,7 +26,9 @@ class FallbackConfig:
 
     model: str
     then: tuple[str, ...] = ()
-    ttft: float | None = field(default=None, metadata=DURATION)  # None: retry.per_try_timeout
+    # None: no bound of its own (the headers within retry.per_try_timeout, the first byte
+    # within the hop's total).
+    ttft: float | None = field(default=None, metadata=DURATION)
     total: float | None = field(default=None, metadata=DURATION)  # None: retry.total_timeout
     hedge_after: float | None = field(default=None, metadata=DURATION)
     allow_opt_out: bool = True  # clients may send x-promptlb-no-fallback: 1

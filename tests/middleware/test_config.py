@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,16 @@ def test_the_shipped_example_config_loads() -> None:
     assert [n.name for n in config.nodes] == ["node-a", "node-b"]
     assert config.strategy == "predictive"
     assert all(n.sidecar for n in config.nodes)
+
+
+@pytest.mark.parametrize(("table", "key"), [("cache", "backend"), ("index_share", "redis")])
+def test_a_redis_url_without_the_redis_extra_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, table: str, key: str
+) -> None:
+    """Without redis-py the URL was accepted, and the gateway failed as it started or, on a
+    reload, raised ModuleNotFoundError out of a half-applied one."""
+    monkeypatch.setitem(sys.modules, "redis.asyncio.connection", None)  # import fails
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], table: {key: "redis://h/0"}})
+    assert info.value.key == f"{table}.{key}"
+    assert "promptlb[redis]" in info.value.expected
