@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any
 
 import aiohttp
 
@@ -187,6 +186,7 @@ class Dispatcher:
                 if entry is not None and entry.age(time.time()) <= cfg.ttl:
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)
+                metrics.cache.labels("miss").inc()
         first = 0
         try:
             await self._lb.admission.admit(route.model, route.priority)
@@ -202,7 +202,7 @@ class Dispatcher:
         for i in range(first, len(hops)):
             hop = hops[i]
             if hop == CACHE_HOP:
-                entry = usable(await self._cached(hops[:i], key_of)) if stale_ok else None
+                entry = await self._cached(hops[:i], key_of, usable) if stale_ok else None
                 if entry is not None:
                     return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
                 failures.append("cache: no answer")
@@ -227,7 +227,7 @@ class Dispatcher:
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
                     # passed on as it is, as without [cache] (its error body, its Retry-After).
-                    entry = usable(await self._cached(hops, key_of))
+                    entry = await self._cached(hops, key_of, usable)
                     if entry is not None:
                         if answer.held is not None:
                             answer.held.close(None)  # settled by its status: a node failure
@@ -241,15 +241,22 @@ class Dispatcher:
                 answer.store_key = key_of(answer.model)
             return answer
         if outage_cache and CACHE_HOP not in hops:
-            entry = usable(await self._cached(hops, key_of))
+            entry = await self._cached(hops, key_of, usable)
             if entry is not None:
                 return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
         if chain is None and last is not None:
             raise last
         raise Exhausted(route.model, failures, attempts)
 
-    async def _cached(self, models: Iterable[str], key_of: Any) -> CacheEntry | None:
-        """The answer to this request from the most preferred model that has one."""
+    async def _cached(
+        self,
+        models: Iterable[str],
+        key_of: Callable[[str], str | None],
+        usable: Callable[[CacheEntry | None], CacheEntry | None],
+    ) -> CacheEntry | None:
+        """The answer to this request from the most preferred model that has one this client
+        can take (a streaming client, one that replays as a stream): counted as a hit only
+        then, where an entry it could not take was counted a hit and ended the search."""
         cache, metrics = self.cache, self._lb.metrics
         if cache is None:
             return None
@@ -259,7 +266,7 @@ class Dispatcher:
             key = key_of(model)
             if key is None:
                 continue
-            entry = await cache.get(key)
+            entry = usable(await cache.get(key))
             if entry is not None:
                 metrics.cache.labels("stale_hit").inc()
                 return entry

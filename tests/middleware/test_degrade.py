@@ -531,3 +531,50 @@ async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
     assert code == 200 and elapsed < 1.0, (code, elapsed)
     assert (headers["x-promptlb-model"], headers["x-promptlb-degraded"]) == ("small", "fallback")
     assert (await busy)[0] == 200
+
+
+async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) -> None:
+    """A fresh lookup that finds nothing is a miss (it was not counted at all); a stored answer
+    a streaming client cannot take (one that does not replay as a stream) is no hit, where it
+    was counted a stale hit before the 503."""
+    from aiohttp import web
+    from promptlb.middleware import PromptLBMiddleware
+
+    up = {"now": True}
+
+    async def node(request: web.Request) -> web.Response:
+        if up["now"]:
+            return web.json_response({"object": "list", "data": [], "model": "m"})
+        return web.json_response({"error": {"message": "down"}}, status=503)
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    node_app = web.Application()
+    node_app.router.add_post("/v1/chat/completions", node)
+    async with serve(node_app) as url:
+        config = {
+            "nodes": [{"name": "n", "url": url}],
+            "health": {"enabled": False},
+            "cache": {"serve_fresh": True},
+        }
+        app = PromptLBMiddleware(noop, config=config)
+        count = app.balancer.metrics.registry.get_sample_value
+
+        def seen(result: str) -> float:
+            return count("promptlb_cache_lookups_total", {"result": result}) or 0.0
+
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            assert (seen("miss"), seen("fresh_hit")) == (1, 0)
+            await asyncio.sleep(0.1)  # the store is written in the background
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            assert (seen("miss"), seen("fresh_hit")) == (1, 1)
+            up["now"] = False  # the node answers 503; its stored answer has no choices
+            streamed = {**body, "stream": True}
+            got = await http.post("/v1/chat/completions", json=streamed)
+            assert got.status_code == 503
+            assert seen("stale_hit") == 0
+        await app.dispatcher.stop()
