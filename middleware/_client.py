@@ -96,6 +96,11 @@ class PromptLBClient:
         except Refusal as exc:
             raise PromptLBError(exc.status, exc.error(), None) from None
 
+    # A node's own answer that we turn into an error is raised after the answer's block, not
+    # in it: an exception inside is the caller giving up (not counted against the node), and
+    # the proxy settles the same answers by their status. In-app traffic never charged a
+    # failing node, so it was never ejected nor avoided.
+
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self._open(path, body) as answer:
             up = answer.upstream
@@ -104,21 +109,18 @@ class PromptLBClient:
                 parsed = json.loads(answer.entry.body)
                 assert isinstance(parsed, dict)
                 return parsed
-            try:
-                # The answer's deadline holds for its body too, as on the proxy's path.
-                async with asyncio.timeout_at(up.deadline):
-                    data = answer.first + await up.response.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise _broke(up, exc) from None
+            data = await _rest(answer.first, up)
             try:
                 parsed = json.loads(data) if data else None
             except ValueError:  # a node's error page, a proxy's HTML: kept as text
                 parsed = data.decode(errors="replace")
             if up.response.status >= 400:
-                raise PromptLBError(up.response.status, parsed, up.node.name)
-            if not isinstance(parsed, dict):
-                raise PromptLBError(502, parsed, up.node.name)
-            return parsed
+                error = PromptLBError(up.response.status, parsed, up.node.name)
+            elif not isinstance(parsed, dict):
+                error = PromptLBError(502, parsed, up.node.name)
+            else:
+                return parsed
+        raise error
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async with self._open(path, body) as answer:
@@ -128,13 +130,23 @@ class PromptLBClient:
                 for event in _events(replay_sse(path, answer.entry)):
                     yield event
                 return
-            if up.response.status >= 400:
-                rest = await up.response.read()
-                raise PromptLBError(
-                    up.response.status, (answer.first + rest).decode(errors="replace"), up.node.name
-                )
-            async for event in _aevents(_chunks(answer.first, up), up.node.name):
-                yield event
+            if up.response.status < 400:
+                async for event in _aevents(_chunks(answer.first, up), up.node.name):
+                    yield event
+                return
+            text = (await _rest(answer.first, up)).decode(errors="replace")
+            error = PromptLBError(up.response.status, text, up.node.name)
+        raise error
+
+
+async def _rest(first: bytes, up: Upstream) -> bytes:
+    """The whole answer, held to its deadline as on the proxy's path; broken off, the node's
+    failure."""
+    try:
+        async with asyncio.timeout_at(up.deadline):
+            return first + await up.response.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _broke(up, exc) from None
 
 
 def _broke(up: Upstream, exc: BaseException) -> PromptLBError:

@@ -109,3 +109,27 @@ async def test_an_event_that_is_not_json_is_a_promptlb_error(serve: Serve) -> No
             await collect(app.client.chat_stream(model="m", messages=HI), events)
     assert events == [{"choices": []}]
     assert raised.value.status == 502 and raised.value.node == "a"
+
+
+async def test_a_nodes_error_answer_is_charged_to_the_node_as_on_the_proxys_path(
+    serve: Serve,
+) -> None:
+    """Raised inside the answer's block, the error was settled as the caller giving up: a node
+    answering 500 to in-app calls was never charged (never ejected, never avoided)."""
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    async with middleware_over(serve, chat, health={"enabled": False}) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=HI)
+        assert raised.value.status == 500
+        with pytest.raises(PromptLBError) as raised:
+            await collect(app.client.chat_stream(model="m", messages=HI), [])
+        assert raised.value.status == 500 and "boom" in str(raised.value.body)
+        node = app.balancer.table.nodes["a"]
+        assert (node.requests, node.failures, node.view.in_flight) == (2, 2, 0)
+        aborted = app.balancer.metrics.registry.get_sample_value(
+            "promptlb_requests_total", {"node": "a", "outcome": "aborted"}
+        )
+        assert not aborted
