@@ -412,6 +412,8 @@ def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
             raise ConfigError("config", str(source), f"a readable TOML file ({exc})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", str(source), f"valid TOML ({exc})") from None
+        except UnicodeDecodeError as exc:  # not a TOMLDecodeError: TOML is UTF-8
+            raise ConfigError("config", str(source), f"UTF-8 TOML ({exc.reason})") from None
         return build(Config, data, "")
     return build(Config, source, "")
 

@@ -157,6 +157,10 @@ def test_unreadable_or_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="valid TOML"):
         load(tmp_path, "strategy = \n")
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('strategy = "p2c" # caf\xe9\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="UTF-8 TOML"):  # was a UnicodeDecodeError
+        load_config(latin1)
 
 
 def test_a_mapping_or_an_object_works_as_well() -> None:
