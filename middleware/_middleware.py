@@ -11,7 +11,7 @@ from typing import Any
 
 from promptlb.shared import ConfigError
 
-from ._asgi import ASGIApp, Receive, Scope, Send, json_error, send_json
+from ._asgi import ASGIApp, Message, Receive, Scope, Send, json_error, send_json
 from ._balancer import Balancer
 from ._client import PromptLBClient
 from ._config import Config, load_config
@@ -116,16 +116,33 @@ class PromptLBMiddleware:
         if state is not None:
             state["promptlb"] = self.client  # Starlette copies lifespan state into requests
 
+        stopping = {"asked": False, "done": False}
+
+        async def stop() -> None:
+            if not stopping["done"]:
+                stopping["done"] = True
+                async with self._reloading:
+                    await self._live.dispatcher.stop()
+
         async def wrapped() -> Any:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await self._live.balancer.start()
             elif message["type"] == "lifespan.shutdown":
-                async with self._reloading:
-                    await self._live.dispatcher.stop()
+                stopping["asked"] = True
             return message
 
-        await self.app(scope, wrapped, send)
+        async def sent(message: Message) -> None:
+            # Stopped after the app's own shutdown, in reverse of startup: its shutdown code
+            # may still call the in-app client, which would otherwise start a new session and
+            # loops that nothing stops.
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await stop()
+            await send(message)
+
+        await self.app(scope, wrapped, sent)
+        if stopping["asked"]:  # an app that returned without saying its shutdown was done
+            await stop()
 
     async def _serve_admin(self, live: Live, which: str, scope: Scope, send: Send) -> None:
         if which == "home":  # the page's relative links need the trailing slash

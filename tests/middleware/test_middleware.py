@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import MutableMapping
+import contextlib
+from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,33 @@ async def test_lifespan_starts_and_stops_background_work_cleanly() -> None:
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert not app.balancer.started
     assert asyncio.all_tasks() - before == set()  # nothing of ours left pending
+
+
+async def test_the_app_shuts_down_before_the_middleware_stops() -> None:
+    """In reverse of startup: the app's shutdown may still use the in-app client. The
+    middleware stopped first, and a call then started a new session and loops that nothing
+    stopped."""
+    seen: dict[str, bool] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        seen["running at the app's shutdown"] = mw.balancer.started
+
+    mw = PromptLBMiddleware(Starlette(lifespan=lifespan), config=config())
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message["type"])
+
+    await mw({"type": "lifespan", "state": {}}, receive, send)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert seen == {"running at the app's shutdown": True}
+    assert not mw.balancer.started
 
 
 async def test_the_in_app_client_is_on_request_state() -> None:
