@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import math
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,6 +42,9 @@ async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
 
 _YOUNG_GC_THRESHOLD = 10_000
 HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answer) to headers
+# Seconds a SIGTERM leaves the requests under way (a stream of a long answer takes tens of
+# seconds); the listener closes at once. uvicorn's 5 s, hard-coded before, cut them.
+GRACEFUL_SHUTDOWN = 30.0
 
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -106,12 +110,16 @@ def serve(
     log_level: str = "info",
     forwarded_allow_ips: str | None = None,
     header_timeout: float = HEADER_TIMEOUT,
+    graceful_shutdown: float = GRACEFUL_SHUTDOWN,
     on_hangup: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
     """Serve an ASGI app with uvicorn on uvloop; prints ``NAME listening on http://…`` once
-    bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly; SIGHUP runs
+    bound (with port 0, the port picked). SIGTERM/SIGINT stop it cleanly: no new connections,
+    the requests under way given ``graceful_shutdown`` seconds to finish; SIGHUP runs
     ``on_hangup`` (the gateway's config reload) when given."""
-    config = server_config(app, host, port, log_level, forwarded_allow_ips, header_timeout)
+    config = server_config(
+        app, host, port, log_level, forwarded_allow_ips, header_timeout, graceful_shutdown
+    )
     uvloop.run(_serve(config, name, on_hangup))
 
 
@@ -122,6 +130,7 @@ def server_config(
     log_level: str,
     forwarded_allow_ips: str | None = None,
     header_timeout: float = HEADER_TIMEOUT,
+    graceful_shutdown: float = GRACEFUL_SHUTDOWN,
 ) -> uvicorn.Config:
     """uvicorn's settings for promptlb's servers (the gateway, the example app, the bench's
     floor): the same stack for all, so that their numbers compare.
@@ -144,7 +153,7 @@ def server_config(
         http=_guarded(header_timeout),
         proxy_headers=forwarded_allow_ips is not None,
         forwarded_allow_ips=forwarded_allow_ips,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=math.ceil(graceful_shutdown),  # uvicorn takes whole seconds
     )
 
 
@@ -221,15 +230,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="a request's headers must be in this long after the connection opened or the "
         "last answer ended (else 408 and the connection closes); bodies: requests.body_timeout",
     )
+    parser.add_argument(
+        "--graceful-shutdown",
+        default=f"{GRACEFUL_SHUTDOWN:g}s",
+        help="on SIGTERM the listener closes and the requests under way get this long to "
+        "finish (keep the pod's terminationGracePeriodSeconds above it)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")
-    try:
-        header_timeout = parse_duration("--header-timeout", args.header_timeout)
-    except ConfigError as exc:
-        parser.error(f"argument {exc}")
-    if header_timeout <= 0:
-        parser.error(f"argument --header-timeout: got {args.header_timeout}, expected > 0")
+    header_timeout = _duration(parser, "--header-timeout", args.header_timeout)
+    graceful_shutdown = _duration(parser, "--graceful-shutdown", args.graceful_shutdown)
     # promptlb's own lines (ejections and returns, health changes, reloads) at the chosen
     # level; uvicorn configures only its own loggers.
     handler = logging.StreamHandler()
@@ -249,5 +260,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=args.log_level,
         forwarded_allow_ips=args.forwarded_allow_ips,
         header_timeout=header_timeout,
+        graceful_shutdown=graceful_shutdown,
         on_hangup=app.reload,
     )
+
+
+def _duration(parser: argparse.ArgumentParser, flag: str, value: str) -> float:
+    """A duration flag's seconds (> 0), or the parser's error naming it."""
+    try:
+        seconds = parse_duration(flag, value)
+    except ConfigError as exc:
+        parser.error(f"argument {exc}")
+    if seconds <= 0:
+        parser.error(f"argument {flag}: got {value}, expected > 0")
+    return seconds

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -331,3 +332,36 @@ async def test_a_client_too_slow_to_take_a_stream_is_not_the_nodes_failure(
         assert 'promptlb_requests_total{node="a",outcome="aborted"} 1.0' in metrics
     finally:
         await app.balancer.stop()
+
+
+async def test_sigterm_lets_a_long_stream_finish_within_the_graceful_shutdown(
+    launch: Launcher, tmp_path: Path, hello: Messages
+) -> None:
+    """uvicorn's 5 s was hard-coded: a rolling update cut every stream older than that. The
+    listener closes at once; the requests under way get ``--graceful-shutdown``."""
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "10")
+    config = _gateway_config(tmp_path, model.url)
+    gateway = launch("middleware", "--config", str(config), "--graceful-shutdown", "10s")
+    body = {"model": "m", "messages": hello, "max_tokens": 60, "stream": True}  # ~6 s
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gateway.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readline()
+            gateway.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(aiohttp.ClientConnectionError):  # no new connections meanwhile
+                await http.get(gateway.url + "/v1/models")
+            started = time.monotonic()
+            text = (await response.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")  # whole, past uvicorn's 5 s
+        assert time.monotonic() - started > 4  # it went on streaming after the signal
+    # Done at once after that stream; uvicorn re-raises the signal it caught as it exits.
+    assert gateway.proc.wait(timeout=5) in (0, -signal.SIGTERM)
+
+
+def test_the_gateway_refuses_a_bad_graceful_shutdown() -> None:
+    from promptlb.middleware._gateway import main
+
+    for bad in ("soon", "0s"):
+        with pytest.raises(SystemExit):
+            main(["--config", "x.toml", "--graceful-shutdown", bad])

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from promptlb.middleware import load_config
+from promptlb.shared import parse_duration
 
 from tests.ops.conftest import EXAMPLES, ROOT, load_yaml_documents
 
@@ -136,6 +137,9 @@ def test_the_gateway_config_loads_and_points_at_the_headless_service(tmp_path: P
     assert flags["config"] == f"{mounts['config']}/{filename}"
     port = next(p["containerPort"] for p in gateway["ports"] if p["name"] == "http")
     assert int(flags["port"]) == port
+    # A rolling update lets the streams under way finish: the pod's grace covers the gateway's.
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > parse_duration("graceful-shutdown", flags["graceful-shutdown"])
 
     (tmp_path / filename).write_text(toml)
     config = load_config(tmp_path / filename)  # builds and validates; resolves nothing
