@@ -5,6 +5,7 @@
 
 const TOKEN_KEY = "promptlb-admin-token";
 const EVERY_MS = 750; // a poll at most this long after the last answer: under a second behind
+const FETCH_MS = 5000; // a status that takes longer is dropped and asked again
 const statusUrl = new URL("status", document.baseURI);
 let lastAt = 0;
 let loop = 0; // one polling loop at a time: a new one (after a login) ends the one before
@@ -124,28 +125,41 @@ function start() {
   poll(loop);
 }
 
+// Every way a poll can end schedules the next, or hands over to the login: one that threw
+// (a body cut off by a restart, a proxy's HTML error page sent as 200) or never answered
+// stopped the board for good, "last update N s ago" until the page was reloaded.
+function retry(mine, message) {
+  $("freshness").textContent = message + "; retrying";
+  $("freshness").className = "error";
+  setTimeout(poll, EVERY_MS, mine);
+}
+
 async function poll(mine) {
   if (mine !== loop) return;
   const token = sessionStorage.getItem(TOKEN_KEY);
   const headers = token ? { Authorization: "Bearer " + token } : {};
+  const signal = AbortSignal.timeout(FETCH_MS);
   let response;
+  let doc;
   try {
-    response = await fetch(statusUrl, { headers, cache: "no-store", credentials: "omit" });
+    response = await fetch(statusUrl, { headers, cache: "no-store", credentials: "omit", signal });
   } catch (err) {
-    $("freshness").textContent = "gateway unreachable; retrying";
-    $("freshness").className = "error";
-    return setTimeout(poll, EVERY_MS, mine);
+    return mine === loop ? retry(mine, "gateway unreachable") : undefined;
   }
+  // A login or "Forget token" meanwhile started another loop: this answer is not for it.
+  if (mine !== loop) return;
   if (response.status === 401 || response.status === 403) {
     sessionStorage.removeItem(TOKEN_KEY);
     return askForToken(token ? "That token was refused." : "");
   }
-  if (!response.ok) {
-    $("freshness").textContent = "status answered " + response.status + "; retrying";
-    $("freshness").className = "error";
-    return setTimeout(poll, EVERY_MS, mine);
+  if (!response.ok) return retry(mine, "status answered " + response.status);
+  try {
+    doc = await response.json();
+    if (mine !== loop) return;
+    render(doc);
+  } catch (err) {
+    return retry(mine, "status unreadable (" + err.name + ")");
   }
-  render(await response.json());
   $("forget").hidden = !token;
   $("freshness").className = "muted";
   $("freshness").textContent = "live";

@@ -139,6 +139,20 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
             await asyncio.sleep(1.2)
             after = int(await page.evaluate("() => document.body.dataset.updated"))
             assert after - before >= 700, "the page did not update within a second"
+
+            # A status answer it cannot read (a proxy's error page sent as 200) is retried: it
+            # used to end the polling for good.
+            async def junk(route: Any) -> None:
+                await route.fulfill(status=200, body="<html>bad gateway</html>")
+
+            await page.route("**/_promptlb/status", junk)
+            await page.locator("#freshness", has_text="status unreadable").wait_for(timeout=5_000)
+            await page.unroute("**/_promptlb/status", junk)
+            before = int(await page.evaluate("() => document.body.dataset.updated"))
+            await page.wait_for_function(
+                f"() => Number(document.body.dataset.updated) > {before}", timeout=5_000
+            )
+            await page.locator("#freshness", has_text="live").wait_for(timeout=5_000)
             leaky = page.locator("tr[data-node=leaky] .state")
             await leaky.locator(".state-leaking").wait_for(timeout=20_000)
             for name in NODES:
