@@ -55,8 +55,9 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
     uvicorn has no header-read timeout (``timeout_keep_alive`` only runs between requests, and
     any byte disarms it; nothing runs before the first request), so a client sending a header
     line every few seconds holds its connection for as long as it likes (slowloris). Here a
-    request's headers must be complete ``header_timeout`` after the connection opened or the
-    previous answer ended; otherwise the client gets a 408 and the connection is closed.
+    request's headers must be complete ``header_timeout`` after the connection opened or, on a
+    kept-alive one, the request's first byte (before it, uvicorn's keep-alive timeout runs);
+    otherwise the client gets a 408 and the connection is closed.
     Bodies are the middleware's to time (``requests.body_timeout``): it is what reads them."""
 
     class Guarded(HttpToolsProtocol):
@@ -227,8 +228,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--header-timeout",
         default=f"{HEADER_TIMEOUT:g}s",
-        help="a request's headers must be in this long after the connection opened or the "
-        "last answer ended (else 408 and the connection closes); bodies: requests.body_timeout",
+        help="a request's headers must be in this long after the connection opened or (kept "
+        "alive) its first byte (else 408 and the connection closes); bodies: "
+        "requests.body_timeout",
     )
     parser.add_argument(
         "--graceful-shutdown",
