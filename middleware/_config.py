@@ -163,8 +163,9 @@ class HealthConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutlierConfig:
     """Passive ejection, as Envoy's outlier detection: ``consecutive_failures`` in a row eject a
-    node for ``base_ejection_time x times ejected`` (up to ``max_ejection_time``), never more
-    than ``max_ejection_percent`` of a model's nodes at once."""
+    node for ``base_ejection_time x times ejected`` (up to ``max_ejection_time``; each
+    ``base_ejection_time`` back without an ejection takes a step off), never more than
+    ``max_ejection_percent`` of a model's nodes at once, but always one (Envoy's rule)."""
 
     consecutive_failures: int = 5
     base_ejection_time: float = field(default=30.0, metadata=DURATION)

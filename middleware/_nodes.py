@@ -45,6 +45,7 @@ class Node:
     consecutive_failures: int = 0
     times_ejected: int = 0
     ejected_until: float = 0.0
+    eased_at: float = 0.0  # when `times_ejected` last came down a step
     ready_since: float | None = None
     requests: int = 0
     failures: int = 0
@@ -307,12 +308,27 @@ class NodeTable:
         if ttft_s is not None:
             view.ewma_ttft_s = _ewma(view.ewma_ttft_s, ttft_s)
             node.recent_ttft_s.append(ttft_s)
+        outlier = self._config.outlier
         if ok:
             node.consecutive_failures = 0
+            # Envoy's: each base_ejection_time a node stays back, its next ejection is a step
+            # shorter again (the count only grew: bursts days apart ended in the longest).
+            back = node.ready_since
+            if (
+                node.times_ejected
+                and back is not None
+                and now - max(back, node.eased_at) >= outlier.base_ejection_time
+            ):
+                node.times_ejected -= 1
+                node.eased_at = now
             return
         node.failures += 1
+        if now < node.ejected_until:
+            # Tries under way when it was ejected, failing now: not a new streak (one crash
+            # with 20 streams open ejected it again and again: 30, 60, 90, 120 s).
+            node.consecutive_failures = 0
+            return
         node.consecutive_failures += 1
-        outlier = self._config.outlier
         if node.consecutive_failures >= outlier.consecutive_failures and self._may_eject(node, now):
             node.times_ejected += 1
             seconds = ejection_time(

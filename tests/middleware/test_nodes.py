@@ -396,3 +396,38 @@ def test_memory_grown_while_loading_and_warming_does_not_mark_the_node_leaking(
         assert t.state_of(n0) == "leaking"
     lines = [r.getMessage() for r in caplog.records if "memory" in r.getMessage()]
     assert len(lines) == 1 and "draining" in lines[0], lines  # none while it warmed
+
+
+def test_failures_of_tries_under_way_do_not_eject_an_ejected_node_again() -> None:
+    """A crash with many streams open: every one fails after the ejection. Each fifth
+    re-ejected it, ever longer (30, 60, 90, 120 s for 20 streams)."""
+    t = table(4, outlier=OutlierConfig(consecutive_failures=5, base_ejection_time=30))
+    n0 = t.nodes["n0"]
+    for _ in range(20):
+        t.record_result(n0, False, None, None, 1.0)
+    assert (n0.times_ejected, n0.ejected_until) == (1, 31.0)
+    assert n0.failures == 20  # counted all the same
+
+
+def test_the_ejection_penalty_eases_while_a_node_stays_back() -> None:
+    """As Envoy: each base_ejection_time a node stays back without an ejection, its next one
+    is a step shorter; the count only grew, so bursts days apart ended in the longest."""
+    t = table(4, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=10))
+    n0 = t.nodes["n0"]
+    for now in (1.0, 20.0):  # ejected twice: out 10 s, then 20 s
+        t.tick(now)
+        t.record_result(n0, False, None, None, now)
+        t.record_result(n0, False, None, None, now)
+    assert (n0.times_ejected, n0.ejected_until) == (2, 40.0)
+    t.tick(40.0)  # back
+    t.record_result(n0, True, None, None, 45.0)
+    assert n0.times_ejected == 2  # not back long enough
+    t.record_result(n0, True, None, None, 50.0)
+    assert n0.times_ejected == 1
+    t.record_result(n0, True, None, None, 55.0)
+    assert n0.times_ejected == 1  # a step each base_ejection_time, not each success
+    t.record_result(n0, True, None, None, 60.0)
+    assert n0.times_ejected == 0
+    t.record_result(n0, False, None, None, 61.0)
+    t.record_result(n0, False, None, None, 61.0)
+    assert n0.ejected_until == 71.0  # the base time again
