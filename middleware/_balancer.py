@@ -338,8 +338,11 @@ class Balancer:
                 outcome="broken" if upstream.failed else str(code),
             )
             # Only real answers teach a learning strategy: a node that answers 4xx at once
-            # must not look like the fastest node there is.
-            if ok and 200 <= code < 300:
+            # must not look like the fastest node there is. Nor does a node replaced or removed
+            # while the try ran (a reload re-pointed its name, discovery let it go): it would
+            # bring back what its removal made the strategy forget, under a name that may now
+            # be another server's.
+            if ok and 200 <= code < 300 and self.table.nodes.get(node.name) is node:
                 try:
                     self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
                 except Exception:  # learning must never break a request

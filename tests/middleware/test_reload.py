@@ -307,6 +307,31 @@ async def test_a_name_pointed_at_another_server_starts_without_what_was_learnt_o
     await drain(app)
 
 
+async def test_an_answer_that_ends_after_its_node_was_replaced_teaches_nothing(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    """A stream still open on the old server when a reload re-pointed its name ended and
+    taught predictive, bringing back the old server's speed under the new server's name."""
+    slow = launch("emulator", "--model", "m", "--ttft-ms", "5", "--tokens-per-s", "20")
+    other = launch("emulator", *FAST)
+    path = tmp_path / "promptlb.toml"
+    base = BASE.replace('"weighted"', '"predictive"')
+    app = mounted(path, base + nodes_toml(("a", slow, 1)))
+    async with client(app) as http:
+        await placed(http, 2)
+        under_way = asyncio.create_task(
+            http.post("/v1/chat/completions", json={**ASK, "max_tokens": 20})  # ~1 s
+        )
+        await asyncio.sleep(0.3)
+        path.write_text(base + nodes_toml(("a", other, 1)))  # "a" is now another server
+        assert await app.reload()
+        strategy = app.balancer.strategy
+        assert isinstance(strategy, Predictive) and strategy.model_of("a") is None
+        assert (await under_way).status_code == 200
+        assert strategy.model_of("a") is None  # the old server's answer taught nothing
+    await drain(app)
+
+
 def test_the_reload_log_line_names_every_key_that_changed() -> None:
     node = {"nodes": [{"name": "a", "url": "http://a:1", "models": ["m"]}]}
     old = load_config(node)
