@@ -82,7 +82,12 @@ class Node:
             return "unknown"
         if not self.health_ok:
             return "unhealthy"
-        if snap is not None and snap.draining:
+        # Draining is the sidecar's last word, stale or not: one that stops answering mid-drain
+        # (its pod terminating, the sidecar gone first) has not undone it, and the model
+        # server still answering health checks made the node "ready" again after stale_after.
+        # A new snapshot that is not draining (a sidecar back, a new pod) clears it.
+        last = self.snapshot
+        if last is not None and last.draining:
             return "draining"
         if snap is not None and not (snap.ready and snap.warm):
             return "warming"

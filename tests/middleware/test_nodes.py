@@ -431,3 +431,18 @@ def test_the_ejection_penalty_eases_while_a_node_stays_back() -> None:
     t.record_result(n0, False, None, None, 61.0)
     t.record_result(n0, False, None, None, 61.0)
     assert n0.ejected_until == 71.0  # the base time again
+
+
+def test_a_draining_node_stays_draining_when_its_sidecar_goes_quiet(snap: MakeSnapshot) -> None:
+    """Its pod terminating, the sidecar stops answering mid-drain while the model server still
+    answers health checks: once the snapshot went stale the node was "ready" again, and new
+    requests went to a node told to drain. A new snapshot that is not draining clears it."""
+    t = table(stale_after=5.0)
+    n1 = t.nodes["n1"]
+    t.record_snapshot(n1, snap("n1", 1, draining=True, running=0), 1.0)
+    assert names(t, 2.0) == {"n0", "n2"}
+    t.record_health(n1, True, "200 (model server)", 20.0)
+    assert names(t, 20.0) == {"n0", "n2"}  # stale, still draining
+    assert t.state_of(n1) == "draining"
+    t.record_snapshot(n1, snap("n1", 2, running=0), 21.0)  # back, not draining
+    assert names(t, 21.0) == {"n0", "n1", "n2"}
