@@ -136,7 +136,9 @@ class NodeTable:
         node = Node(node_config, view)
         if not self._config.health.enabled:
             node.health_ok = True
-            node.ready_since = self._clock()
+            now = self._clock()
+            # As the health path does: the starting cluster is not slowed, a joiner ramps.
+            node.ready_since = now if self.settled else now - self._config.slow_start
         return node
 
     def remove(self, name: str) -> None:

@@ -303,7 +303,8 @@ def test_a_node_added_without_health_checks_is_ready_on_the_tables_clock() -> No
     clock.now = 1234.5  # far from time.monotonic(): the table must not read the wall clock
     nodes = (NodeConfig(name="a", url="http://127.0.0.1:9000"),)
     t = NodeTable(Config(nodes=nodes, health=HealthConfig(enabled=False)), clock=clock)
-    assert t.nodes["a"].ready_since == 1234.5
+    # The starting cluster: ready a whole slow start (30 s) ago, on the table's clock.
+    assert t.nodes["a"].ready_since == 1234.5 - 30.0
 
 
 def test_a_node_projected_out_of_memory_is_drained_and_back_after_a_clean_restart(
@@ -446,3 +447,15 @@ def test_a_draining_node_stays_draining_when_its_sidecar_goes_quiet(snap: MakeSn
     assert t.state_of(n1) == "draining"
     t.record_snapshot(n1, snap("n1", 2, running=0), 21.0)  # back, not draining
     assert names(t, 21.0) == {"n0", "n1", "n2"}
+
+
+def test_without_health_checks_only_joiners_ramp_up() -> None:
+    """Slow start is for nodes that join or recover: with health checks off, the starting
+    cluster began at a tenth of its share too."""
+    t = table(slow_start=10.0, health=HealthConfig(enabled=False))
+    t.tick(0.5)
+    assert {n.view.ramp for n in t.nodes.values()} == {1.0}
+    t.settled = True  # the first round of evidence is in
+    late = t.add(NodeConfig(name="late", url="http://127.0.0.1:9100", models=("m",)))
+    t.tick(0.5)
+    assert late.view.ramp == 0.1
