@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from promptlb.shared import Snapshot
@@ -148,14 +148,16 @@ class NodeTable:
                 self.on_remove(name)
 
     def replace_members(self, wanted: Iterable[NodeConfig]) -> None:
-        """Discovery's answer: add the new nodes, drop the gone ones, keep the rest as they are."""
+        """Discovery's answer: add the new nodes, drop the gone ones, keep the rest with what
+        is known of them, their config as discovery now builds it (a reload that changed
+        `discovery.models`, the sidecar's port or scheme left every current node on the old
+        one until its pod went away)."""
         wanted_by_name = {n.name: n for n in wanted}
         for name in list(self.nodes):
             if name not in wanted_by_name:
                 self.remove(name)
-        for name, node_config in wanted_by_name.items():
-            if name not in self.nodes:
-                self.add(node_config)
+        for node_config in wanted_by_name.values():
+            self._apply(node_config, {})
 
     def newcomers(self, config: Config) -> list[Node]:
         """The nodes a reload to ``config`` brings in (new names, or a new URL or sidecar for
@@ -194,29 +196,36 @@ class NodeTable:
         removed = [name for name in self.nodes if name not in wanted]
         for name in removed:
             self.remove(name)
-        added = []
-        for name, node_config in wanted.items():
-            current = self.nodes.get(name)
-            if current is not None and current.config == node_config:
-                continue
-            if current is None or (current.config.url, current.config.sidecar) != (
-                node_config.url,
-                node_config.sidecar,
-            ):
-                self.remove(name)
-                fresh = ready.get(name)
-                if fresh is None or fresh.config != node_config:
-                    fresh = self.make(node_config)
-                self.nodes[name] = fresh
-                added.append(name)
-                continue
-            current.config = node_config
-            view = current.view
-            view.weight = node_config.weight
-            view.models = current.models
-            held = current.snapshot
-            view.tags = frozenset(node_config.tags) or frozenset(held.tags if held else ())
+        added = [n.name for n in config.nodes if self._apply(n, ready)]
         return added, removed
+
+    def _apply(self, node_config: NodeConfig, ready: Mapping[str, Node]) -> bool:
+        """A member as ``node_config`` says: unchanged, it keeps everything; a new URL or
+        sidecar (another server) starts afresh (as ``ready``'s node, already checked, when it
+        has one); otherwise its weight, models and tags follow. True when added or replaced."""
+        name = node_config.name
+        current = self.nodes.get(name)
+        if current is not None and current.config == node_config:
+            return False
+        if current is None or (current.config.url, current.config.sidecar) != (
+            node_config.url,
+            node_config.sidecar,
+        ):
+            self.remove(name)
+            fresh = ready.get(name)
+            if fresh is None or fresh.config != node_config:
+                fresh = self.make(node_config)
+            self.nodes[name] = fresh
+            self._dirty = True
+            return True
+        current.config = node_config
+        view = current.view
+        view.weight = node_config.weight
+        view.models = current.models
+        held = current.snapshot
+        view.tags = frozenset(node_config.tags) or frozenset(held.tags if held else ())
+        self._dirty = True
+        return False
 
     # -- evidence --------------------------------------------------------------------------
     def record_health(self, node: Node, ok: bool, detail: str, now: float) -> None:

@@ -459,3 +459,21 @@ def test_without_health_checks_only_joiners_ramp_up() -> None:
     late = t.add(NodeConfig(name="late", url="http://127.0.0.1:9100", models=("m",)))
     t.tick(0.5)
     assert late.view.ramp == 0.1
+
+
+def test_discovery_applies_a_reloaded_config_to_the_nodes_it_keeps() -> None:
+    """A reload that changed discovery's models or sidecar port left every current node on the
+    old config until its pod went away: its models stayed, its snapshots came from nowhere."""
+    t = table(2)
+    n0, n1 = t.nodes["n0"], t.nodes["n1"]
+    n0.requests = n1.requests = 42
+    t.replace_members(
+        [
+            NodeConfig(name="n0", url="http://127.0.0.1:9000", models=("m", "m2")),
+            NodeConfig(name="n1", url="http://127.0.0.1:9001", models=("m",), sidecar="http://s:9"),
+        ]
+    )
+    assert t.nodes["n0"] is n0 and n0.requests == 42  # same server: kept, models follow
+    assert n0.models == {"m", "m2"} and n0.view.models == {"m", "m2"}
+    assert t.nodes["n1"] is not n1 and t.nodes["n1"].requests == 0  # another sidecar: afresh
+    assert t.nodes["n1"].config.sidecar == "http://s:9"
