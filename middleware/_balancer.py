@@ -543,6 +543,12 @@ class Try:
                         else:
                             status, last = 504, "timed out"
                         lb._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                        if suspect is not None:
+                            # The next try failed otherwise: no second node failed the request
+                            # alike, so the 5xx was its node's (else a third node's same 5xx
+                            # would have cleared both).
+                            lb._fault(suspect)
+                            suspect = None
                         continue
                     except BaseException:
                         # Cancelled before the headers (a hedge's loser, a client gone): the

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 from promptlb.middleware import PromptLBMiddleware
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, Serve
 from tests.middleware.conftest import Flags, MakeCluster, Messages
 
 HEALTH = "[health]\ninterval = '300ms'\ninterval_jitter = '50ms'\ntimeout = '300ms'\n"
@@ -365,3 +366,47 @@ def test_the_gateway_refuses_a_bad_graceful_shutdown() -> None:
     for bad in ("soon", "0s"):
         with pytest.raises(SystemExit):
             main(["--config", "x.toml", "--graceful-shutdown", bad])
+
+
+async def test_a_5xx_then_another_failure_charges_the_first_node(serve: Serve) -> None:
+    """A answers 500, B cannot be reached, C answers the same 500: no two tries in a row
+    failed the request alike, so A's 500 was A's (it used to stay pending, and C's made both
+    look like the request's fault)."""
+    from aiohttp import web
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "same"}}, status=500)
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    app_a, app_c = web.Application(), web.Application()
+    app_a.router.add_post("/v1/chat/completions", fail)
+    app_c.router.add_post("/v1/chat/completions", fail)
+    async with serve(app_a) as a, serve(app_c) as c:
+        nodes = [
+            {"name": "a", "url": a},
+            {"name": "c", "url": c},
+            {"name": "b", "url": f"http://127.0.0.1:{dead}"},
+        ]
+        config = {
+            "nodes": nodes,
+            "strategy": "round_robin",
+            "health": {"enabled": False},
+            "retry": {"attempts": 3},
+        }
+        app = PromptLBMiddleware(noop, config=config)
+        strategy: Any = app.balancer.strategy
+        # Round robin from the first node, over the ones not tried yet: a, then b, then c.
+        strategy._next = 0
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})
+        table = app.balancer.table.nodes
+        assert got.status_code == 500 and got.headers["x-promptlb-node"] == "c"
+        assert [table[n].failures for n in "abc"] == [1, 1, 1]
+        assert [table[n].request_faults for n in "abc"] == [0, 0, 0]
+        await app.dispatcher.stop()
