@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import openai
 import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from openai.types.chat import ChatCompletionMessageParam
 from promptlb.emulator import Service, start_command, start_service
+from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._view import NodeView
 from promptlb.shared import EngineSample, GpuSample, Snapshot
 
@@ -78,6 +80,34 @@ Messages = list[ChatCompletionMessageParam]
 MakeSnapshot = Callable[..., Snapshot]
 MakeNode = Callable[..., NodeView]
 OpenAIOver = Callable[[str, list[bytes]], AbstractAsyncContextManager[openai.AsyncOpenAI]]
+
+
+async def no_app(scope: Any, receive: Any, send: Any) -> None:
+    """The app behind a middleware under test that must answer everything itself."""
+    raise AssertionError("the app is not reached")
+
+
+@asynccontextmanager
+async def gateway_over(
+    serve: Serve, routes: Mapping[str, Handler], **config: Any
+) -> AsyncIterator[tuple[PromptLBMiddleware, httpx.AsyncClient]]:
+    """A middleware (no app behind it, health checks off) over one in-process node ``n``
+    answering ``routes`` (path -> POST handler), and an httpx client on the middleware;
+    ``config`` is the rest of its config. Stopped on the way out."""
+    node = web.Application()
+    for path, handler in routes.items():
+        node.router.add_post(path, handler)
+    async with serve(node) as url:
+        app = PromptLBMiddleware(
+            no_app,
+            config={"nodes": [{"name": "n", "url": url}], "health": {"enabled": False}, **config},
+        )
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+                yield app, http
+        finally:
+            await app.dispatcher.stop()
 
 
 def chat_node(chat: Handler) -> web.Application:

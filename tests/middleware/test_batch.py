@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
@@ -24,7 +23,7 @@ from promptlb.middleware._batch_io import unless_gone
 from promptlb.shared import ConfigError
 
 from tests.conftest import Serve
-from tests.middleware.conftest import MakeCluster
+from tests.middleware.conftest import MakeCluster, gateway_over
 
 PATH = "/v1/embeddings"
 
@@ -364,7 +363,6 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
     client send gzip): a node that compresses answered gzip, which the gateway (it does not
     decompress) could not split, and every caller got a 502."""
     from aiohttp import web
-    from promptlb.middleware import PromptLBMiddleware
 
     asked: list[str | None] = []
 
@@ -382,30 +380,18 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
         response.enable_compression()  # gzip whenever the request accepts it
         return response
 
-    async def noop(scope: Any, receive: Any, send: Any) -> None:
-        raise AssertionError("not reached")
-
-    node_app = web.Application()
-    node_app.router.add_post("/v1/embeddings", embed)
-    async with serve(node_app) as url:
-        config = {
-            "nodes": [{"name": "n", "url": url}],
-            "health": {"enabled": False},
-            "batching": {"enabled": True, "batch_window": "50ms", "max_batch": 8},
-        }
-        app = PromptLBMiddleware(noop, config=config)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            replies = await asyncio.gather(
-                *(
-                    http.post("/v1/embeddings", json={"model": "m", "input": [f"t{i}"]})
-                    for i in range(3)
-                )
+    batching = {"enabled": True, "batch_window": "50ms", "max_batch": 8}
+    routes = {"/v1/embeddings": embed}
+    async with gateway_over(serve, routes, batching=batching) as (_, http):
+        replies = await asyncio.gather(
+            *(
+                http.post("/v1/embeddings", json={"model": "m", "input": [f"t{i}"]})
+                for i in range(3)
             )
-        assert [r.status_code for r in replies] == [200] * 3
-        assert [r.json()["data"] for r in replies] == [
-            [{"object": "embedding", "index": 0, "embedding": [float(i)]}] for i in range(3)
-        ]
-        assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
-        assert asked == [None]  # one merged request, asking for no encoding
-        await app.dispatcher.stop()
+        )
+    assert [r.status_code for r in replies] == [200] * 3
+    assert [r.json()["data"] for r in replies] == [
+        [{"object": "embedding", "index": 0, "embedding": [float(i)]}] for i in range(3)
+    ]
+    assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
+    assert asked == [None]  # one merged request, asking for no encoding

@@ -17,7 +17,7 @@ from promptlb.middleware._config import load_config
 from promptlb.middleware._live import build_live
 
 from tests.conftest import RedisServer, Serve
-from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages
+from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages, gateway_over
 
 HEALTH = (
     "[health]\ninterval = '200ms'\ninterval_jitter = '20ms'\ntimeout = '200ms'\n"
@@ -470,7 +470,6 @@ async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless
     error body, its Retry-After) reaches the client as without it, unless a stored answer
     stands in. It used to become the gateway's own "a node answered 500" with our Retry-After."""
     from aiohttp import web
-    from promptlb.middleware import PromptLBMiddleware
 
     failing = {"now": False}
 
@@ -480,32 +479,22 @@ async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless
             return web.json_response(error, status=500, headers={"Retry-After": "7"})
         return web.json_response({"choices": [{"message": {"content": "ok"}}]})
 
-    async def noop(scope: Any, receive: Any, send: Any) -> None:
-        raise AssertionError("not reached")
-
-    node_app = web.Application()
-    node_app.router.add_post("/v1/completions", node)
-    async with serve(node_app) as url:
-        config = {"nodes": [{"name": "n", "url": url}], "health": {"enabled": False}, "cache": {}}
-        app = PromptLBMiddleware(noop, config=config)
-        transport = httpx.ASGITransport(app=app)
-        stored = {"model": "m", "prompt": "stored", "temperature": 0}
-        fresh = {"model": "m", "prompt": "never asked before", "temperature": 0}
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            assert (await http.post("/v1/completions", json=stored)).status_code == 200
-            await asyncio.sleep(0.1)  # the store is written in the background
-            failing["now"] = True
-            got = await http.post("/v1/completions", json=fresh)
-            assert got.status_code == 500
-            assert got.json()["error"]["message"] == "engine overloaded"
-            assert (got.headers["retry-after"], got.headers["x-promptlb-node"]) == ("7", "n")
-            got = await http.post("/v1/completions", json=stored)
-            assert got.status_code == 200
-            assert got.headers["x-promptlb-degraded"] == "cache"
-            assert got.json()["choices"][0]["message"]["content"] == "ok"
+    stored = {"model": "m", "prompt": "stored", "temperature": 0}
+    fresh = {"model": "m", "prompt": "never asked before", "temperature": 0}
+    async with gateway_over(serve, {"/v1/completions": node}, cache={}) as (app, http):
+        assert (await http.post("/v1/completions", json=stored)).status_code == 200
+        await asyncio.sleep(0.1)  # the store is written in the background
+        failing["now"] = True
+        got = await http.post("/v1/completions", json=fresh)
+        assert got.status_code == 500
+        assert got.json()["error"]["message"] == "engine overloaded"
+        assert (got.headers["retry-after"], got.headers["x-promptlb-node"]) == ("7", "n")
+        got = await http.post("/v1/completions", json=stored)
+        assert got.status_code == 200
+        assert got.headers["x-promptlb-degraded"] == "cache"
+        assert got.json()["choices"][0]["message"]["content"] == "ok"
         assert app.balancer.table.nodes["n"].failures == 2  # both 500s were the node's
         assert app.balancer.table.nodes["n"].view.in_flight == 0
-        await app.dispatcher.stop()
 
 
 async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
@@ -538,7 +527,6 @@ async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) ->
     a streaming client cannot take (one that does not replay as a stream) is no hit, where it
     was counted a stale hit before the 503."""
     from aiohttp import web
-    from promptlb.middleware import PromptLBMiddleware
 
     up = {"now": True}
 
@@ -547,34 +535,20 @@ async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) ->
             return web.json_response({"object": "list", "data": [], "model": "m"})
         return web.json_response({"error": {"message": "down"}}, status=503)
 
-    async def noop(scope: Any, receive: Any, send: Any) -> None:
-        raise AssertionError("not reached")
-
-    node_app = web.Application()
-    node_app.router.add_post("/v1/chat/completions", node)
-    async with serve(node_app) as url:
-        config = {
-            "nodes": [{"name": "n", "url": url}],
-            "health": {"enabled": False},
-            "cache": {"serve_fresh": True},
-        }
-        app = PromptLBMiddleware(noop, config=config)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    routes = {"/v1/chat/completions": node}
+    async with gateway_over(serve, routes, cache={"serve_fresh": True}) as (app, http):
         count = app.balancer.metrics.registry.get_sample_value
 
         def seen(result: str) -> float:
             return count("promptlb_cache_lookups_total", {"result": result}) or 0.0
 
-        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-            assert (seen("miss"), seen("fresh_hit")) == (1, 0)
-            await asyncio.sleep(0.1)  # the store is written in the background
-            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-            assert (seen("miss"), seen("fresh_hit")) == (1, 1)
-            up["now"] = False  # the node answers 503; its stored answer has no choices
-            streamed = {**body, "stream": True}
-            got = await http.post("/v1/chat/completions", json=streamed)
-            assert got.status_code == 503
-            assert seen("stale_hit") == 0
-        await app.dispatcher.stop()
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert (seen("miss"), seen("fresh_hit")) == (1, 0)
+        await asyncio.sleep(0.1)  # the store is written in the background
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert (seen("miss"), seen("fresh_hit")) == (1, 1)
+        up["now"] = False  # the node answers 503; its stored answer has no choices
+        got = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        assert got.status_code == 503
+        assert seen("stale_hit") == 0
