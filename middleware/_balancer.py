@@ -157,11 +157,6 @@ class Balancer:
         self._dropped = dropped
         self._names: dict[bytes, str | None] = {}  # see _name_of
         self._assumed_rate = config.outlier.assumed_tokens_per_s
-        self._api_headers = {
-            name: ("authorization", f"Bearer {n.api_key}")
-            for name, n in ((n.name, n) for n in config.nodes)
-            if n.api_key
-        }
 
     async def succeed(self, previous: Balancer) -> tuple[list[str], list[str]]:
         """Take over from ``previous``: the node table follows this config (nodes added and
@@ -264,10 +259,13 @@ class Balancer:
             out.append((name, raw_value.decode("latin-1")))
         if listed:
             out = [h for h in out if h[0] not in listed]
-        api = self._api_headers.get(node.name)
-        if api is not None:
+        # The node's own key, from the config it is on now: read off the balancer's config, a
+        # request still on the old balancer during a reload reached a new node (or a rotated
+        # key's) without it, and the client got the node's 401.
+        key = node.config.api_key
+        if key:
             out = [h for h in out if h[0] != "authorization"]
-            out.append(api)
+            out.append(("authorization", "Bearer " + key))
         return out
 
     def _name_of(self, raw_name: bytes) -> str | None:

@@ -165,3 +165,18 @@ async def test_no_node_available_is_counted_by_model_only_for_models_a_node_name
     assert 'promptlb_no_node_available_total{model="m"} 1.0' in counted
     assert 'promptlb_no_node_available_total{model="other"} 3.0' in counted
     assert not any("made-up" in line for line in counted)
+
+
+def test_a_nodes_key_is_the_one_its_current_config_says_whichever_balancer_sends() -> None:
+    """During a reload, requests still on the old balancer reach nodes the new config added
+    or re-keyed: the key came from the old balancer's config, so they went without it (401)."""
+    old = Balancer(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:1", api_key="k1"),)))
+    rotated = NodeConfig(name="a", url="http://127.0.0.1:1", api_key="k2")
+    added = NodeConfig(name="b", url="http://127.0.0.1:2", api_key="kb")
+    new = Balancer(Config(nodes=(rotated, added)), previous=old)
+    new.table.reconfigure(new.config)  # what succeed() does, before the switch
+    client = [(b"authorization", b"Bearer the-callers")]
+    for lb in (old, new):
+        sent = {n: dict(lb.forward_headers(lb.table.nodes[n], client)) for n in ("a", "b")}
+        assert sent["a"]["authorization"] == "Bearer k2"
+        assert sent["b"]["authorization"] == "Bearer kb"
