@@ -202,9 +202,11 @@ class Dispatcher:
         for i in range(first, len(hops)):
             hop = hops[i]
             if hop == CACHE_HOP:
-                entry = await self._cached(hops[:i], key_of, usable) if stale_ok else None
-                if entry is not None:
-                    return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
+                stored = (
+                    await self._stand_in(hops[:i], key_of, usable, attempts) if stale_ok else None
+                )
+                if stored is not None:
+                    return stored
                 failures.append("cache: no answer")
                 continue
             final = i + 1 == len(hops)
@@ -227,12 +229,11 @@ class Dispatcher:
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
                     # passed on as it is, as without [cache] (its error body, its Retry-After).
-                    entry = await self._cached(hops, key_of, usable)
-                    if entry is not None:
+                    stored = await self._stand_in(hops, key_of, usable, answer.attempts)
+                    if stored is not None:
                         if answer.held is not None:
                             answer.held.close(None)  # settled by its status: a node failure
-                        n = answer.attempts
-                        return Answer(entry.model, entry=entry, degraded="cache", attempts=n)
+                        return stored
             if answer.model != route.model:
                 answer.degraded = "fallback"
             # Stored only if some hop may ever serve it: with both cache_sampled and
@@ -241,22 +242,24 @@ class Dispatcher:
                 answer.store_key = key_of(answer.model)
             return answer
         if outage_cache and CACHE_HOP not in hops:
-            entry = await self._cached(hops, key_of, usable)
-            if entry is not None:
-                return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
+            stored = await self._stand_in(hops, key_of, usable, attempts)
+            if stored is not None:
+                return stored
         if chain is None and last is not None:
             raise last
         raise Exhausted(route.model, failures, attempts)
 
-    async def _cached(
+    async def _stand_in(
         self,
         models: Iterable[str],
         key_of: Callable[[str], str | None],
         usable: Callable[[CacheEntry | None], CacheEntry | None],
-    ) -> CacheEntry | None:
-        """The answer to this request from the most preferred model that has one this client
-        can take (a streaming client, one that replays as a stream): counted as a hit only
-        then, where an entry it could not take was counted a hit and ended the search."""
+        attempts: int,
+    ) -> Answer | None:
+        """A stored answer standing in for ``models``' (the cache hop, an outage), marked
+        degraded, from the most preferred model that has one this client can take (a
+        streaming client, one that replays as a stream): counted as a hit only then, where an
+        entry it could not take was counted a hit and ended the search."""
         cache, metrics = self.cache, self._lb.metrics
         if cache is None:
             return None
@@ -269,7 +272,7 @@ class Dispatcher:
             entry = usable(await cache.get(key))
             if entry is not None:
                 metrics.cache.labels("stale_hit").inc()
-                return entry
+                return Answer(entry.model, entry=entry, degraded="cache", attempts=attempts)
         metrics.cache.labels("miss").inc()
         return None
 
