@@ -120,7 +120,8 @@ class ServiceModel:
 
     def service(self, out_tokens: float, in_tokens: float) -> float:
         a, b, c = self.theta
-        # Conditionals, not max(): this runs for every candidate of every pick.
+        # Conditionals, not max(): `Predictive._time` writes this out for every candidate of
+        # every pick, and the two must stay equal.
         return (
             (a if a > 0.0 else 0.0)
             + (b if b > 0.0 else 0.0) * out_tokens / _OUT_SCALE
@@ -313,25 +314,38 @@ class Predictive:
         out: float,
         uncached: float | None,
     ) -> float | None:
-        """`expected_time` with the node's model at hand: the pick reads the model too."""
+        """`expected_time` with the node's model at hand: the pick reads the model too.
+
+        Runs for every candidate of every pick, so the non-cold path writes out
+        `NodeView.effective_queue`, `ServiceModel.wait` and `ServiceModel.service` (a third of
+        the cache-aware pick's loop at 64 nodes went to those calls); a test holds it equal
+        to them."""
         snap = node.snapshot
         if snap is not None and snap is not model.snapshot:
             model.see(snap, node.in_flight_at_snapshot)
         cold = model.count < self.warmup
         if cold and model.rate == 0.0:
             return None
-        queue: float = node.effective_queue
+        queue: float = node.in_flight
         if snap is None:
             # Unknown load is never idle: assume every slot we know of is taken.
             queue = max(queue, model.slots or model.peak + 1)
-        elif model.trend > 0 and (self.index is None or not self.index.sharing):
-            # Half a snapshot period of the others' growth. Replicas that share tell theirs
-            # instead (`NodeView.others_since_snapshot`, in the effective queue): counted, where
-            # the trend only guesses (8 replicas, 1 s old snapshots, multi-tenant-chat: TTFT p90
-            # 2.12 s -> 1.90 s in the simulator, eight seeds, counting their starts; with their
-            # ends too, reset as each snapshot comes, 1.57 -> 1.50 s, at 50 replicas 2.74 ->
-            # 2.23 s; in the queue each answer is learnt against, 2.02 -> 1.71 s there).
-            queue += 0.5 * model.trend
+        else:
+            engine = snap.engine
+            if engine is not None:
+                others = engine.running + engine.waiting - node.in_flight_at_snapshot
+                others += node.others_since_snapshot
+                if others > 0:
+                    queue += others
+            if model.trend > 0 and (self.index is None or not self.index.sharing):
+                # Half a snapshot period of the others' growth. Replicas that share tell theirs
+                # instead (`NodeView.others_since_snapshot`, in the effective queue): counted,
+                # where the trend only guesses (8 replicas, 1 s old snapshots,
+                # multi-tenant-chat: TTFT p90 2.12 s -> 1.90 s in the simulator, eight seeds,
+                # counting their starts; with their ends too, reset as each snapshot comes, 1.57
+                # -> 1.50 s, at 50 replicas 2.74 -> 2.23 s; in the queue each answer is learnt
+                # against, 2.02 -> 1.71 s there).
+                queue += 0.5 * model.trend
         if cold:
             # Learnt from no answer yet, but the snapshots tell its decode speed: every replica
             # knows it from the first snapshot, not after probes of its own. The head (first
@@ -340,7 +354,14 @@ class Predictive:
             total = model.wait(queue, rate * self._mean_out) + rate * out
         else:
             prefill = request.input_tokens if uncached is None else uncached
-            total = model.wait(queue) + model.service(out, prefill)
+            slots = model.slots or model.peak + 1
+            total = 0.0 if queue < slots else (queue - slots + 1) * model.mean_service / slots
+            a, b, c = model.theta
+            total += (
+                (a if a > 0.0 else 0.0)
+                + (b if b > 0.0 else 0.0) * out / _OUT_SCALE
+                + (c if c > 0.0 else 0.0) * prefill / _IN_SCALE
+            )
         if node.error_rate > 0:
             total /= max(0.05, 1.0 - node.error_rate)  # a failed try costs a retry
         ramp = node.ramp
@@ -409,9 +430,11 @@ class Predictive:
         probes: list[NodeView] = []
         answered = busy_unknown = False
         times: dict[str, float] = {}
+        models = self._models
         for node in looked:
-            uncached = None if held is None else self._prefill(request, held.get(node.name, 0))
-            model = self._model(node.name)
+            name = node.name
+            uncached = None if held is None else self._prefill(request, held.get(name, 0))
+            model = models.get(name) or self._model(name)
             t = self._time(request, node, model, out, uncached)
             if model.count:
                 answered = True
@@ -518,7 +541,9 @@ class Predictive:
             close = best * (1.0 + HOLDER_TIE)
             for node in tied:
                 if times[node.name] <= close:
-                    depth = max(depth, held.get(node.name, 0))
+                    holds = held.get(node.name, 0)
+                    if holds > depth:  # not max(): a call per tied node, on every pick
+                        depth = holds
         fewest = math.inf
         pool: list[NodeView] = []
         for node in tied:

@@ -9,6 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from promptlb.middleware._predictive import HOLDER_TIE, NEAR_TIE, Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._simple import LeastConn
@@ -93,6 +95,56 @@ def test_slots_are_learnt_from_snapshots_and_a_queue_beyond_them_predicts_a_wait
     busy = strategy.expected_time(request(), view, 100.0)
     quiet = strategy.expected_time(request(), node("a", running=1), 100.0)
     assert busy is not None and quiet is not None and busy > quiet + 1.0
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    theta=st.tuples(*[st.floats(-1.0, 1.0)] * 3),
+    slots=st.integers(0, 8),
+    peak=st.integers(0, 8),
+    mean_service=st.floats(0.0, 10.0),
+    in_flight=st.integers(0, 20),
+    running=st.none() | st.integers(0, 20),
+    waiting=st.integers(0, 20),
+    at_snapshot=st.integers(0, 20),
+    others=st.integers(-5, 20),
+    trend=st.floats(-3.0, 3.0),
+    uncached=st.none() | st.floats(0.0, 9000.0),
+)
+def test_the_picks_written_out_time_equals_the_models_wait_plus_service(
+    node: MakeNode,
+    theta: tuple[float, float, float],
+    slots: int,
+    peak: int,
+    mean_service: float,
+    in_flight: int,
+    running: int | None,
+    waiting: int,
+    at_snapshot: int,
+    others: int,
+    trend: float,
+    uncached: float | None,
+) -> None:
+    # `Predictive._time` inlines the queue, the wait and the service for speed: they must not
+    # drift from `NodeView.effective_queue`, `ServiceModel.wait` and `ServiceModel.service`.
+    strategy = Predictive(PowerOfTwoChoices(), cache_aware=False)
+    fields: dict[str, Any] = {} if running is None else {"running": running, "waiting": waiting}
+    view = node("a", in_flight=in_flight, in_flight_at_snapshot=at_snapshot, **fields)
+    view.others_since_snapshot = others
+    model = strategy._model("a")
+    if view.snapshot is not None:
+        model.see(view.snapshot, at_snapshot)
+    model.theta, model.slots, model.peak = list(theta), slots, peak
+    model.mean_service, model.count, model.trend = mean_service, 1, trend
+    req = request(100, 3000)
+    queue: float = view.effective_queue
+    if view.snapshot is None:
+        queue = max(queue, slots or peak + 1)
+    elif trend > 0:
+        queue += 0.5 * trend
+    prefill = req.input_tokens if uncached is None else uncached
+    expected = model.wait(queue) + model.service(100.0, prefill)
+    assert strategy.expected_time(req, view, 100.0, uncached) == expected
 
 
 def test_a_cold_start_behaves_as_p2c_until_requests_are_out(node: MakeNode) -> None:
