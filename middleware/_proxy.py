@@ -130,6 +130,11 @@ class Proxy:
         # ASGI names are lower case (a middleware outside looks for b"content-length"); the
         # node may have sent any case.
         headers = [(n, v) for k, v in response.raw_headers if (n := k.lower()) not in _DROPPED]
+        listed = response.headers.get("connection")
+        if listed:  # the headers it names are this hop's alone too (RFC 9110 7.6.1)
+            named = {t.strip().lower().encode("latin-1") for t in listed.split(",")} - _DROPPED
+            if named:
+                headers = [h for h in headers if h[0] not in named]
         headers += answer_headers(answer)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sse = response.headers.get("content-type", "").encode().startswith(SSE)

@@ -324,6 +324,23 @@ async def test_header_names_are_passed_on_lower_case(serve: Serve) -> None:
     assert all(name == name.lower() for name in names), names
 
 
+async def test_response_headers_the_nodes_connection_header_names_are_not_passed_on(
+    serve: Serve,
+) -> None:
+    """RFC 9110 7.6.1: what a node's Connection header names is for the hop to the gateway
+    alone, as the client's is for the hop to the gateway."""
+
+    async def chat(request: web.Request) -> web.Response:
+        headers = {"Connection": "keep-alive, X-Node-Hop", "X-Node-Hop": "1", "X-Kept": "yes"}
+        return web.json_response({"choices": []}, headers=headers)
+
+    async with node_answering(serve, chat) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT_BODY)
+    assert response.status_code == 200
+    assert "x-node-hop" not in response.headers
+    assert response.headers["x-kept"] == "yes"
+
+
 async def test_a_compressed_answer_is_passed_on_but_not_cached(serve: Serve) -> None:
     plain = json.dumps({"choices": [{"index": 0, "text": "hello"}]}).encode()
 
