@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from promptlb.shared import FreshnessCheck, SigningKey, SnapshotError, decode
 
-from ._config import Config, NodeConfig
+from ._config import GOSSIP_JITTER, Config, NodeConfig
 from ._metrics import Metrics
 from ._nodes import Node, NodeTable
 
@@ -56,7 +56,7 @@ class Evidence:
             (
                 "gossip",
                 self._config.gossip_interval,
-                self._config.gossip_interval * 0.1,
+                self._config.gossip_interval * GOSSIP_JITTER,
                 self.gossip_round,
             ),
         ]

@@ -24,6 +24,7 @@ from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingCon
 from ._strategies import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = [
+    "GOSSIP_JITTER",
     "AffinityConfig",
     "BatchingConfig",
     "CacheConfig",
@@ -296,6 +297,9 @@ class IndexShareConfig:
         positive("timeout", self.timeout)
 
 
+GOSSIP_JITTER = 0.1  # a gossip round starts up to this share of gossip_interval late
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     """Everything the middleware needs; every key but ``nodes`` (or dns discovery) optional."""
@@ -352,11 +356,16 @@ class Config:
         positive("gossip_interval", self.gossip_interval)
         positive("gossip_timeout", self.gossip_timeout)
         positive("stale_after", self.stale_after)
-        # A snapshot is renewed once a gossip_interval at best: one that goes stale sooner is
-        # missing for part of every round, and a draining or warming node flaps to ready.
-        if self.stale_after <= self.gossip_interval:
+        # A snapshot is renewed once a round at best, and rounds start up to a jittered
+        # interval apart and take up to gossip_timeout: two can land that far apart from a
+        # healthy sidecar. One that goes stale sooner is missing for part of some rounds, and a
+        # draining or warming node flaps to ready meanwhile.
+        renewed = self.gossip_interval * (1 + GOSSIP_JITTER) + self.gossip_timeout
+        if self.stale_after <= renewed:
             raise ConfigError(
-                "stale_after", self.stale_after, f"> gossip_interval ({self.gossip_interval})"
+                "stale_after",
+                self.stale_after,
+                f"> gossip_interval x {1 + GOSSIP_JITTER:g} + gossip_timeout ({renewed:g}s)",
             )
         positive("slow_start", self.slow_start, zero=True)
         if self.gossip_concurrency < 1:

@@ -132,20 +132,29 @@ def test_base_urls_load_without_their_trailing_slash(tmp_path: Path) -> None:
     assert (node.url, node.sidecar) == ("https://[::1]:8443", "http://h:9500")
 
 
-@pytest.mark.parametrize(("gossip", "stale"), [("1s", "1s"), ("2s", "1s"), ("500ms", "0.5")])
-def test_stale_after_must_exceed_the_gossip_interval(
+@pytest.mark.parametrize(
+    ("gossip", "stale"),
+    # The last two: past the interval, but not its jitter and the round's timeout (0.5 s).
+    [("1s", "1s"), ("2s", "1s"), ("500ms", "0.5"), ("2s", "2.5s"), ("1s", "1.6s")],
+)
+def test_stale_after_must_exceed_the_longest_gap_between_two_rounds(
     tmp_path: Path, gossip: str, stale: str
 ) -> None:
-    # Otherwise every snapshot is stale for part of each round: a draining node flaps to ready.
+    # Otherwise a snapshot can be stale before the next round brings one: a draining node
+    # flaps to ready meanwhile.
     with pytest.raises(ConfigError) as info:
         load(tmp_path, f"gossip_interval = '{gossip}'\nstale_after = '{stale}'\n{NODE}")
     assert info.value.key == "stale_after"
-    assert "gossip_interval" in info.value.expected
+    assert "gossip_interval" in info.value.expected and "gossip_timeout" in info.value.expected
 
 
-def test_stale_after_longer_than_the_gossip_interval_loads(tmp_path: Path) -> None:
-    loaded = load(tmp_path, f"gossip_interval = '2s'\nstale_after = '2.5s'\n{NODE}")
-    assert (loaded.gossip_interval, loaded.stale_after) == (2.0, 2.5)
+def test_stale_after_longer_than_the_longest_gap_between_two_rounds_loads(tmp_path: Path) -> None:
+    loaded = load(tmp_path, f"gossip_interval = '2s'\nstale_after = '2.8s'\n{NODE}")
+    assert (loaded.gossip_interval, loaded.stale_after) == (2.0, 2.8)
+    tight = load(
+        tmp_path, f"gossip_interval = '1s'\ngossip_timeout = '0.2s'\nstale_after = '1.4s'\n{NODE}"
+    )
+    assert tight.stale_after == 1.4
     default = Config(nodes=(NodeConfig(name="a", url="http://a:1"),))
     assert default.stale_after > default.gossip_interval
     with pytest.raises(ConfigError, match="stale_after"):  # the default stale_after, in code
