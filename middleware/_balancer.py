@@ -129,6 +129,7 @@ class Balancer:
         self._session: aiohttp.ClientSession | None = None
         self._evidence: Evidence | None = None
         self._starting: asyncio.Lock | None = None
+        self._successor: Balancer | None = None  # the one a reload put in force over this
         if previous is None:
             self.table = NodeTable(config)
             self.table.on_remove = self._forget_node
@@ -164,6 +165,7 @@ class Balancer:
         passes here and the evidence loops restart under this config, after one round that
         checks the new nodes. ``previous`` keeps its session for the requests still on it.
         Returns the nodes added and removed."""
+        previous._successor = self
         if previous._starting is not None:
             self._starting = previous._starting
             async with previous._starting:  # a start under way finishes first
@@ -207,6 +209,14 @@ class Balancer:
         return self._session is not None
 
     async def start(self) -> None:
+        successor = self._successor
+        if successor is not None:
+            # Superseded by a reload before it ever started, and now a request still on it
+            # starts it: it uses the session of the balancer in force, whose loops stop with
+            # it. Loops of its own would run under a retired config, and nothing stops them.
+            await successor.start()
+            self._session = successor._session
+            return
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:

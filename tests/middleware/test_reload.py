@@ -369,3 +369,26 @@ async def test_a_replaced_cache_is_closed_once_its_requests_are_over(tmp_path: P
     await replaced.put("k", CacheEntry(b"{}", "m", time.time()))
     await drain(app)
     assert app.dispatcher.retired == [] and len(replaced) == 0
+
+
+async def test_a_balancer_a_reload_superseded_before_it_started_runs_no_loops_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # No lifespan and no request yet, so nothing started; a reload, then a request that was
+    # still on the old config (the in-app client's, say) starts the old balancer.
+    node = "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\nmodels = ['m']\n"
+    app = mounted(tmp_path / "promptlb.toml", BASE + node)
+    old = app.balancer
+    assert not old.started
+    assert await app.reload(
+        {"strategy": "p2c", "nodes": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}]}
+    )
+    new = app.balancer
+    await old.start()
+    try:
+        assert old.started and new.started
+        assert old._session is new._session
+        assert old._evidence is None and old._share is None  # no loops under the old config
+    finally:
+        await drain(app)
+    assert new._session is None
