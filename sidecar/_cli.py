@@ -11,6 +11,7 @@ from pathlib import Path
 from promptlb.shared import ConfigError, parse_duration
 from promptlb.shared import load_key_file as _load_key_file
 from promptlb.shared._serve import config_or_exit, serve
+from promptlb.shared._snapshot import MAX_COUNT
 
 from ._app import create_app
 from ._config import _ENGINES, MIN_TOKEN_CHARS, SidecarConfig
@@ -122,10 +123,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _memory_limit(megabytes: int | None) -> int | None:
+    """``--memory-limit-mb`` in bytes; checked here, in the flag's own unit and name (the
+    config's check would name a ``--memory-limit`` in bytes that there is no flag for)."""
+    if megabytes is None:
+        return None
+    if not 1 <= megabytes <= MAX_COUNT >> 20:
+        raise ConfigError("memory_limit_mb", megabytes, f"a number of MiB in 1..{MAX_COUNT >> 20}")
+    return megabytes << 20
+
+
 def _read_token(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
     """The token, from the file or else the environment; a bad one names where it came from."""
     if path is None:
-        token = os.environ.get(TOKEN_ENV) or None
+        # Stripped as a file's is: a Secret made from a file carries its trailing newline, and
+        # the token presented (stripped) would never match it.
+        raw = os.environ.get(TOKEN_ENV) or None
+        token = None if raw is None else raw.strip()
         if token is not None and len(token) < MIN_TOKEN_CHARS:
             # Not an argument: argparse's "argument --flag" form would blame the wrong thing.
             parser.error(f"{TOKEN_ENV}: expected a token of at least {MIN_TOKEN_CHARS} characters")
@@ -173,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             probe_timeout_s=parse_duration("probe_timeout", args.probe_timeout),
             model_pid=args.model_pid,
             rss_window_s=parse_duration("rss_window", args.rss_window),
-            memory_limit=None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20,
+            memory_limit=_memory_limit(args.memory_limit_mb),
             gpu=not args.no_gpu,
             **extra,
         )

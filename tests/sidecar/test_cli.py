@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from promptlb.sidecar import _cli
-from promptlb.sidecar._cli import main
+from promptlb.sidecar._cli import _read_token, main
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +42,8 @@ def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--model-pid", "0"], "--model-pid"),
         (["--rss-window", "0s"], "--rss-window"),
         (["--node-name", "x" * 300], "--node-name"),
+        (["--memory-limit-mb", "-5"], "--memory-limit-mb"),
+        (["--memory-limit-mb", str(2**40)], "--memory-limit-mb"),
     ],
 )
 def test_invalid_values_exit_2_naming_the_flag(
@@ -105,3 +107,17 @@ def test_help_explains_every_value_and_shows_no_empty_defaults(
     actions = {a.option_strings[-1]: a for a in _cli._parser()._actions if a.option_strings}
     for flag in ("--warmup-timeout", "--probe-timeout", "--warmup-max-tokens"):
         assert actions[flag].help and actions[flag].help != argparse.SUPPRESS, flag
+
+
+def test_a_token_from_the_environment_is_stripped_as_one_from_a_file_is(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Secret made from a file keeps its newline; the token presented is stripped, so an
+    # unstripped one never matched and every drain and warmup was a 401.
+    parser = argparse.ArgumentParser()
+    monkeypatch.setenv("PROMPTLB_SIDECAR_TOKEN", "a-long-enough-token\n")
+    assert _read_token(parser, None) == "a-long-enough-token"
+    monkeypatch.setenv("PROMPTLB_SIDECAR_TOKEN", " " * 12)
+    with pytest.raises(SystemExit):
+        _read_token(parser, None)
+    assert "at least 8 characters" in capsys.readouterr().err
