@@ -105,7 +105,10 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
     """
     kept: list[str] = []
     seen: set[EngineName] = set()
-    for line in text.splitlines():
+    # Lines end at "\n" alone, as prometheus-client reads them: str.splitlines() also splits
+    # at U+2028, \x85 and others, which a label value may hold unescaped.
+    for line in text.split("\n"):
+        line = line.removesuffix("\r")
         name = _name_of(line)
         owner = _WANTED.get(name)
         if owner is not None and (engine == "auto" or owner == engine):

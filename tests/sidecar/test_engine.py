@@ -66,6 +66,18 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
     assert parse_engine_metrics(text) == EngineReading("vllm", 7, 3, 0.75, None)
 
 
+def test_a_label_value_holding_a_unicode_line_separator_is_one_line() -> None:
+    # The format ends lines at "\n" only; a model named with U+2028 or \x85 (or a CRLF
+    # exposition) must read as prometheus-client reads it.
+    text = (
+        "# TYPE vllm:num_requests_running gauge\r\n"
+        'vllm:num_requests_running{model_name="a\u2028b\x85c"} 2.0\r\n'
+        "# TYPE vllm:num_requests_waiting gauge\r\n"
+        'vllm:num_requests_waiting{model_name="a\u2028b\x85c"} 1.0\r\n'
+    )
+    assert parse_engine_metrics(text) == EngineReading("vllm", 2, 1, None, None)
+
+
 def test_the_newer_kv_name_wins_over_the_older() -> None:
     text = (
         "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
