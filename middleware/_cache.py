@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from ._redis import connect
+from ._redis import connect, refusals
 
 __all__ = [
     "CacheEntry",
@@ -188,6 +188,7 @@ class RedisCache:
         backoff: float = 1.0,
     ) -> None:
         self._client, failures = connect(url, timeout)
+        self._refusals = refusals()
         # ValueError too: an entry that does not unpack is a miss.
         self._errors: tuple[type[BaseException], ...] = (*failures, ValueError)
         self.prefix = prefix
@@ -214,6 +215,12 @@ class RedisCache:
         self._probing = False
         self._on_error(op)
 
+    def _refused(self) -> None:
+        # Redis answered (or this process had no connection free): it is not down, and a
+        # write it refuses (out of memory) must not turn the reads off for everyone.
+        self._probing = False
+        self._on_error("refused")
+
     def _unsettled(self) -> None:
         # A call cancelled on the way (its client left, a shutdown) said nothing of Redis: if
         # it was the probe, the next call probes, where a probe that never settled left every
@@ -230,6 +237,9 @@ class RedisCache:
         try:
             async with asyncio.timeout(self.timeout):
                 data = await self._client.get(self.prefix + key)
+        except self._refusals:
+            self._refused()
+            return None
         except self._errors:
             self._failed("get")
             return None
@@ -251,6 +261,9 @@ class RedisCache:
         try:
             async with asyncio.timeout(self.timeout):
                 await self._client.set(self.prefix + key, entry.pack(), px=self.ttl_ms)
+        except self._refusals:
+            self._refused()
+            return
         except self._errors:
             self._failed("put")
             return

@@ -6,14 +6,29 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["connect"]
+__all__ = ["connect", "refusals"]
 
 
 def connect(url: str, timeout: float) -> tuple[Any, tuple[type[BaseException], ...]]:
-    """A client for ``url`` and the exceptions its failures raise."""
+    """A client for ``url`` and the exceptions its failures raise (`refusals` among them)."""
     import redis.asyncio  # only a deployment that uses Redis needs the extra
 
     client = redis.asyncio.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout
     )
     return client, (TimeoutError, OSError, redis.exceptions.RedisError)
+
+
+def refusals() -> tuple[type[BaseException], ...]:
+    """The failures that say Redis is up but refused one call: out of memory under
+    ``noeviction`` (Redis's default policy), a read-only replica after a failover, a missing
+    permission, or this process out of pooled connections. Not a reason to stop asking it:
+    reads go on while writes are refused. Catch them before `connect`'s failures, which
+    include them."""
+    import redis.exceptions
+
+    found: list[type[BaseException]] = [redis.exceptions.ResponseError]
+    pool_full = getattr(redis.exceptions, "MaxConnectionsError", None)  # redis-py >= 6
+    if pool_full is not None:
+        found.append(pool_full)
+    return tuple(found)

@@ -235,6 +235,27 @@ async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServ
     await nowhere.close()
 
 
+async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
+    redis_server: RedisServer,
+) -> None:
+    # Out of memory under noeviction (Redis's default policy): every put refused. Taken for an
+    # outage, each refusal switched the reads off for a second, while GETs worked.
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, on_error=errors.append)
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await cache.put("k", entry("kept", 1.0))
+        await raw.config_set("maxmemory", 1)
+        await cache.put("other", entry())
+        assert errors == ["refused"]
+        assert await cache.get("k") == entry("kept", 1.0)  # not skipped
+        assert errors == ["refused"]
+    finally:
+        await raw.config_set("maxmemory", 0)
+        await raw.aclose()
+        await cache.close()
+
+
 @pytest.mark.parametrize(
     ("options", "stored"),
     [
