@@ -65,7 +65,14 @@ def _pack(rows: Iterable[Sequence[object]]) -> bytes:
 
 
 def encode_records(records: Sequence[tuple[str, Sequence[int]]]) -> bytes:
-    return _pack(records)  # a tuple of blocks packs as the array it is read back as
+    # A tuple of blocks packs as the array it is read back as. Cut to what a reader takes: a
+    # prompt longer than that (max_body_bytes raised for long contexts) made every reader
+    # refuse the whole entry, the others' records and finishes in it too; its head is the
+    # prefix that matters.
+    return _pack(
+        (name, blocks if len(blocks) <= _MAX_BLOCKS else blocks[:_MAX_BLOCKS])
+        for name, blocks in records
+    )
 
 
 def _items(raw: bytes, what: str) -> list[object]:
@@ -193,7 +200,11 @@ class IndexShare:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._config.every)
-            await self.exchange()
+            try:
+                await self.exchange()
+            except Exception:  # a bug in one round must not end sharing for good, unseen
+                self._metrics.index_share_errors.labels("bug").inc()
+                log.exception("promptlb: an index share round failed; the next one runs")
 
     async def exchange(self) -> None:
         """One round: write what was recorded since the last and read the others', in one
@@ -220,8 +231,15 @@ class IndexShare:
                 pipe.xrevrange(key, count=1)
             else:
                 pipe.xread({key: self._last_id}, count=_READ_COUNT)
-            got = (await pipe.execute())[-1]
+            # A write Redis refuses (out of memory, a read-only replica) must not throw away
+            # the read beside it: the others' records still come.
+            replies = await pipe.execute(raise_on_error=False)
+            got = replies[-1]
+            if fields is not None and isinstance(replies[0], BaseException):
+                self._metrics.index_share_errors.labels("write").inc()
             op = "read"
+            if isinstance(got, BaseException):
+                raise got
             if starting:
                 self._last_id = got[0][0] if got else b"0-0"
             else:

@@ -291,6 +291,68 @@ async def test_redis_down_costs_the_batch_never_an_error(
         await replica.stop()
 
 
+async def test_a_write_redis_refuses_still_reads_the_others_entries(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    # Out of memory under noeviction (Redis's default), as when a cache shares the Redis: the
+    # refused XADD failed the whole pipeline, and the read beside it was thrown away too.
+    metrics = Metrics(lambda: None)
+    one, two = PrefixIndex(), PrefixIndex()
+    first = share(redis_server.url, one, metrics, key="k")
+    second = share(redis_server.url, two, metrics, key="k")
+    raw = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await first.exchange()
+        await second.exchange()
+        prompt = blocks("p" * CHUNK * 2)
+        one.record(node("a"), prompt, 1)
+        await first.exchange()
+        await raw.config_set("maxmemory", 1)  # every write refused from now on
+        two.record(node("b"), blocks("q" * CHUNK), 1)
+        await second.exchange()
+        assert errors(metrics, "write") == 1
+        assert two.matches(prompt, [node("a")], 2) == {"a": 2}
+    finally:
+        await raw.config_set("maxmemory", 0)
+        await raw.aclose()
+        await first.stop()
+        await second.stop()
+
+
+def test_a_record_longer_than_a_reader_takes_is_cut_not_refused() -> None:
+    long = tuple(range(5000))  # a 1.3M-token prompt, with max_body_bytes raised for it
+    ((name, kept), (other, short)) = decode_records(encode_records([("a", long), ("b", (1, 2))]))
+    assert (name, kept) == ("a", long[:4096])
+    assert (other, short) == ("b", (1, 2))  # the rest of the entry is learnt
+
+
+async def test_a_round_that_raises_a_bug_is_counted_and_the_next_runs(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics(lambda: None)
+    replica = share(redis_server.url, PrefixIndex(), metrics, every=0.02)
+    rounds = 0
+
+    async def exchange() -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 1:
+            raise KeyError("a reply of a shape this version does not know")
+
+    monkeypatch.setattr(replica, "exchange", exchange)
+    replica.start()
+    try:
+        for _ in range(100):
+            if rounds >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert rounds >= 3  # sharing went on after the bad round
+        assert errors(metrics, "bug") == 1
+        assert any("index share round failed" in r.message for r in caplog.records)
+    finally:
+        await replica.stop()
+
+
 def test_the_config_names_what_is_wrong() -> None:
     nodes = [{"name": "a", "url": "http://127.0.0.1:9"}]
     cases = [
