@@ -16,7 +16,7 @@ from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
 from ._request import RequestReader
-from ._sse import replay_sse
+from ._sse import replay_sse, wants_usage
 
 __all__ = ["PromptLBClient", "PromptLBError"]
 
@@ -127,7 +127,7 @@ class PromptLBClient:
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None
-                for event in _events(replay_sse(path, answer.entry)):
+                for event in _events(replay_sse(path, answer.entry, wants_usage(body))):
                     yield event
                 return
             if up.response.status < 400:

@@ -20,7 +20,7 @@ from ._degrade import Dispatcher
 from ._refusals import Refusal, SlowBody
 from ._replies import SSE, Body, send_cached
 from ._request import Request, RequestReader
-from ._sse import StreamAssembler
+from ._sse import StreamAssembler, wants_usage
 
 __all__ = ["Proxy", "models_response"]
 
@@ -109,7 +109,9 @@ class Proxy:
             async with self._dispatch.answer(request) as answer:
                 started = True
                 if answer.upstream is None:
-                    await send_cached(send, request.path, request.route.stream, answer)
+                    await send_cached(
+                        send, request.path, request.route.stream, answer, wants_usage(request.body)
+                    )
                 else:
                     await self._pass_on(send, request.path, answer)
             watch.armed = False

@@ -35,8 +35,11 @@ class Body:
         return None if self.chunks is None else b"".join(self.chunks)
 
 
-async def send_cached(send: Send, path: str, stream: bool, answer: Answer) -> None:
-    """A cached answer: as it was stored, or replayed as SSE for a client that asked to stream."""
+async def send_cached(
+    send: Send, path: str, stream: bool, answer: Answer, usage: bool = False
+) -> None:
+    """A cached answer: as it was stored, or replayed as SSE for a client that asked to stream
+    (with the usage chunk if it asked for that too: ``usage``)."""
     entry = answer.entry
     assert entry is not None
     headers = answer_headers(answer)
@@ -44,7 +47,7 @@ async def send_cached(send: Send, path: str, stream: bool, answer: Answer) -> No
     content_type = entry.content_type.encode()
     if stream:
         try:
-            body = b"".join(replay_sse(path, entry))
+            body = b"".join(replay_sse(path, entry, usage))
             content_type = SSE
             headers.append((b"cache-control", b"no-cache"))
         except ValueError:

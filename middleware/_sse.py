@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import mmap
+from collections.abc import Mapping
 from typing import Any
 
 from ._cache import CacheEntry
 
-__all__ = ["StreamAssembler", "replay_sse", "replayable"]
+__all__ = ["StreamAssembler", "replay_sse", "replayable", "wants_usage"]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
 _FIRST_MAP = 64 * 1024  # a text's first memory map: address space only until written
@@ -199,16 +200,28 @@ class StreamAssembler:
         return json.dumps(whole).encode()
 
 
-def replayable(path: str, entry: CacheEntry) -> bool:
+def wants_usage(body: Mapping[str, Any]) -> bool:
+    """Whether a streaming request asks for the usage chunk (``stream_options.include_usage``),
+    which the stream ends with only then."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def replayable(path: str, entry: CacheEntry, usage: bool = False) -> bool:
     try:
-        replay_sse(path, entry)
+        replay_sse(path, entry, usage)
     except ValueError:
         return False
     return True
 
 
-def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
-    """A whole cached answer as the SSE events of a stream the openai client parses."""
+def replay_sse(path: str, entry: CacheEntry, usage: bool = False) -> list[bytes]:
+    """A whole cached answer as the SSE events of a stream the openai client parses, ending
+    with the usage chunk when the request asks for it (``usage``, `wants_usage`) and only
+    then: a live stream has no chunk with empty choices unless asked, and a client reading
+    ``chunk.choices[0]`` failed on cache hits alone. Asked for, and none was stored (an entry
+    assembled from a stream that did not carry it), the stream ends without it: the openai
+    client reads a missing usage as None, and an answer beats none."""
     try:
         whole = json.loads(entry.body)
     except ValueError:
@@ -248,7 +261,7 @@ def replay_sse(path: str, entry: CacheEntry) -> list[bytes]:
             emit({**head, "choices": [{"index": index, "text": text, "finish_reason": None}]})
             end = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
         emit({**head, "choices": [end]})
-    if whole.get("usage"):
+    if usage and whole.get("usage"):
         emit({**head, "choices": [], "usage": whole["usage"]})
     events.append(b"data: [DONE]\n\n")
     return events

@@ -175,11 +175,15 @@ async def test_a_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) 
     feed(assembler, sse(CHAT_STREAM))
     body = assembler.result()
     assert body is not None
-    events = replay_sse(CHAT, CacheEntry(body=body, model="big", created=time.time()))
+    cached = CacheEntry(body=body, model="big", created=time.time())
+    events = replay_sse(CHAT, cached, usage=True)
 
     async with openai_over(CHAT, events) as api:
         stream = await api.chat.completions.create(
-            model="big", messages=[{"role": "user", "content": "hi"}], stream=True
+            model="big",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
         )
         chunks = [c async for c in stream]
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
@@ -187,6 +191,15 @@ async def test_a_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) 
     assert text == "the quick brown fox"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+    # Not asked for, no usage chunk: a live stream has no chunk with empty choices then, and
+    # a client reading chunk.choices[0] failed on cache hits alone.
+    plain = [json.loads(e[6:]) for e in replay_sse(CHAT, cached)[:-1]]
+    assert all(event["choices"] and "usage" not in event for event in plain)
+    bare = json.loads(body)
+    del bare["usage"]
+    unknown = CacheEntry(body=json.dumps(bare).encode(), model="big", created=0.0)
+    ended = [json.loads(e[6:]) for e in replay_sse(CHAT, unknown, usage=True)[:-1]]
+    assert all(event["choices"] for event in ended)  # asked, none stored: ends without it
     with pytest.raises(ValueError, match="no choices"):
         replay_sse("/v1/embeddings", CacheEntry(b'{"object": "list", "data": []}', "e", 0.0))
 

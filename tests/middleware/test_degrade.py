@@ -220,11 +220,14 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     c = cluster({"a": fast}, config)
     api = c.client()
 
-    async def ask() -> tuple[str, str | None, dict[str, str]]:
+    usage: list[int | None] = []
+
+    async def ask(**options: Any) -> tuple[str, str | None, dict[str, str]]:
         raw = await api.chat.completions.with_raw_response.create(
-            model="m", messages=hello, max_tokens=9, temperature=0, stream=True
+            model="m", messages=hello, max_tokens=9, temperature=0, stream=True, **options
         )
         chunks = [chunk async for chunk in raw.parse()]
+        usage.append(next((ch.usage.total_tokens for ch in chunks if ch.usage), None))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         finish = next(
             (
@@ -236,8 +239,8 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
         )
         return text, finish, dict(raw.headers)
 
-    text, finish, headers = await ask()
-    assert len(text.split()) == 9 and finish == "length"
+    text, finish, headers = await ask(stream_options={"include_usage": True})
+    assert len(text.split()) == 9 and finish == "length" and usage[0] is not None
     await asyncio.sleep(0.2)
     kill(c, "a")
     await wait_down(c, "a")
@@ -245,6 +248,9 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     assert headers["x-promptlb-degraded"] == "cache"
     assert headers["content-type"].startswith("text/event-stream")
     assert (replayed, replay_finish) == (text, finish)
+    # The usage chunk only for a stream that asks for it, as a live one.
+    asked = await ask(stream_options={"include_usage": True})
+    assert asked[0] == text and usage == [usage[0], None, usage[0]]
     # The same answer, asked without streaming, comes back whole.
     whole = await api.chat.completions.create(
         model="m", messages=hello, max_tokens=9, temperature=0

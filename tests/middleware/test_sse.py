@@ -83,7 +83,7 @@ def test_an_emulator_stream_assembles_into_its_whole_answer(chat: bool, step: in
 def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
     whole = Reply(chat=chat, model="big", n_in=4, n_out=10, body={}).whole()
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
-    events = replay_sse(CHAT if chat else COMPLETIONS, entry)
+    events = replay_sse(CHAT if chat else COMPLETIONS, entry, usage=True)
     assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
     assert events[-1] == b"data: [DONE]\n\n"
     assert assemble(chat, b"".join(events), 13) == whole
@@ -92,10 +92,12 @@ def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
 async def test_a_completions_replay_is_parsed_by_the_openai_client(openai_over: OpenAIOver) -> None:
     whole = Reply(chat=False, model="big", n_in=4, n_out=10, body={}).whole()
     entry = CacheEntry(body=json.dumps(whole).encode(), model="big", created=0.0)
-    events = replay_sse(COMPLETIONS, entry)
+    events = replay_sse(COMPLETIONS, entry, usage=True)
 
     async with openai_over(COMPLETIONS, events) as api:
-        stream = await api.completions.create(model="big", prompt="hi", stream=True)
+        stream = await api.completions.create(
+            model="big", prompt="hi", stream=True, stream_options={"include_usage": True}
+        )
         chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == words(0, 10)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
