@@ -203,11 +203,15 @@ class Evidence:
     async def discover(self) -> None:
         disc = self._config.discovery
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                disc.name, disc.port, type=socket.SOCK_STREAM
+            async with asyncio.timeout(disc.timeout):
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    disc.name, disc.port, type=socket.SOCK_STREAM
+                )
+        except (OSError, TimeoutError) as exc:
+            reason = exc if not isinstance(exc, TimeoutError) else f"no answer in {disc.timeout:g}s"
+            log.warning(
+                "dns discovery of %s failed: %s; keeping the current nodes", disc.name, reason
             )
-        except OSError as exc:
-            log.warning("dns discovery of %s failed: %s; keeping the current nodes", disc.name, exc)
             return
         wanted: list[NodeConfig] = []
         for family, _, _, _, address in infos:

@@ -115,6 +115,9 @@ class DiscoveryConfig:
     scheme: Literal["http", "https"] = "http"
     sidecar_scheme: Literal["http", "https"] = "http"
     interval: float = field(default=30.0, metadata=DURATION)
+    # Each lookup's bound: a DNS server that stops answering held up startup and every reload
+    # (and the shutdown behind a reload) for as long as the resolver's own retries took.
+    timeout: float = field(default=5.0, metadata=DURATION)
     models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -125,6 +128,7 @@ class DiscoveryConfig:
             if port is not None and not 1 <= port <= 65535:
                 raise ConfigError(key, port, "a TCP port in 1..65535")
         positive("interval", self.interval)
+        positive("timeout", self.timeout)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

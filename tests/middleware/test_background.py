@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
@@ -189,5 +190,35 @@ async def test_dns_discovery_turns_addresses_into_nodes(launch: Launcher) -> Non
         assert name in lb.table.nodes
         assert lb.table.state_of(lb.table.nodes[name]) == "ready"
         assert [v.name for v in lb.table.candidates("m") or ()].count(name) == 1
+    finally:
+        await lb.stop()
+
+
+async def test_a_dns_lookup_that_never_answers_is_cut_at_its_timeout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DNS server that stops answering must not hold up startup, a reload or the shutdown
+    behind it: the lookup is bounded and the current nodes stay."""
+    config = Config(
+        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8000, timeout=0.2),
+        health=HealthConfig(enabled=False),
+    )
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        assert "127.0.0.1:8000" in lb.table.nodes
+        loop = asyncio.get_running_loop()
+
+        async def hangs(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(loop, "getaddrinfo", hangs)
+        evidence = lb._evidence
+        assert evidence is not None
+        started = time.monotonic()
+        await asyncio.wait_for(evidence.discover(), 5)  # a regression fails, not hangs
+        assert time.monotonic() - started < 2.0
+        assert "127.0.0.1:8000" in lb.table.nodes
+        assert any("no answer in 0.2s" in r.message for r in caplog.records)
     finally:
         await lb.stop()
