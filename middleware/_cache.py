@@ -200,14 +200,16 @@ class RedisCache:
         self._probing = False
         self._closed = False  # replaced or stopped: a late call must not open a connection
 
-    def _skip(self) -> bool:
-        # After a failure, Redis is skipped for ``backoff``; then one call probes it while the
-        # others still skip, so a hung Redis costs one timeout a second even under load.
+    def _skip(self) -> bool | None:
+        """None: skip Redis; else whether this call is the probe. After a failure, Redis is
+        skipped for ``backoff``; then one call probes it while the others still skip, so a
+        hung Redis costs one timeout a second even under load."""
         if self._probing or time.monotonic() < self._down_until:
             self._on_error("skipped")
-            return True
+            return None
         if self._down_until:
             self._probing = True
+            return True
         return False
 
     def _failed(self, op: str) -> None:
@@ -221,18 +223,21 @@ class RedisCache:
         self._probing = False
         self._on_error("refused")
 
-    def _unsettled(self) -> None:
+    def _unsettled(self, probe: bool) -> None:
         # A call cancelled on the way (its client left, a shutdown) said nothing of Redis: if
         # it was the probe, the next call probes, where a probe that never settled left every
-        # later call skipping Redis until a restart.
-        self._probing = False
+        # later call skipping Redis until a restart. Only the probe: a call from before the
+        # failure, cancelled while the probe waits, must not let a second probe start.
+        if probe:
+            self._probing = False
 
     def _ok(self) -> None:
         self._down_until = 0.0
         self._probing = False
 
     async def get(self, key: str) -> CacheEntry | None:
-        if self._closed or self._skip():
+        probe = None if self._closed else self._skip()
+        if probe is None:
             return None
         try:
             async with asyncio.timeout(self.timeout):
@@ -244,7 +249,7 @@ class RedisCache:
             self._failed("get")
             return None
         except BaseException:
-            self._unsettled()
+            self._unsettled(probe)
             raise
         self._ok()
         if not isinstance(data, bytes):
@@ -256,7 +261,8 @@ class RedisCache:
             return None
 
     async def put(self, key: str, entry: CacheEntry) -> None:
-        if self._closed or self._skip():
+        probe = None if self._closed else self._skip()
+        if probe is None:
             return
         try:
             async with asyncio.timeout(self.timeout):
@@ -268,7 +274,7 @@ class RedisCache:
             self._failed("put")
             return
         except BaseException:
-            self._unsettled()
+            self._unsettled(probe)
             raise
         self._ok()
 

@@ -326,3 +326,31 @@ async def test_a_probe_cancelled_on_the_way_lets_the_next_call_probe(
         assert "skipped" not in errors
     finally:
         await cache.close()
+
+
+async def test_a_call_from_before_the_failure_cancelled_during_the_probe_starts_no_second_probe(
+    redis_server: RedisServer,
+) -> None:
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, timeout=2.0, on_error=errors.append)
+    try:
+        await cache.put("k", entry())
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs
+        try:
+            early = asyncio.create_task(cache.get("k"))  # healthy when it started
+            await asyncio.sleep(0.1)
+            cache._down_until = time.monotonic()  # another call failed; its backoff is over
+            probe = asyncio.create_task(cache.get("k"))
+            await asyncio.sleep(0.1)
+            early.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await early
+            assert await cache.get("k") is None  # skipped: the probe is still out
+            assert errors == ["skipped"]
+            probe.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await probe
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+    finally:
+        await cache.close()
