@@ -166,6 +166,7 @@ class _Collectors:
         self.process_problem = Problem(log, "model-server process")
         self.server_problem = Problem(log, "model server")
         self._last_tokens: tuple[float, float] | None = None
+        self._failed_probes = 0  # in a row
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -253,8 +254,12 @@ class _Collectors:
         live, cfg = self.live, self.config
         result = await probe(self.session, cfg.model_url, cfg.probe_timeout_s)
         was_ok = live.server_ok
-        live.server_ok = result.ok
-        live.server_reason = result.reason
+        self._failed_probes = 0 if result.ok else self._failed_probes + 1
+        # A server that was ready stays so through fewer failures than `unhealthy_after` in a
+        # row, unless it is gone (refused: restarting or dead, nothing to wait for).
+        if result.ok or result.gone or not was_ok or self._failed_probes >= cfg.unhealthy_after:
+            live.server_ok = result.ok
+            live.server_reason = result.reason
         if result.ok:
             self.server_problem.clear()
             names = self.app[_NAMES]

@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="limit on each readiness probe, /v1/models and /metrics request",
     )
     p.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=d.unhealthy_after,
+        help="probes failed in a row before not ready (a refused connection: at once)",
+    )
+    p.add_argument(
         "--model-pid",
         type=int,
         default=None,
@@ -185,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             warmup_required=not args.no_warmup_required,
             sample_interval_s=parse_duration("sample_interval", args.sample_interval),
             probe_timeout_s=parse_duration("probe_timeout", args.probe_timeout),
+            unhealthy_after=args.unhealthy_after,
             model_pid=args.model_pid,
             rss_window_s=parse_duration("rss_window", args.rss_window),
             memory_limit=_memory_limit(args.memory_limit_mb),

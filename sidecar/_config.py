@@ -53,6 +53,10 @@ class SidecarConfig:
     warmup_required: bool = True
     sample_interval_s: float = 0.25
     probe_timeout_s: float = 1.0
+    # Probes failed in a row before the server is not ready: one late /health is a busy
+    # server, not a sick one (a loaded vLLM answers late exactly when busiest). A server that
+    # refuses connections is not ready at once.
+    unhealthy_after: int = 2
     model_pid: int | None = None
     rss_window_s: float = 60.0
     # The model server's memory limit in bytes, for the time it has left before a leak kills it;
@@ -112,6 +116,12 @@ class SidecarConfig:
             raise ConfigError("warmup_max_tokens", self.warmup_max_tokens, "1..4096")
         _seconds("sample_interval", self.sample_interval_s, 0.01, 60.0)
         _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)
+        if (
+            isinstance(self.unhealthy_after, bool)
+            or not isinstance(self.unhealthy_after, int)
+            or not 1 <= self.unhealthy_after <= 100
+        ):
+            raise ConfigError("unhealthy_after", self.unhealthy_after, "an integer in 1..100")
         _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
         _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
         # Up to a snapshot's largest count (2**53 bytes, 8 PiB): a limit beyond it made every

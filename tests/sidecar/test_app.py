@@ -263,6 +263,37 @@ async def test_a_health_error_other_than_404_or_405_is_not_ready(
         assert live.server_reason == "model server /health answered 500"
 
 
+async def test_one_failed_probe_of_a_ready_server_is_not_enough_to_make_it_unready(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    health = {"fail": 0}
+    seen = {"failed": 0}
+
+    def answer(request: web.Request) -> web.Response:
+        if health["fail"]:
+            health["fail"] -= 1
+            seen["failed"] += 1
+            return web.Response(text="busy", status=500)
+        return web.Response(text="ok")
+
+    routes = {"/health": answer, "/v1/models": models_reply("m")}
+    async with sidecar_beside(routes, unhealthy_after=2) as (_, live):
+        await until(lambda: live.server_ok)
+        flips: list[bool] = []
+        health["fail"] = 1  # one late or failed answer: a busy server
+        while seen["failed"] < 1:
+            flips.append(live.server_ok)
+            await asyncio.sleep(0.005)
+        for _ in range(10):  # a few probes more
+            flips.append(live.server_ok)
+            await asyncio.sleep(0.01)
+        assert all(flips)
+        health["fail"] = 1000  # failing for good: unready after two in a row
+        await until(lambda: not live.server_ok)
+        assert live.server_reason == "model server /health answered 500"
+        assert seen["failed"] >= 3
+
+
 # --- engine readings out of range -----------------------------------------------------------------
 
 

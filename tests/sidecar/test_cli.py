@@ -43,6 +43,7 @@ def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--rss-window", "0s"], "--rss-window"),
         (["--node-name", "x" * 300], "--node-name"),
         (["--memory-limit-mb", "-5"], "--memory-limit-mb"),
+        (["--unhealthy-after", "0"], "--unhealthy-after"),
         (["--memory-limit-mb", str(2**40)], "--memory-limit-mb"),
     ],
 )
