@@ -26,7 +26,7 @@ from ._host import HostCollector, HostSample
 from ._live import Live, Problem
 from ._model_server import WarmupReport, probe, warmup
 from ._names import ModelNames
-from ._process import ProcessCollector, memory_free
+from ._process import ProcessCollector, is_local_host, memory_free
 
 __all__ = ["LIVE", "create_app"]
 
@@ -159,7 +159,7 @@ class _Collectors:
         self.gpu = GpuCollector(enabled=self.config.gpu)
         self.process = ProcessCollector(
             pid=self.config.model_pid,
-            port=self.config.model_port,
+            port=self.config.model_port if is_local_host(self.config.model_host) else None,
             window_s=self.config.rss_window_s,
         )
         self.engine_problem = Problem(log, "engine metrics")

@@ -142,6 +142,10 @@ class SidecarConfig:
             raise ConfigError("model_pid", self.model_pid, "a process id >= 1")
 
     @property
+    def model_host(self) -> str | None:
+        return urlsplit(self.model_url).hostname
+
+    @property
     def model_port(self) -> int:
         parts = urlsplit(self.model_url)
         return parts.port or (443 if parts.scheme == "https" else 80)

@@ -4,12 +4,40 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-__all__ = ["ProcessCollector", "find_listener", "memory_free"]
+__all__ = ["ProcessCollector", "find_listener", "is_local_host", "memory_free"]
+
+LOOKUP_BACKOFF_S = 5.0  # after a lookup by port found nobody: it walks every process's fds
+
+
+def is_local_host(host: str | None) -> bool:
+    """Whether the model URL's host is this one (loopback, or an address of this host's
+    interfaces): only then is the process listening on its port the model server. Any
+    local process on port 8000 was adopted for a remote server, its restarts making the
+    node cold."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False  # a name: not resolved here, and not assumed ours
+    if address.is_loopback:
+        return True
+    try:
+        ours = {
+            a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+        }
+    except OSError:
+        return False
+    return str(address) in ours
 
 
 def find_listener(port: int) -> int | None:
@@ -82,10 +110,19 @@ class ProcessCollector:
     different process than the one before it.
     """
 
-    def __init__(self, *, pid: int | None, port: int | None, window_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        pid: int | None,
+        port: int | None,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._pid = pid
         self._port = port
         self._window_s = window_s
+        self._clock = clock
+        self._next_lookup = 0.0  # by port: after a miss, not before this
         self._proc: psutil.Process | None = None
         self._previous: psutil.Process | None = None  # the last process found, even if gone
         self._history: collections.deque[tuple[float, int]] = collections.deque()
@@ -97,14 +134,21 @@ class ProcessCollector:
             return self._proc
         self._proc = None
         self._history.clear()
-        pid = (
-            self._pid
-            if self._pid is not None
-            else (find_listener(self._port) if self._port else None)
-        )
+        pid = self._pid
+        if pid is None and self._port:
+            now = self._clock()
+            if now < self._next_lookup:
+                return None  # the reason of the last miss stands
+            pid = find_listener(self._port)
+            if pid is None:
+                # A server still loading, or one out of this sidecar's sight (another PID
+                # namespace): not a walk of the host's every socket four times a second.
+                self._next_lookup = now + LOOKUP_BACKOFF_S
         if pid is None:
             self.reason = (
-                f"no process listens on port {self._port}" if self._port else "no model-server pid"
+                f"no process listens on port {self._port}"
+                if self._port
+                else "no model-server pid (not on this host: --model-pid names it)"
             )
             return None
         try:

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from promptlb.sidecar._process import ProcessCollector, find_listener, memory_free
+from promptlb.sidecar import _process
+from promptlb.sidecar._process import (
+    LOOKUP_BACKOFF_S,
+    ProcessCollector,
+    find_listener,
+    is_local_host,
+    memory_free,
+)
 
 
 def test_the_listener_of_a_port_is_found() -> None:
@@ -26,6 +33,40 @@ def test_a_port_nobody_listens_on_gives_no_rss() -> None:
     collector = ProcessCollector(pid=None, port=port)
     assert collector.sample() == (None, None)
     assert f"port {port}" in collector.reason
+
+
+def test_a_lookup_by_port_that_finds_nobody_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each lookup walks every process's sockets: a server out of sight (another PID namespace)
+    # or still loading must not cost a walk of the host four times a second.
+    lookups: list[int] = []
+
+    def counted(port: int) -> int | None:
+        lookups.append(port)
+        return None
+
+    monkeypatch.setattr(_process, "find_listener", counted)
+    now = [100.0]
+    collector = ProcessCollector(pid=None, port=8000, clock=lambda: now[0])
+    for _ in range(5):
+        assert collector.sample() == (None, None)
+    assert lookups == [8000] and "port 8000" in collector.reason
+    now[0] += LOOKUP_BACKOFF_S
+    collector.sample()
+    assert lookups == [8000, 8000]
+
+
+def test_only_a_model_url_on_this_host_is_looked_up_by_port() -> None:
+    assert is_local_host("127.0.0.1") and is_local_host("localhost") and is_local_host("::1")
+    assert is_local_host("127.0.0.53")
+    ours = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
+    assert all(is_local_host(address) for address in ours)
+    assert not is_local_host("192.0.2.7")  # TEST-NET-1: never an interface's here
+    assert not is_local_host("models.example.com") and not is_local_host(None)
 
 
 def test_a_growing_process_has_a_positive_slope() -> None:
