@@ -1,25 +1,30 @@
 """Per-GPU load from NVML, through ``pynvml`` as shipped by nvidia-ml-py.
 
-NVML is initialised once, when the collector opens, and shut down when it closes. A host without
+NVML is initialised when the collector opens, and shut down when it closes. A host without
 a GPU, a driver or the library gives an empty list, logged once: the sidecar is as useful on a
-CPU-only node, it just has less to say. `sample` blocks (NVML calls can take milliseconds): the
-sidecar runs it in a worker thread.
+CPU-only node, it just has less to say. NVML that failed to start, or listed no GPU, is tried
+again every `RETRY_S` from `sample`: a sidecar that started before the driver or the device
+plugin was ready reported no GPU until it was restarted. `sample` blocks (NVML calls can take
+milliseconds): the sidecar runs it in a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from promptlb.shared import GpuSample
 
 from ._live import Problem
 
-__all__ = ["GpuCollector"]
+__all__ = ["RETRY_S", "GpuCollector"]
 
 log = logging.getLogger("promptlb.sidecar.gpu")
 _MiB = 1024 * 1024
+RETRY_S = 30.0
 
 
 def _import_nvml() -> Any:
@@ -38,46 +43,72 @@ class GpuCollector:
     when the GPU reads again.
     """
 
-    def __init__(self, nvml: Any = ..., *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        nvml: Any = ...,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # nvml is injectable so that the mapping from NVML to GpuSample is testable without a GPU.
         self._nvml: Any = _import_nvml() if nvml is ... else nvml
         self._enabled = enabled
+        self._clock = clock
         self._handles: list[Any] = []
         self._open = False
+        self._closed = False
+        self._retry_at = 0.0
         self._problems: dict[int, Problem] = {}
         # close() runs on the event loop while a sample may still run in its worker thread.
         self._lock = threading.Lock()
         self.reason = ""  # why there are no GPUs, for /health and the logs
 
     def open(self) -> None:
+        with self._lock:
+            self._closed = False
+            self._start()
+
+    def _start(self) -> None:
+        """Initialise NVML (unless it is) and list the GPUs; a reason, logged when it changes,
+        for none. `sample` calls it again every `RETRY_S` while there is none."""
         nvml = self._nvml
+        self._retry_at = self._clock() + RETRY_S
+        before = self.reason
         if not self._enabled:
             self.reason = "GPU collection disabled"
             return
         if nvml is None:
-            self.reason = "nvidia-ml-py is not installed"
-            log.info("no GPU metrics: %s", self.reason)
+            self._no_gpu("nvidia-ml-py is not installed", before)
             return
-        try:
-            nvml.nvmlInit()
-        except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-            self.reason = f"NVML unavailable: {exc}"
-            log.info("no GPU metrics: %s", self.reason)
-            return
-        self._open = True
+        if not self._open:
+            try:
+                nvml.nvmlInit()
+            except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+                self._no_gpu(f"NVML unavailable: {exc}", before)
+                return
+            self._open = True
         try:
             count = nvml.nvmlDeviceGetCount()
             self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         except Exception as exc:
-            self.reason = f"NVML cannot list GPUs: {exc}"
-            log.warning("no GPU metrics: %s", self.reason)
             self._handles = []
-        if not self._handles and not self.reason:
-            self.reason = "NVML reports no GPU"
-            log.info("no GPU metrics: %s", self.reason)
+            self._no_gpu(f"NVML cannot list GPUs: {exc}", before, logging.WARNING)
+            return
+        if not self._handles:
+            self._no_gpu("NVML reports no GPU", before)
+            return
+        self.reason = ""
+        if before:
+            log.info("GPU metrics: %d GPUs, after %s", len(self._handles), before)
+
+    def _no_gpu(self, reason: str, before: str, level: int = logging.INFO) -> None:
+        self.reason = reason
+        if reason != before:  # retried every RETRY_S: logged once per change
+            log.log(level, "no GPU metrics: %s", reason)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._open:
                 self._open = False
                 self._handles = []
@@ -98,6 +129,8 @@ class GpuCollector:
 
     def _sample(self) -> tuple[GpuSample, ...]:
         nvml = self._nvml
+        if not self._handles and not self._closed and self._clock() >= self._retry_at:
+            self._start()
         out: list[GpuSample] = []
         for i, handle in enumerate(self._handles):
             problem = self._problem(i)

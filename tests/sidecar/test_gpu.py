@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from promptlb.shared import GpuSample
-from promptlb.sidecar._gpu import GpuCollector
+from promptlb.sidecar._gpu import RETRY_S, GpuCollector
 
 from tests.sidecar.conftest import FakeNvml
 
@@ -98,6 +98,31 @@ def test_no_nvml_gives_an_empty_list_logged_once(
     assert len(caplog.records) == 1
     gpus.close()
     assert nvml.shutdowns == 0  # never initialised, so never shut down
+
+
+def test_nvml_that_failed_to_start_is_tried_again_until_the_gpus_are_there(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    # A sidecar that starts before the driver or the device plugin is ready.
+    nvml.init_fails = True
+    now = [0.0]
+    gpus = GpuCollector(nvml, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
+        gpus.open()
+        assert gpus.sample() == ()
+        now[0] += RETRY_S
+        assert gpus.sample() == ()  # tried again, failed the same way: not logged again
+        assert nvml.inits == 2 and len(caplog.records) == 1
+        nvml.init_fails = False
+        assert gpus.sample() == ()  # not before the next retry
+        now[0] += RETRY_S
+        assert len(gpus.sample()) == 2
+    assert nvml.inits == 3 and gpus.reason == ""
+    assert "GPU metrics: 2 GPUs" in caplog.records[-1].message
+    gpus.close()
+    assert nvml.shutdowns == 1
+    now[0] += RETRY_S
+    assert gpus.sample() == ()  # closed: not opened again
 
 
 def test_without_the_library_there_are_no_gpus() -> None:
