@@ -23,7 +23,7 @@ from ._balancer import Balancer
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
 from ._config import Config
 from ._config_degrade import CACHE_HOP, FallbackConfig
-from ._refusals import Exhausted, NoNodeAvailable, Shed, UnknownModel, UpstreamError
+from ._refusals import Exhausted, NoNodeAvailable, Refusal, Shed, UnknownModel, UpstreamError
 from ._request import Request
 from ._shedding import QueueTimeout
 from ._sse import replayable, wants_usage
@@ -199,6 +199,7 @@ class Dispatcher:
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
+        hedged: set[str] = set()  # next hops a hedge already tried (and failed, if we go on)
         stale_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         for i in range(first, len(hops)):
@@ -211,10 +212,18 @@ class Dispatcher:
                     return stored
                 failures.append("cache: no answer")
                 continue
+            if hop in hedged:
+                # The hop before hedged to it, and both failed: not tried a second time.
+                failures.append(f"{hop}: failed as the hedge of {hops[i - 1]}")
+                if i + 1 < len(hops):
+                    metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
+                continue
             final = i + 1 == len(hops)
             nxt = None if final or hops[i + 1] == CACHE_HOP else hops[i + 1]
             try:
-                answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
+                answer = await self._try_model(
+                    request.for_model(hop), chain, not final, nxt, hedged
+                )
             except _HopError as exc:
                 if isinstance(exc, UnknownModel) and chain is None:
                     raise
@@ -225,6 +234,8 @@ class Dispatcher:
                     metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
                 continue
             answer.attempts += attempts
+            if answer.model != hop:  # the hedge to the next hop won: a fallback all the same
+                metrics.fallbacks.labels(route.model, answer.model).inc()
             up = answer.upstream
             if final and outage_cache and CACHE_HOP not in hops and up is not None:
                 status = up.response.status
@@ -279,8 +290,15 @@ class Dispatcher:
         return None
 
     async def _try_model(
-        self, request: Request, chain: FallbackConfig | None, onward: bool, nxt: str | None
+        self,
+        request: Request,
+        chain: FallbackConfig | None,
+        onward: bool,
+        nxt: str | None,
+        hedged: set[str] | None = None,
     ) -> Answer:
+        """``request`` at its model, hedged after ``chain.hedge_after`` to another of its nodes,
+        else to the next hop ``nxt`` (added to ``hedged``: `_find` does not try it again)."""
         loop = asyncio.get_running_loop()
         ttft = chain.ttft if chain is not None else None
         first_deadline = loop.time() + ttft if ttft is not None else None
@@ -303,6 +321,8 @@ class Dispatcher:
                     tasks.append(attempt(request))
                 elif nxt is not None:
                     tasks.append(attempt(request.for_model(nxt)))
+                    if hedged is not None:
+                        hedged.add(nxt)
                 if len(tasks) > 1:
                     self._lb.metrics.hedges.labels("sent").inc()
             winner = await _first_success(tasks, self._lb)
@@ -368,6 +388,7 @@ class Dispatcher:
 async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asyncio.Task[Answer]:
     pending = set(tasks)
     error: BaseException | None = None
+    tried = 0  # node tries of the attempts that failed: the answer's attempts count them all
     while pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:  # in start order: on a tie the first attempt wins
@@ -376,9 +397,13 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
             exc = task.exception()
             if exc is None:
                 lb.metrics.hedges.labels("won_first" if task is tasks[0] else "won_hedge").inc()
+                task.result().attempts += tried
                 return task
             error = exc
+            tried += getattr(exc, "attempts", None) or 0
     assert error is not None
+    if isinstance(error, Refusal) and error.attempts is not None:
+        error.attempts = tried
     raise error
 
 

@@ -15,6 +15,7 @@ from promptlb.middleware._answer import Answer
 from promptlb.middleware._balancer import Try
 from promptlb.middleware._config import load_config
 from promptlb.middleware._live import build_live
+from promptlb.middleware._refusals import Exhausted, UpstreamError
 
 from tests.conftest import RedisServer, Serve
 from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages, gateway_over
@@ -467,6 +468,57 @@ async def test_a_client_leaving_while_the_hedge_loser_unwinds_still_settles_the_
         await task
     await asyncio.sleep(0.2)
     assert len(settled) == 1 and isinstance(settled[0], asyncio.CancelledError)
+
+
+def hedged_to_next(monkeypatch: pytest.MonkeyPatch, small_fails: bool) -> tuple[Any, list[str]]:
+    """A dispatcher whose model ``m`` has one node, hedged after 10 ms to ``small``; its
+    attempts stood in for: ``m`` fails at 50 ms, ``small`` at 20 ms or answers then."""
+    nodes = [
+        {"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]},
+        {"name": "b", "url": "http://127.0.0.1:9", "models": ["small"]},
+    ]
+    fallback = [{"model": "m", "then": ["small"], "hedge_after": "10ms"}]
+    live = build_live(load_config({"nodes": nodes, "fallback": fallback}))
+    table = live.balancer.table
+    for node in table.nodes.values():
+        table.record_health(node, True, "ok", time.monotonic())
+    tried: list[str] = []
+
+    async def attempt(
+        request: Any, first: object, total: object, avoid: set[str], *_: object
+    ) -> Answer:
+        tried.append(request.model)
+        avoid.add("a" if request.model == "m" else "b")  # as a try on the model's one node
+        await asyncio.sleep(0.05 if request.model == "m" else 0.02)
+        if request.model == "m" or small_fails:
+            raise UpstreamError(502, f"{request.model} failed", 1)
+        return Answer(request.model)
+
+    monkeypatch.setattr(live.dispatcher, "_attempt", attempt)
+    return live, tried
+
+
+async def test_a_hedge_to_the_next_hop_that_fails_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live, tried = hedged_to_next(monkeypatch, small_fails=True)
+    request = live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+    with pytest.raises(Exhausted) as info:
+        await live.dispatcher._find(request, live.config.fallback[0])
+    assert tried == ["m", "small"]  # small was the hedge: not a second time as the next hop
+    assert info.value.attempts == 2
+
+
+async def test_a_hedge_to_the_next_hop_that_wins_counts_as_a_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live, _ = hedged_to_next(monkeypatch, small_fails=False)
+    request = live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+    answer = await live.dispatcher._find(request, live.config.fallback[0])
+    assert (answer.model, answer.degraded) == ("small", "fallback")
+    registry = live.balancer.metrics.registry
+    labels = {"model": "m", "to": "small"}
+    assert registry.get_sample_value("promptlb_fallbacks_total", labels) == 1
 
 
 async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless_one_is_stored(
