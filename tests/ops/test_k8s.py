@@ -17,11 +17,12 @@ from tests.ops.conftest import EXAMPLES, ROOT, load_yaml_documents
 
 K8S = EXAMPLES / "k8s"
 KUBERNETES = "1.30"
-FILES = sorted(K8S.glob("*.yaml"))
+FILES = sorted(K8S.glob("*.yaml"))  # what `kubectl apply -f examples/k8s/` applies
+SECRET = K8S / "secret.yaml.example"  # created by hand, with real values: not in that set
 
 
 def _all() -> list[dict[str, Any]]:
-    return [doc for path in FILES for doc in load_yaml_documents(path)]
+    return [doc for path in (*FILES, SECRET) for doc in load_yaml_documents(path)]
 
 
 def _one(kind: str, name: str) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def _flags(container: dict[str, Any]) -> dict[str, str]:
     return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"] if "=" in arg)
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*FILES, SECRET], ids=lambda p: p.name)
 def test_every_manifest_is_valid_against_the_kubernetes_schemas(path: Path) -> None:
     docs = load_yaml_documents(path)
     assert docs
@@ -122,6 +123,14 @@ def test_the_model_pod_runs_the_sidecar_beside_the_model_server() -> None:
     model_wait = int(model["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert model_wait >= sidecar_wait
     assert pod["terminationGracePeriodSeconds"] > model_wait
+    # The sidecar reads which process holds the model's port from /proc/PID/fd: only its own
+    # user's, so both containers run as one uid (the pod's).
+    context = pod["securityContext"]
+    assert context["runAsNonRoot"] and context["runAsUser"] == 10001
+    assert "runAsUser" not in model.get("securityContext", {})
+    assert "runAsUser" not in sidecar.get("securityContext", {})
+    # alive while it listens: /metrics and /health answer 401 under --protect-reads
+    assert "tcpSocket" in sidecar["livenessProbe"]
 
 
 def test_the_gateway_config_loads_and_points_at_the_headless_service(tmp_path: Path) -> None:
@@ -167,8 +176,12 @@ def test_the_autoscaler_reads_the_sidecars_own_metrics_through_the_adapter() -> 
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "promptlb-model")
     wanted = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
-    assert wanted["promptlb_gpu_utilization_ratio"]["averageValue"] == "700m"  # 70%
+    # Not NVML's utilisation: continuous batching holds it near 100% from the first stream.
+    assert wanted["promptlb_engine_kv_cache_usage_ratio"]["averageValue"] == "800m"
     assert "promptlb_engine_waiting_requests" in wanted
+    assert "promptlb_gpu_utilization_ratio" not in wanted
+    # the HPA owns the count: a replicas field would reset it on every apply
+    assert "replicas" not in _one("Deployment", "promptlb-model")["spec"]
     # one HPA per Deployment: two would fight over its replicas
     assert len([d for d in _all() if d["kind"] == "HorizontalPodAutoscaler"]) == 1
 
@@ -211,3 +224,28 @@ def test_the_command_lines_are_ones_promptlb_accepts() -> None:
     assert args.node_name == "10.0.0.7:8000"
     gateway = _container(_one("Deployment", "promptlb-gateway"), "gateway")
     assert gateway["command"] == ["promptlb-gateway"]
+
+
+def test_the_gateway_waits_for_its_endpoint_to_go_before_it_stops_listening() -> None:
+    gateway = _one("Deployment", "promptlb-gateway")
+    pod = gateway["spec"]["template"]["spec"]
+    container = _container(gateway, "gateway")
+    wait = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    graceful = parse_duration("graceful", _flags(container)["graceful-shutdown"])
+    assert wait >= 5 and pod["terminationGracePeriodSeconds"] > wait + graceful
+
+
+def test_dns_discovery_sees_pods_that_are_not_ready() -> None:
+    # The gateways read readiness from the sidecars: a warming or draining pod stays in their
+    # tables, as not ready, where a DNS that drops it hid it from the node-down alert.
+    service = _one("Service", "promptlb-model")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_the_placeholder_secret_is_not_in_the_applied_set() -> None:
+    # Applied, its placeholders pass the token checks: the stack would run on public tokens,
+    # and a re-apply would overwrite the real Secret.
+    applied = [d for path in FILES for d in load_yaml_documents(path)]
+    assert not any(d["kind"] == "Secret" for d in applied)
+    assert _one("Secret", "promptlb-secrets")["stringData"]["hf-token"]
