@@ -56,7 +56,7 @@ class Result:
     at: float  # when the trace says to send it
     start: float = 0.0  # when it was sent
     end: float = 0.0  # when it finished (ok or not)
-    ttft: float | None = None  # first content chunk, from start
+    ttft: float | None = None  # first content chunk, from ``at``
     status: int = 0  # HTTP status; 0 when none came
     error: str = ""  # "" when ok, else a short kind: http_503, timeout, connect, truncated, ...
     node: str = "?"
@@ -67,7 +67,10 @@ class Result:
 
     @property
     def latency(self) -> float:
-        return self.end - self.start
+        """From when the trace says to send it, not when the generator got to it: a generator
+        that falls behind (it shares the cores with what it measures) must not take its own
+        delay out of the numbers (coordinated omission). `lateness` says how far behind."""
+        return self.end - self.at
 
     @property
     def lateness(self) -> float:
@@ -88,11 +91,16 @@ class Result:
         }
 
 
-def prompt_text(tokens: int) -> str:
-    """About ``tokens`` tokens of English (four characters a token, as the emulator counts)."""
+def prompt_text(tokens: int, index: int | None = None) -> str:
+    """About ``tokens`` tokens of English (four characters a token, as the emulator counts),
+    opening with request ``index`` when given: filler prompts share no prefix, so a node's
+    prefix cache does not make a scenario without prompts cheaper than the simulator, which
+    charges such a prompt's whole prefill (every filler cut the same text: after a node's
+    first long prompt the others cost it nothing, and later runs met warm caches)."""
     chars = max(1, tokens) * 4
+    head = "" if index is None else f"Request {index}. "
     repeats = chars // len(_TEXT) + 1
-    return (_TEXT * repeats)[:chars]
+    return (head + _TEXT * repeats)[:chars]
 
 
 def node_from_headers(headers: Mapping[str, str], upstreams: Mapping[str, str]) -> str:
@@ -158,10 +166,10 @@ async def request_once(
                     break
                 # Parsed only until the first content: after it, only [DONE] matters.
                 if result.ttft is None and _has_content(data):
-                    result.ttft = clock() - result.start
+                    result.ttft = clock() - result.at
             if not done:
                 result.error = "truncated"  # a 200 whose stream stopped before [DONE]
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except Exception as exc:  # any failure is the request's: never recorded as a success
         result.error = _error_kind(exc)
     finally:
         result.end = clock()
@@ -183,13 +191,14 @@ def _has_content(data: bytes) -> bool:
     return False
 
 
-def chat_body(model: str, arrival: Arrival) -> bytes:
+def chat_body(model: str, arrival: Arrival, index: int = 0) -> bytes:
     """The request as sent: the arrival's own messages when it has them, else filler text of
-    its length."""
+    its length that shares no prefix with another request's (``index``, its place in the
+    trace)."""
     if arrival.messages:
         messages = [{"role": role, "content": content} for role, content in arrival.messages]
     else:
-        messages = [{"role": "user", "content": prompt_text(arrival.prompt_tokens)}]
+        messages = [{"role": "user", "content": prompt_text(arrival.prompt_tokens, index)}]
     return json.dumps(
         {
             "model": model,
@@ -225,7 +234,7 @@ async def replay(
     upstreams = upstreams or {}
     send_headers = {"content-type": "application/json", **(headers or {})}
     by_class = {cls: {**send_headers, CLASS_HEADER: cls} for cls in {a.prompt_class for a in trace}}
-    bodies = [chat_body(model, a) for a in trace]
+    bodies = [chat_body(model, a, i) for i, a in enumerate(trace)]
     results = [Result(i, a.prompt_class, a.max_tokens, a.at) for i, a in enumerate(trace)]
     progress = progress or Progress()
     progress.total = len(trace)

@@ -82,14 +82,21 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
+FAILED_AS_S = 60.0  # a failed request, in latency_with_failures_ms: the generator's timeout
+
+
 def summarize(
     results: Sequence[Result], slots: Mapping[str, int], duration: float
 ) -> dict[str, Any]:
     """Everything the report says about one run. Latency and TTFT percentiles are over the
-    requests that succeeded; the error rate says how many did not, and why. ``duration`` is
-    the trace's: utilisation and throughput are over ``[0, duration]``."""
+    requests that succeeded; the error rate says how many did not, and why; and
+    ``latency_with_failures_ms`` counts every request, a failed one as `FAILED_AS_S` (or its
+    own time, if longer), so that a router that fails its slowest requests does not read
+    faster than one that serves them late. ``duration`` is the trace's: utilisation and
+    throughput are over ``[0, duration]``."""
     ok = [r for r in results if r.ok]
     latencies = [r.latency for r in ok]
+    with_failures = [r.latency if r.ok else max(r.latency, FAILED_AS_S) for r in results]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     span = max([duration, *(r.end for r in results)]) if results else duration
     errors: dict[str, int] = {}
@@ -122,6 +129,9 @@ def summarize(
         "span_s": round(span, 3),
         "offered_rps": round(len(results) / duration, 3) if duration > 0 else 0.0,
         "latency_ms": {f"p{p}": _ms(percentile(latencies, p)) for p in (50, 90, 99)},
+        "latency_with_failures_ms": {
+            f"p{p}": _ms(percentile(with_failures, p)) for p in (50, 90, 99)
+        },
         "ttft_ms": {f"p{p}": _ms(percentile(ttfts, p)) for p in (50, 90, 99)},
         "jain_utilisation": _round(jain([n["utilisation"] for n in nodes.values()])),
         "send_lateness_ms": {

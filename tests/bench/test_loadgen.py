@@ -10,12 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from promptlb.bench import _loadgen as loadgen
 from promptlb.bench._endpoint import nodes_needed, run_endpoint
-from promptlb.bench._loadgen import Result, node_from_headers, prompt_text, replay
-from promptlb.bench._report import busy_slot_seconds, load_over_time, summarize
+from promptlb.bench._loadgen import Result, chat_body, node_from_headers, prompt_text, replay
+from promptlb.bench._report import FAILED_AS_S, busy_slot_seconds, load_over_time, summarize
 from promptlb.bench._scenario import Arrival
 from promptlb.bench._stats import jain, percentile
 from promptlb.emulator import Service, start_service
+from promptlb.emulator._prompt import prompt_blocks
 
 RATE = 50.0
 SECONDS = 10.0
@@ -92,6 +94,39 @@ def test_node_comes_from_promptlb_or_a_peers_upstream_header() -> None:
 def test_prompt_text_is_about_four_characters_a_token() -> None:
     assert len(prompt_text(100)) == 400
     assert len(prompt_text(0)) == 4
+    assert len(prompt_text(100, 12345)) == 400
+
+
+def test_filler_prompts_of_a_trace_share_no_cached_prefix() -> None:
+    # A scenario without prompts is routed on lengths alone in the simulator: live, a node's
+    # prefix cache must not make the second long filler prompt free.
+    first, second = (
+        json.loads(chat_body("m", Arrival(0.0, "long", 2000, 8), i))["messages"] for i in (0, 1)
+    )
+    _, a = prompt_blocks(first, chat=True)
+    _, b = prompt_blocks(second, chat=True)
+    assert len(a) == len(b) > 100 and not set(a) & set(b)
+
+
+def test_latency_and_ttft_count_from_when_the_trace_says_to_send() -> None:
+    # The generator's own delay (it shares the cores) stays in the numbers: coordinated
+    # omission would take it out. lateness reports it apart.
+    late = Result(0, "c", 10, at=1.0, start=1.3, end=2.0)
+    assert late.latency == pytest.approx(1.0) and late.lateness == pytest.approx(0.3)
+
+
+async def test_a_failure_of_any_kind_is_recorded_never_a_success(
+    fast_emulator: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Anything the stream raises that is not an aiohttp ClientError (a ValueError from the
+    # reader, an OSError) left the request with no error: a success with no TTFT.
+    def broken(data: bytes) -> bool:
+        raise ValueError("Chunk too big")
+
+    monkeypatch.setattr(loadgen, "_has_content", broken)
+    trace = [Arrival(0.0, "x", 10, 5)]
+    results = await replay(fast_emulator.url, trace, model="bench", timeout_s=5, drain_s=5)
+    assert results[0].error == "ValueError" and not results[0].ok
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -155,6 +190,9 @@ def test_summarize_utilisation_share_and_errors() -> None:
     assert summary["error_rate"] == 0.25
     assert summary["errors"] == {"http_503": 1}
     assert summary["latency_ms"]["p50"] == pytest.approx(5000.0)  # successes only
+    # every request, the failure as the generator's timeout: a router failing its slowest
+    # requests does not read faster than one serving them late
+    assert summary["latency_with_failures_ms"]["p99"] > 0.9 * FAILED_AS_S * 1000
     # Three successes, all ended by t=10: 3 / 10 s; over the span (to t=10) the same.
     assert summary["throughput_rps"] == pytest.approx(0.3)
     assert summary["goodput_over_span_rps"] == pytest.approx(0.3)
