@@ -22,6 +22,7 @@ one ``every`` in its writer's batch, which an entry's age leaves out.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -193,6 +194,12 @@ class IndexShare:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            # What was recorded since the last round, the tries' ends above all, goes out:
+            # the others would count those tries as load until the nodes' next snapshots.
+            # Bounded, and nothing if Redis is away (a shutdown must not wait on it).
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._config.timeout):
+                    await self.exchange()
         # A reload that keeps sharing starts a new exchange, which shares again at once.
         self._index.unshare()
         await self._client.aclose()

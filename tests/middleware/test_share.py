@@ -353,6 +353,34 @@ async def test_a_round_that_raises_a_bug_is_counted_and_the_next_runs(
         await replica.stop()
 
 
+async def test_a_replica_that_stops_hands_on_what_it_recorded_since_its_last_round(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    # A reload or a shutdown between two rounds: the others kept counting its last tries as
+    # load on their nodes until the next snapshots.
+    metrics = Metrics(lambda: None)
+    one, two = PrefixIndex(), PrefixIndex()
+    theirs = table()
+    first = share(redis_server.url, one, metrics, every=60)
+    second = share(redis_server.url, two, metrics, theirs)
+    try:
+        first.start()
+        await first.exchange()
+        await second.exchange()
+        one.record(node("a"), blocks("s" * CHUNK), 1)
+        one.record(node("b"), (), 2)
+        one.finished("b")
+    finally:
+        await first.stop()  # no round ran since the records
+    try:
+        await second.exchange()
+        assert two.matches(blocks("s" * CHUNK), [node("a")], 3) == {"a": 1}
+        assert theirs["b"].view.others_since_snapshot == 0  # its start and its end both came
+        assert theirs["a"].view.others_since_snapshot == 1
+    finally:
+        await second.stop()
+
+
 def test_the_config_names_what_is_wrong() -> None:
     nodes = [{"name": "a", "url": "http://127.0.0.1:9"}]
     cases = [
