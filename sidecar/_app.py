@@ -255,19 +255,21 @@ class _Collectors:
         result = await probe(self.session, cfg.model_url, cfg.probe_timeout_s)
         was_ok = live.server_ok
         self._failed_probes = 0 if result.ok else self._failed_probes + 1
-        # A server that was ready stays so through fewer failures than `unhealthy_after` in a
-        # row, unless it is gone (refused: restarting or dead, nothing to wait for).
-        if result.ok or result.gone or not was_ok or self._failed_probes >= cfg.unhealthy_after:
-            live.server_ok = result.ok
-            live.server_reason = result.reason
         if result.ok:
             self.server_problem.clear()
             names = self.app[_NAMES]
             # Each time the server comes up (it may be a new one, with another model), and
             # whenever the names are due: a failed answer must not leave them unknown for good.
+            # Before the server reads as up: a ready snapshot naming no model yet makes the
+            # node one that takes any model at the gateways, for a moment.
             if not cfg.models and (not was_ok or names.due()):
                 await names.learn(self.session)
-        else:
+        # A server that was ready stays so through fewer failures than `unhealthy_after` in a
+        # row, unless it is gone (refused: restarting or dead, nothing to wait for).
+        if result.ok or result.gone or not was_ok or self._failed_probes >= cfg.unhealthy_after:
+            live.server_ok = result.ok
+            live.server_reason = result.reason
+        if not result.ok:
             self.server_problem.report(result.reason)
             if result.gone and live.warm:
                 live.warm = False  # a restarted server is cold again

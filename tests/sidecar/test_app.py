@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -85,7 +86,8 @@ async def test_a_snapshot_is_encoded_once_per_change() -> None:
 
 # --- a controllable model server, and a sidecar in process beside it ------------------------------
 
-Reply = Callable[[web.Request], web.StreamResponse]
+# A route's answer, or a coroutine of one (an answer that takes its time).
+Reply = Callable[[web.Request], web.StreamResponse | Awaitable[web.StreamResponse]]
 SidecarBeside = Callable[..., AbstractAsyncContextManager[tuple[web.Application, Live]]]
 
 
@@ -100,7 +102,10 @@ def sidecar_beside(serve: Serve) -> SidecarBeside:
     ) -> AsyncIterator[tuple[web.Application, Live]]:
         async def handler(request: web.Request) -> web.StreamResponse:
             reply = routes.get(request.path)
-            return reply(request) if reply else web.Response(status=404)
+            if reply is None:
+                return web.Response(status=404)
+            answer = reply(request)
+            return await answer if inspect.isawaitable(answer) else answer
 
         model = web.Application()
         model.router.add_route("*", "/{tail:.*}", handler)
@@ -251,6 +256,21 @@ async def test_a_server_without_health_is_probed_on_v1_models(
         models["reply"] = text("loading", 503)
         await until(lambda: not live.server_ok)
         assert live.reasons() == ["model server /v1/models answered 503"]
+
+
+async def test_the_server_reads_as_up_only_once_its_model_names_are_learnt(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    # A ready snapshot naming no model makes the node one that takes any model at the
+    # gateways: while /v1/models is still answering, the server is not up yet.
+    async def slow_models(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.json_response({"data": [{"id": "m"}]})
+
+    routes: dict[str, Reply] = {"/health": text("ok"), "/v1/models": slow_models}
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.server_ok)
+        assert decode(live.encoded()).models == ("m",)
 
 
 async def test_a_health_error_other_than_404_or_405_is_not_ready(
