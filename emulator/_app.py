@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,8 +159,8 @@ class _Handlers:
                     if stream:
                         response = await self._stream(request, reply, rate)
                     else:
-                        await asyncio.sleep(n_out / rate)
-                        state.stats.generation_tokens += n_out
+                        async for _ in self._decode(n_out, rate):
+                            pass  # counted as they decode: a sidecar reads tokens/s off it
                         response = web.json_response(reply.whole())
                 except asyncio.CancelledError:
                     # handler_cancellation: the client left (a hedge's loser, a gone caller)
@@ -213,31 +214,39 @@ class _Handlers:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        loop = asyncio.get_running_loop()
-        # One event per interval carrying the tokens due by then: the pace is the configured rate,
-        # and 500 streams cost a few thousand writes a second, not tens of thousands.
-        per_event = max(1, round(rate * self.cfg.stream_interval_ms / 1000))
-        start = loop.time()
         if reply.chat:
             await response.write(reply.event({"role": "assistant", "content": ""}, None))
-        sent = 0
-        while sent < reply.n_out:
-            # The first token alone, as prefill ends, as an engine sends it (and as the
-            # simulator times it): held for the first event's interval, every time to first
-            # token read one interval late (50 ms at the prefix scenarios' 40 tokens/s). The
-            # rest keep their pace, the last due where it was.
-            count = min(per_event, reply.n_out - sent) if sent else 1
-            due = start + (sent + count) / rate if sent else start
-            await asyncio.sleep(max(0.0, due - loop.time()))
+        async for sent, count in self._decode(reply.n_out, rate):
             await response.write(reply.event(words(sent, count), None))
-            sent += count
-            self.state.stats.generation_tokens += count
         await response.write(reply.event("", "length"))
         if (reply.body.get("stream_options") or {}).get("include_usage"):
             await response.write(reply.usage_event())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _decode(self, n_out: int, rate: float) -> AsyncIterator[tuple[int, int]]:
+        """The answer's tokens as they are due, ``(before, count)`` a step, each step counted in
+        vLLM's generation counter then, as vLLM counts every decode step (a non-streamed
+        answer's tokens all at its end made a sidecar's tokens/s read 0, then a spike).
+
+        One step per interval carrying the tokens due by then: the pace is the configured rate,
+        and 500 streams cost a few thousand writes a second, not tens of thousands. The first
+        token alone, as prefill ends, as an engine sends it (and as the simulator times it):
+        held for the first step's interval, every time to first token read one interval late
+        (50 ms at the prefix scenarios' 40 tokens/s). The rest keep their pace, the last due
+        where it was."""
+        loop = asyncio.get_running_loop()
+        per_event = max(1, round(rate * self.cfg.stream_interval_ms / 1000))
+        start = loop.time()
+        sent = 0
+        while sent < n_out:
+            count = min(per_event, n_out - sent) if sent else 1
+            due = start + (sent + count) / rate if sent else start
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            yield sent, count
+            sent += count
+            self.state.stats.generation_tokens += count
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         body = await self._admit(request)

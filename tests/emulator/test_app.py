@@ -416,6 +416,23 @@ async def test_metrics_count_the_traffic(shared_emulator: Emulator) -> None:
     assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
 
 
+async def test_a_non_streamed_answer_counts_its_tokens_as_they_decode(
+    start_emulator: StartEmulator,
+) -> None:
+    # vLLM counts every decode step: counted at the end, a sidecar read 0 tokens/s for the
+    # whole answer, then a spike.
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "40")
+    chat = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 80}  # 2 s
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        task = asyncio.create_task(_post(session, f"{emu.url}/v1/chat/completions", chat))
+        await asyncio.sleep(1.0)
+        midway = (await _metrics(session, emu.url))["vllm:generation_tokens_total"]
+        status, _ = await task
+        after = (await _metrics(session, emu.url))["vllm:generation_tokens_total"]
+    assert status == 200 and after == 80
+    assert 0 < midway < 80
+
+
 async def test_requests_beyond_the_slots_really_queue(start_emulator: StartEmulator) -> None:
     ttft_s, tokens_per_s, max_tokens = 0.1, 10, 8
     per_request_s = ttft_s + max_tokens / tokens_per_s  # 0.9 s in a slot
