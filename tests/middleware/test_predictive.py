@@ -426,6 +426,9 @@ def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches(node: MakeNode) 
     for bad in (0, -5, True, 10**40, "12", 2.5):
         assert route_request({"model": "m", "max_tokens": bad}, 100).max_tokens is None
     assert route_request({"model": "m", "max_tokens": 64}, 100).max_tokens == 64
+    # an explicit null does not hide the newer name
+    both = {"model": "m", "max_tokens": None, "max_completion_tokens": 80}
+    assert route_request(both, 100).max_tokens == 80
     strategy = Predictive(PowerOfTwoChoices(), default_output_tokens=256)
     view = node("a", running=0)
     for _ in range(20):

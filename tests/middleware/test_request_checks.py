@@ -82,6 +82,17 @@ NESTED = b'{"model": "m", "x": ' + b"[" * 100 + b"]" * 100 + b"}"
         ),
         # UTF-16 spells no `\ud` escape in its bytes: walked whole, the surrogate is found.
         ('{"model": "m", "x": "\\ud800"}'.encode("utf-16"), "x", "unpaired UTF-16 surrogate"),
+        # In a key: the param is the object holding it.
+        (b'{"model": "m", "x": [{"y": {"\\ud800": 1}}]}', "x[0].y", "unpaired UTF-16"),
+        # Echoed in a response header: a control character there dropped the connection.
+        (json.dumps({"model": "x\nY", "messages": []}).encode(), "model", "printable"),
+        (json.dumps({"model": "m" * 300, "messages": []}).encode(), "model", "at most 256"),
+        # A node may take "true" for true; routing and the cache would not.
+        (
+            json.dumps({"model": "m", "messages": [], "stream": "true"}).encode(),
+            "stream",
+            "true or false",
+        ),
     ],
 )
 async def test_what_no_node_should_see_is_a_400_in_the_openai_shape(
