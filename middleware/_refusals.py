@@ -76,6 +76,9 @@ class BadRequest(Refusal):
 
 class TooLarge(BadRequest):
     status = 413
+    # The rest of the body would be read and thrown away on a kept-alive connection: a
+    # declared terabyte trickled a byte at a time held it open for good.
+    close = True
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body over {limit} bytes")

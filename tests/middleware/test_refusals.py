@@ -26,7 +26,7 @@ from promptlb.middleware._refusals import (
     ("refusal", "status", "kind", "headers"),
     [
         (BadRequest("`model` is required", "model"), 400, "invalid_request_error", []),
-        (TooLarge(1024), 413, "invalid_request_error", []),
+        (TooLarge(1024), 413, "invalid_request_error", [(b"connection", b"close")]),
         (UnknownModel("m"), 404, "model_not_found", []),
         (NoNodeAvailable("m"), 503, "service_unavailable", [(b"retry-after", b"5")]),
         (

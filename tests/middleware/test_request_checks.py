@@ -191,3 +191,21 @@ async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(
     assert response.headers["connection"] == "close"
     assert "not received within 0.2s" in response.json()["error"]["message"]
     assert seen == []
+
+
+async def test_a_body_over_the_limit_is_a_413_and_the_connection_closes(
+    upstream: tuple[str, Seen],
+) -> None:
+    # Kept alive, the server would read the rest of a declared terabyte, a byte at a time.
+    url, seen = upstream
+    app = gateway(url, max_body_bytes=1024)
+    headers = {"content-length": str(10**12), "content-type": "application/json"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as http:
+        request = http.build_request("POST", "/v1/chat/completions", headers=headers, content=b"{")
+        response = await http.send(request)
+    await app.balancer.stop()
+    assert response.status_code == 413
+    assert response.headers["connection"] == "close"
+    assert seen == []
