@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ __all__ = ["CLASSES", "Classifier", "classify", "load_classifier"]
 
 CLASSES = ("simple_qa", "creative", "code", "long_context")
 Classifier = Callable[[Mapping[str, Any]], str]
+_log = logging.getLogger("promptlb.middleware")
 
 LONG_CONTEXT_CHARS = 16_000  # about 4k tokens of prompt
 # Word sets and substring tests, not regexes: str.translate, split and set lookups run in C, so
@@ -118,4 +120,27 @@ def load_classifier(spec: str | None) -> Classifier:
         raise ConfigError("classifier", spec, f"an importable callable ({exc})") from None
     if not callable(found):
         raise ConfigError("classifier", spec, "a callable")
-    return found  # type: ignore[no-any-return]
+    return _guarded(spec, found)
+
+
+def _guarded(spec: str, user: Callable[[Mapping[str, Any]], object]) -> Classifier:
+    """The user's classifier, where a raise or an answer that is not a string gives the
+    default's class, logged once per kind: it escaped as a bare 500 with a traceback on every
+    request it failed."""
+    told: set[str] = set()
+
+    def classifier(body: Mapping[str, Any]) -> str:
+        try:
+            found = user(body)
+        except Exception as exc:  # the user's code: anything it raises
+            problem = f"raised {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(found, str):
+                return found
+            problem = f"returned {type(found).__name__}, not a string"
+        if problem not in told and len(told) < 16:
+            told.add(problem)
+            _log.error("classifier %s %s; the default's class is used", spec, problem)
+        return classify(body)
+
+    return classifier

@@ -242,7 +242,15 @@ class Dispatcher:
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
                     # passed on as it is, as without [cache] (its error body, its Retry-After).
-                    stored = await self._stand_in(hops, key_of, usable, answer.attempts)
+                    try:
+                        stored = await self._stand_in(hops, key_of, usable, answer.attempts)
+                    except BaseException as exc:
+                        # The client left while the cache was asked: the answer is never
+                        # handed on, so nothing else settles its try (its node stayed
+                        # counted busy, its connection held).
+                        if answer.held is not None:
+                            answer.held.close(exc)
+                        raise
                     if stored is not None:
                         if answer.held is not None:
                             answer.held.close(None)  # settled by its status: a node failure

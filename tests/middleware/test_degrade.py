@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
 import aiohttp
@@ -519,6 +520,41 @@ async def test_a_hedge_to_the_next_hop_that_wins_counts_as_a_fallback(
     registry = live.balancer.metrics.registry
     labels = {"model": "m", "to": "small"}
     assert registry.get_sample_value("promptlb_fallbacks_total", labels) == 1
+
+
+async def test_a_client_leaving_while_the_cache_is_asked_for_a_refusals_stand_in_settles_the_try(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit: the last hop answered 503 and the cache is asked for a stand-in; the client leaves
+    meanwhile. The 503's try was never handed on, so nothing else settled it: its node stayed
+    counted busy and its connection held."""
+    nodes = [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}]
+    live = build_live(load_config({"nodes": nodes, "cache": {}}))
+    dispatcher = live.dispatcher
+    settled: list[BaseException | None] = []
+
+    class Held:
+        def close(self, exc: BaseException | None = None) -> None:
+            settled.append(exc)
+
+    refused = SimpleNamespace(response=SimpleNamespace(status=503), node=SimpleNamespace(name="a"))
+
+    async def try_model(*_: object) -> Answer:
+        return Answer("m", upstream=cast(Any, refused), held=cast(Try, Held()))
+
+    async def slow_cache(*_: object) -> Answer | None:
+        await asyncio.sleep(3600)
+        return None
+
+    monkeypatch.setattr(dispatcher, "_try_model", try_model)
+    monkeypatch.setattr(dispatcher, "_stand_in", slow_cache)
+    request = live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+    task = asyncio.ensure_future(dispatcher._find(request, None))
+    await asyncio.sleep(0.05)
+    task.cancel()  # the client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(settled) == 1 and isinstance(settled[0], asyncio.CancelledError)
 
 
 async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless_one_is_stored(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
@@ -58,8 +59,24 @@ def test_a_4k_prompt_classifies_in_microseconds() -> None:
     assert per_call < 0.005  # a sanity bound, not the goal: the loop really ran the regexes
 
 
-def test_a_custom_classifier_is_loaded_by_name() -> None:
-    assert load_classifier("promptlb.middleware._classify:classify") is classify
+def broken_classifier(body: Any) -> object:
+    """For the test below, by name: a user's classifier with bugs."""
+    if body.get("boom"):
+        raise KeyError("messages")
+    return None if body.get("none") else "mine"
+
+
+def test_a_custom_classifier_is_loaded_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    body = {"messages": [{"role": "user", "content": "def f(): pass"}]}
+    assert load_classifier("promptlb.middleware._classify:classify")(body) == classify(body)
+    # A raise or an answer that is not a string: the default's class, logged once a kind (it
+    # escaped as a bare 500 on every request).
+    mine = load_classifier("tests.middleware.test_model_aware:broken_classifier")
+    assert mine({"x": 1}) == "mine"
+    for _ in range(3):
+        assert mine({**body, "boom": True}) == classify(body)
+        assert mine({**body, "none": True}) == classify(body)
+    assert len([r for r in caplog.records if "classifier" in r.message]) == 2
     for bad in ("nomodule", "promptlb.nothere:x", "promptlb.middleware._classify:CLASSES"):
         with pytest.raises(ConfigError, match="classifier"):
             load_classifier(bad)
