@@ -223,15 +223,25 @@ class Balancer:
             if self._session is not None:
                 return
             retry = self.config.retry
-            self._session = aiohttp.ClientSession(
+            session = aiohttp.ClientSession(
                 # Bytes pass through as the node sent them: no decompression, no added headers.
                 auto_decompress=False,
                 request_class=_PassThrough,
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=30),
                 timeout=aiohttp.ClientTimeout(total=None, connect=retry.connect_timeout),
             )
-            self._evidence = Evidence(self.config, self.table, self._session, self.metrics)
-            await self._evidence.start()
+            self._evidence = Evidence(self.config, self.table, session, self.metrics)
+            try:
+                await self._evidence.start()
+            except BaseException:
+                await self._evidence.stop()
+                self._evidence = None
+                await session.close()
+                raise
+            # Started (`started`) only now, after the first gossip and health rounds: the
+            # requests of a first burst that came while they ran wait on the lock, where
+            # they went on at once and found every node not yet healthy (503s).
+            self._session = session
             self._start_share()
 
     def _start_share(self) -> None:

@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from tests.conftest import Serve
+
 DEAD = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused at once
 
 
@@ -255,3 +257,36 @@ def test_the_status_page_scores_with_the_configured_options_through_affinity() -
     assert lb.strategy.name == "p2c+affinity"
     # no snapshot yet: the score is the configured unknown_score, not the default 0.5
     assert status_json(lb)["nodes"][0]["score"]["score"] == 0.9
+
+
+async def test_a_first_burst_without_lifespan_waits_for_the_first_health_round(
+    serve: Serve,
+) -> None:
+    # Mounted without lifespan: the first request starts the balancer. The others of that
+    # burst went on as soon as its session existed, before the first health round had made
+    # any node healthy, and got 503s.
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.Response(text="ok")
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    node = web.Application()
+    node.router.add_get("/health", health)
+    node.router.add_post("/v1/chat/completions", chat)
+    async with serve(node) as url:
+        app = PromptLBMiddleware(
+            recorder_app,  # type: ignore[arg-type]
+            config={"nodes": [{"name": "a", "url": url, "models": ["m"]}]},
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=10) as http:
+            body = {"model": "m", "messages": []}
+            answers = await asyncio.gather(
+                *(http.post("/v1/chat/completions", json=body) for _ in range(5))
+            )
+        await app.balancer.stop()
+    assert [a.status_code for a in answers] == [200] * 5
