@@ -68,6 +68,14 @@ class PromptLBMiddleware:
             return await self.app(scope, receive, send)
         live = self._live
         path = scope["path"]
+        root = scope.get("root_path")
+        if root and path.startswith(root):
+            # Mounted under a prefix (Starlette's Mount, uvicorn's --root-path): ASGI's path
+            # carries it, the routes and the node's path do not. Unmatched, every request fell
+            # through to the app.
+            path = path[len(root) :]
+            if path in live.routes and scope["method"] == "POST":
+                scope = {**scope, "path": path}
         if path in live.routes and scope["method"] == "POST":
             if not live.balancer.started:
                 await live.balancer.start()

@@ -444,3 +444,22 @@ async def test_a_nodes_own_promptlb_headers_are_replaced_by_this_gateways(serve:
     assert response.headers.get_list("x-promptlb-node") == ["a"]
     assert response.headers.get_list("x-promptlb-attempts") == ["1"]
     assert response.headers["x-other"] == "kept"
+
+
+async def test_under_a_mount_prefix_the_routes_match_and_the_node_sees_its_own_path(
+    upstream: tuple[str, list[dict[str, str]]],
+) -> None:
+    # ASGI's path carries the mount's root_path (uvicorn --root-path, Starlette's Mount):
+    # matched whole, every balanced request fell through to the app.
+    url, seen = upstream
+    app = PromptLBMiddleware(noop, config={"nodes": [{"name": "a", "url": url, "models": ["m"]}]})
+    transport = httpx.ASGITransport(app=app, root_path="/llm")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.post(
+            "/llm/v1/chat/completions?x=1", json={"model": "m", "messages": []}
+        )
+        models = await http.get("/llm/v1/models")
+    await app.balancer.stop()
+    assert response.status_code == 200 and response.headers["x-promptlb-node"] == "a"
+    assert len(seen) == 1
+    assert models.status_code == 200
