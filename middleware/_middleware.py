@@ -29,6 +29,15 @@ log = logging.getLogger("promptlb.middleware")
 ConfigSource = Config | str | Path | Mapping[str, Any]
 
 
+_STOPPING = frozenset(
+    {"lifespan.shutdown.complete", "lifespan.shutdown.failed", "lifespan.startup.failed"}
+)
+
+
+class _StartupFailed(Exception):
+    """The balancer did not start: already told to the server as ``lifespan.startup.failed``."""
+
+
 class PromptLBMiddleware:
     """Balances the configured routes across model nodes; every other route reaches ``app``
     untouched (the same bytes, streaming kept).
@@ -124,7 +133,7 @@ class PromptLBMiddleware:
         if state is not None:
             state["promptlb"] = self.client  # Starlette copies lifespan state into requests
 
-        stopping = {"asked": False, "done": False}
+        stopping = {"asked": False, "done": False, "failed": False}
 
         async def stop() -> None:
             if not stopping["done"]:
@@ -135,20 +144,34 @@ class PromptLBMiddleware:
         async def wrapped() -> Any:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await self._live.balancer.start()
+                try:
+                    await self._live.balancer.start()
+                except Exception as exc:
+                    # Said to the server here: raised into the app's receive(), Starlette let
+                    # it out unreported, and uvicorn (lifespan "auto") took that for an app
+                    # without lifespan and served on, the app's own startup never run.
+                    stopping["failed"] = True
+                    await send({"type": "lifespan.startup.failed", "message": f"promptlb: {exc}"})
+                    raise _StartupFailed from exc
             elif message["type"] == "lifespan.shutdown":
                 stopping["asked"] = True
             return message
 
         async def sent(message: Message) -> None:
+            kind = message["type"]
+            if stopping["failed"] and kind.startswith("lifespan.startup"):
+                return  # the app's word on a startup already reported failed
             # Stopped after the app's own shutdown, in reverse of startup: its shutdown code
             # may still call the in-app client, which would otherwise start a new session and
-            # loops that nothing stops.
-            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            # loops that nothing stops. And after its failed startup: no shutdown follows.
+            if kind in _STOPPING:
                 await stop()
             await send(message)
 
-        await self.app(scope, wrapped, sent)
+        try:
+            await self.app(scope, wrapped, sent)
+        except _StartupFailed:
+            return  # reported; the balancer did not start
         if stopping["asked"]:  # an app that returned without saying its shutdown was done
             await stop()
 

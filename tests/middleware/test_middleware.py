@@ -126,6 +126,50 @@ async def test_bad_requests_get_openai_shaped_errors() -> None:
     await app.balancer.stop()
 
 
+async def test_a_balancer_that_cannot_start_fails_the_startup_the_server_sees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Raised into the app's receive(), Starlette let it out unreported, and uvicorn under
+    # lifespan "auto" served on as if the app had no lifespan, its own startup never run.
+    app = PromptLBMiddleware(Starlette(), config=config())
+
+    async def broken() -> None:
+        raise ModuleNotFoundError("No module named 'redis'")
+
+    monkeypatch.setattr(app.balancer, "start", broken)
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "state": {}}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "No module named 'redis'" in sent[0]["message"]
+
+
+async def test_the_apps_own_failed_startup_stops_the_balancer() -> None:
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "the app's database is down"})
+
+    app = PromptLBMiddleware(failing, config=config())
+    sent: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message["type"])
+        if message["type"] == "lifespan.startup.failed":
+            assert not app.balancer.started  # no shutdown comes to stop it
+
+    await app({"type": "lifespan", "state": {}}, receive, send)
+    assert sent == ["lifespan.startup.failed"]
+
+
 async def test_lifespan_starts_and_stops_background_work_cleanly() -> None:
     app = PromptLBMiddleware(Starlette(), config=config())
     before = asyncio.all_tasks()
