@@ -85,14 +85,18 @@ class PromptLBMiddleware:
             path = path[len(root) :]
             if path in live.routes and scope["method"] == "POST":
                 scope = {**scope, "path": path}
-        if path in live.routes and scope["method"] == "POST":
-            if not live.balancer.started:
-                await live.balancer.start()
-            return await live.proxy(scope, receive, send)
-        if path == live.models_route and scope["method"] == "GET":
-            if not live.balancer.started:
-                await live.balancer.start()
-            return await models_response(live.balancer, send)
+        if path in live.routes:
+            if scope["method"] == "POST":
+                if not live.balancer.started:
+                    await live.balancer.start()
+                return await live.proxy(scope, receive, send)
+            return await _not_allowed(send, scope["method"], b"POST")
+        if path == live.models_route:
+            if scope["method"] in ("GET", "HEAD"):  # the server sends no body for a HEAD
+                if not live.balancer.started:
+                    await live.balancer.start()
+                return await models_response(live.balancer, send)
+            return await _not_allowed(send, scope["method"], b"GET, HEAD")
         admin = live.admin.get(path)
         if admin is not None:
             return await self._serve_admin(live, admin, scope, send)
@@ -226,3 +230,16 @@ class PromptLBMiddleware:
             return False
         client = scope.get("client")
         return client is not None and client[0] in _LOCAL
+
+
+async def _not_allowed(send: Send, method: str, allow: bytes) -> None:
+    """A route this middleware serves, asked with another method: 405 and what it allows, in
+    the OpenAI shape (it fell through to the app, and the gateway said "no route" of a route
+    it has)."""
+    await json_error(
+        send,
+        405,
+        f"method {method} is not allowed here; use {allow.decode()}",
+        "invalid_request_error",
+        headers=[(b"allow", allow)],
+    )

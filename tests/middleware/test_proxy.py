@@ -463,3 +463,22 @@ async def test_under_a_mount_prefix_the_routes_match_and_the_node_sees_its_own_p
     assert response.status_code == 200 and response.headers["x-promptlb-node"] == "a"
     assert len(seen) == 1
     assert models.status_code == 200
+
+
+async def test_another_method_on_a_balanced_route_is_a_405_saying_what_is_allowed(
+    upstream: tuple[str, list[dict[str, str]]],
+) -> None:
+    url, seen = upstream
+    app = PromptLBMiddleware(noop, config={"nodes": [{"name": "a", "url": url, "models": ["m"]}]})
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        get = await http.get("/v1/chat/completions")
+        put = await http.put("/v1/models")
+        head = await http.head("/v1/models")
+    await app.balancer.stop()
+    assert (get.status_code, get.headers["allow"]) == (405, "POST")
+    assert get.json()["error"]["type"] == "invalid_request_error"
+    assert (put.status_code, put.headers["allow"]) == (405, "GET, HEAD")
+    assert head.status_code == 200
+    assert seen == []
