@@ -87,6 +87,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             super().connection_made(transport)
             self._arm()
 
+        def data_received(self, data: bytes) -> None:
+            # Between requests uvicorn's keep-alive timer runs, and any byte cancels it: bare
+            # CRLFs begin no message, so a newline every few seconds held a kept-alive
+            # connection for good. Bytes while no request is under way start the deadline.
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                self._arm()
+            super().data_received(data)
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._arm()

@@ -4,6 +4,7 @@ middleware on uvicorn (the example app, and the gateway for the slow clients).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -268,6 +269,39 @@ async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_p
         assert idle.recv(1024).startswith(b"HTTP/1.1 408")
         assert idle.recv(1024) == b""
         assert time.monotonic() - started < 2
+
+
+async def test_bare_newlines_between_requests_do_not_hold_a_connection(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # Each byte cancels uvicorn's keep-alive timer, and a CRLF begins no request: a newline
+    # every 0.2 s held a kept-alive connection for as long as the client liked.
+    model = launch("emulator", "--model", "m")
+    config = _gateway_config(tmp_path, model.url)
+    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+
+    def trickle() -> float:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+            conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            while time.monotonic() - started < 4:
+                try:
+                    conn.sendall(b"\r\n")
+                    time.sleep(0.2)
+                except OSError:
+                    break  # closed on us
+            took = time.monotonic() - started
+            conn.settimeout(1)
+            rest = b""
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):  # the models body, then the 408
+                    rest += chunk
+            assert b"HTTP/1.1 408" in rest, rest
+            return took
+
+    took = await asyncio.to_thread(trickle)
+    assert took < 3, took
 
 
 def test_the_gateway_refuses_a_bad_header_timeout() -> None:
