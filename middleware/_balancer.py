@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from promptlb.shared import ConfigError
+from yarl import URL
 
 from ._affinity import Affinity
 from ._alarms import Alarms
@@ -529,8 +530,13 @@ class Try:
                     timer = lb.alarms.call_at(loop.time() + given, expiry)
                     try:
                         try:
+                            target = request.target
                             response = await session.post(
-                                node.config.url + request.target,
+                                # A query string is passed on as the client encoded it
+                                # (`_request._query`), not re-quoted: see there.
+                                node.config.url + target
+                                if target is request.path
+                                else URL(node.config.url + target, encoded=True),
                                 data=request.raw,
                                 headers=lb.forward_headers(node, request.headers),
                             )

@@ -163,7 +163,7 @@ class RequestReader:
             rank = self._admission.priority(priority, token, scope.get("client"))
         query = scope.get("query_string")
         path = scope["path"]
-        target = path + "?" + query.decode("latin-1") if query else path
+        target = path + "?" + _query(query) if query else path
         body = _parse(raw, self.checks)
         return self._build(path, target, raw, body, headers, rank, asked_class, no_fallback)
 
@@ -205,6 +205,15 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _query(raw: bytes) -> str:
+    """The query string as the client sent it, its escapes kept, and any byte outside printable
+    ASCII escaped (the URL is passed on as encoded: re-quoted, ``?q=é`` reached the node
+    encoded twice and a malformed ``%zz`` as ``%25zz``)."""
+    if raw.isascii() and b" " not in raw and b"#" not in raw:
+        return raw.decode("ascii")
+    return "".join(chr(b) if 0x21 <= b <= 0x7E and b != 0x23 else f"%{b:02X}" for b in raw)
 
 
 def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import gzip
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -482,3 +482,52 @@ async def test_another_method_on_a_balanced_route_is_a_405_saying_what_is_allowe
     assert (put.status_code, put.headers["allow"]) == (405, "GET, HEAD")
     assert head.status_code == 200
     assert seen == []
+
+
+async def test_a_query_string_reaches_the_node_as_the_client_encoded_it(serve: Serve) -> None:
+    # Re-quoted, raw UTF-8 reached the node encoded twice (%C3%83%C2%A9) and a malformed
+    # escape was rewritten (%zz -> %25zz).
+    seen: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(request.raw_path.encode())
+        return web.json_response({"choices": []})
+
+    node = web.Application()
+    node.router.add_post("/v1/chat/completions", chat)
+    async with serve(node) as url:
+        nodes = [{"name": "a", "url": url, "models": ["m"]}]
+        app = PromptLBMiddleware(noop, config={"health": {"enabled": False}, "nodes": nodes})
+
+        async def send_raw(query: bytes) -> None:
+            # By hand: an HTTP client would encode the query itself first.
+            body = json.dumps({"model": "m", "messages": []}).encode()
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/chat/completions",
+                "raw_path": b"/v1/chat/completions",
+                "query_string": query,
+                "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1),
+            }
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            statuses: list[int] = []
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await asyncio.sleep(3600)
+                return {"type": "http.disconnect"}
+
+            async def send(message: MutableMapping[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            await app(scope, receive, send)
+            assert statuses == [200]
+
+        await send_raw(b"a=%C3%A9&b=%zz")
+        await send_raw("q=é".encode())
+        await app.balancer.stop()
+    assert seen == [b"/v1/chat/completions?a=%C3%A9&b=%zz", b"/v1/chat/completions?q=%C3%A9"]
