@@ -34,6 +34,9 @@ _IGNORED = frozenset(
 _PROMPT_FIELDS = ("messages", "prompt", "input")
 
 
+CLOCK_SKEW = 5.0  # seconds between the replicas' clocks that still count as in step
+
+
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
     body: bytes  # the whole answer as a non-stream JSON body
@@ -43,6 +46,13 @@ class CacheEntry:
 
     def age(self, now: float) -> float:
         return now - self.created
+
+    def fresh(self, now: float, ttl: float) -> bool:
+        """Younger than ``ttl`` by the wall clock of the replica that stored it. An entry from
+        more than `CLOCK_SKEW` ahead is not fresh: a replica whose clock ran minutes fast had
+        its entries served as fresh by every other for that much longer than ``ttl``."""
+        age = now - self.created
+        return -CLOCK_SKEW <= age <= ttl
 
     def pack(self) -> bytes:
         packed: bytes = msgpack.packb(

@@ -185,7 +185,7 @@ class Dispatcher:
             key = key_of(request.model) if cfg.cache_sampled or not is_sampled else None
             if key is not None:
                 entry = usable(await cache.get(key))
-                if entry is not None and entry.age(time.time()) <= cfg.ttl:
+                if entry is not None and entry.fresh(time.time(), cfg.ttl):
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)
                 metrics.cache.labels("miss").inc()

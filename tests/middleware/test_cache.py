@@ -65,6 +65,15 @@ def entry(text: str = "x" * 100, created: float = 0.0) -> CacheEntry:
     return CacheEntry(body=text.encode(), model="big", created=created)
 
 
+def test_an_entry_from_a_replica_whose_clock_runs_ahead_is_not_fresh() -> None:
+    # Served as fresh by every other replica for as long as the skew, past the ttl.
+    now = 1_000_000.0
+    assert entry(created=now - 10).fresh(now, ttl=300)
+    assert entry(created=now + 2).fresh(now, ttl=300)  # clocks a little apart: in step
+    assert not entry(created=now + 600).fresh(now, ttl=300)
+    assert not entry(created=now - 301).fresh(now, ttl=300)
+
+
 def test_entries_round_trip_and_garbage_is_refused() -> None:
     e = entry("hello", 12.5)
     assert CacheEntry.unpack(e.pack()) == e
