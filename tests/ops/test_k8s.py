@@ -82,12 +82,36 @@ def test_selectors_match_the_pods_and_services_reach_named_ports(name: str) -> N
     }
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in ports, port
+    # Scraped by prometheus-k8s.yml's own jobs (the gateway's with its admin token): an
+    # annotation-driven job beside them would scrape twice under other job names.
     annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
-    if name == "promptlb-gateway":
-        # its metrics need the admin token: an annotation-driven scrape would get 401
-        assert not any(key.startswith("prometheus.io/") for key in annotations)
-    else:  # annotated for scraping on a port the pod has
-        assert int(annotations["prometheus.io/port"]) in ports.values()
+    assert not any(key.startswith("prometheus.io/") for key in annotations)
+
+
+def test_prometheus_in_kubernetes_finds_each_pod_by_the_labels_and_ports_it_has() -> None:
+    config = yaml.safe_load((EXAMPLES / "prometheus" / "prometheus-k8s.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    # the names the alerts and the board key on
+    alerts = (EXAMPLES / "prometheus" / "alerts.yml").read_text()
+    assert set(jobs) == {"promptlb-gateway", "promptlb-sidecar"}
+    assert 'job="promptlb-sidecar"' in alerts
+    for job_name, deployment, port in (
+        ("promptlb-gateway", "promptlb-gateway", "http"),
+        ("promptlb-sidecar", "promptlb-model", "sidecar"),
+    ):
+        pod = _one("Deployment", deployment)["spec"]["template"]
+        keep = {
+            rule["source_labels"][0]: rule["regex"]
+            for rule in jobs[job_name]["relabel_configs"]
+            if rule.get("action") == "keep"
+        }
+        label = pod["metadata"]["labels"]["app.kubernetes.io/name"]
+        assert keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == label
+        names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert keep["__meta_kubernetes_pod_container_port_name"] == port and port in names
+        targets = {rule.get("target_label") for rule in jobs[job_name]["relabel_configs"]}
+        assert {"namespace", "pod"} <= targets  # what prometheus-adapter maps to resources
+    assert "authorization" in jobs["promptlb-gateway"]  # /_promptlb/metrics needs the token
 
 
 def test_the_model_pod_runs_the_sidecar_beside_the_model_server() -> None:

@@ -276,6 +276,8 @@ models = ["small"]
 
 
 def test_the_stacks_prometheus_config_is_valid(promtool: str) -> None:
+    # Not prometheus-k8s.yml: Debian builds Prometheus without Kubernetes service discovery,
+    # so its promtool refuses kubernetes_sd_configs (tests/ops/test_k8s.py checks that file).
     path = EXAMPLES / "prometheus" / "prometheus.yml"
     result = subprocess.run(
         [promtool, "check", "config", "--syntax-only", str(path)],
