@@ -199,7 +199,6 @@ class Dispatcher:
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
-        hedged: set[str] = set()  # next hops a hedge already tried (and failed, if we go on)
         stale_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         for i in range(first, len(hops)):
@@ -212,18 +211,10 @@ class Dispatcher:
                     return stored
                 failures.append("cache: no answer")
                 continue
-            if hop in hedged:
-                # The hop before hedged to it, and both failed: not tried a second time.
-                failures.append(f"{hop}: failed as the hedge of {hops[i - 1]}")
-                if i + 1 < len(hops):
-                    metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
-                continue
             final = i + 1 == len(hops)
             nxt = None if final or hops[i + 1] == CACHE_HOP else hops[i + 1]
             try:
-                answer = await self._try_model(
-                    request.for_model(hop), chain, not final, nxt, hedged
-                )
+                answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
             except _HopError as exc:
                 if isinstance(exc, UnknownModel) and chain is None:
                     raise
@@ -298,15 +289,12 @@ class Dispatcher:
         return None
 
     async def _try_model(
-        self,
-        request: Request,
-        chain: FallbackConfig | None,
-        onward: bool,
-        nxt: str | None,
-        hedged: set[str] | None = None,
+        self, request: Request, chain: FallbackConfig | None, onward: bool, nxt: str | None
     ) -> Answer:
         """``request`` at its model, hedged after ``chain.hedge_after`` to another of its nodes,
-        else to the next hop ``nxt`` (added to ``hedged``: `_find` does not try it again)."""
+        else to the next hop ``nxt``. Should both fail, `_find` still tries ``nxt`` as the
+        next hop: the hedge had only what was left of the first deadline, and a final hop's
+        own refusal is passed on only when it is tried as the final hop."""
         loop = asyncio.get_running_loop()
         ttft = chain.ttft if chain is not None else None
         first_deadline = loop.time() + ttft if ttft is not None else None
@@ -329,8 +317,6 @@ class Dispatcher:
                     tasks.append(attempt(request))
                 elif nxt is not None:
                     tasks.append(attempt(request.for_model(nxt)))
-                    if hedged is not None:
-                        hedged.add(nxt)
                 if len(tasks) > 1:
                     self._lb.metrics.hedges.labels("sent").inc()
             winner = await _first_success(tasks, self._lb)

@@ -499,15 +499,18 @@ def hedged_to_next(monkeypatch: pytest.MonkeyPatch, small_fails: bool) -> tuple[
     return live, tried
 
 
-async def test_a_hedge_to_the_next_hop_that_fails_is_not_tried_again(
+async def test_a_hedge_to_the_next_hop_that_fails_leaves_it_a_try_of_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The hedge had only what was left of the first deadline, and as a hedge a final hop's
+    # own refusal is not passed on: the next hop is still tried as itself. The refusal counts
+    # the tries of both racers and the hop's own.
     live, tried = hedged_to_next(monkeypatch, small_fails=True)
     request = live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
     with pytest.raises(Exhausted) as info:
         await live.dispatcher._find(request, live.config.fallback[0])
-    assert tried == ["m", "small"]  # small was the hedge: not a second time as the next hop
-    assert info.value.attempts == 2
+    assert tried == ["m", "small", "small"]
+    assert info.value.attempts == 3
 
 
 async def test_a_hedge_to_the_next_hop_that_wins_counts_as_a_fallback(
