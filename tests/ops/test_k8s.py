@@ -259,14 +259,6 @@ def test_the_gateway_waits_for_its_endpoint_to_go_before_it_stops_listening() ->
     assert wait >= 5 and pod["terminationGracePeriodSeconds"] > wait + graceful
 
 
-def test_dns_discovery_sees_pods_that_are_not_ready() -> None:
-    # The gateways read readiness from the sidecars: a warming or draining pod stays in their
-    # tables, as not ready, where a DNS that drops it hid it from the node-down alert.
-    service = _one("Service", "promptlb-model")
-    assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["publishNotReadyAddresses"] is True
-
-
 def test_the_placeholder_secret_is_not_in_the_applied_set() -> None:
     # Applied, its placeholders pass the token checks: the stack would run on public tokens,
     # and a re-apply would overwrite the real Secret.
