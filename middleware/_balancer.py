@@ -231,12 +231,14 @@ class Balancer:
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=30),
                 timeout=aiohttp.ClientTimeout(total=None, connect=retry.connect_timeout),
             )
-            self._evidence = Evidence(self.config, self.table, session, self.metrics)
             try:
+                # Built here too: it reads the key and token files, which may fail.
+                self._evidence = Evidence(self.config, self.table, session, self.metrics)
                 await self._evidence.start()
             except BaseException:
-                await self._evidence.stop()
-                self._evidence = None
+                if self._evidence is not None:
+                    await self._evidence.stop()
+                    self._evidence = None
                 await session.close()
                 raise
             # Started (`started`) only now, after the first gossip and health rounds: the

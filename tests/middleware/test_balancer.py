@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -11,6 +13,7 @@ from promptlb.middleware._balancer import _NAMES_KEPT, Balancer
 from promptlb.middleware._config import RetryConfig
 from promptlb.middleware._refusals import NoNodeAvailable, UpstreamError
 from promptlb.middleware._request import Request, RequestReader
+from promptlb.shared import ConfigError
 
 from tests.conftest import Serve
 from tests.middleware.conftest import chat_node
@@ -180,3 +183,24 @@ def test_a_nodes_key_is_the_one_its_current_config_says_whichever_balancer_sends
         sent = {n: dict(lb.forward_headers(lb.table.nodes[n], client)) for n in ("a", "b")}
         assert sent["a"]["authorization"] == "Bearer k2"
         assert sent["b"]["authorization"] == "Bearer kb"
+
+
+async def test_a_start_that_fails_leaves_nothing_started_and_nothing_open(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The token file went missing after the config loaded: each request's start raised after
+    # making a client session, which was left open (or, before, kept: the balancer then
+    # counted as started with no gossip or health at all).
+    token = tmp_path / "token"
+    token.write_text("a-sidecar-token")
+    config = Config(
+        nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),), sidecar_token_file=str(token)
+    )
+    token.unlink()
+    lb = Balancer(config)
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="sidecar_token_file"):
+            await lb.start()
+        assert not lb.started and lb._evidence is None
+    gc.collect()
+    assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
