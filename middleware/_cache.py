@@ -229,7 +229,9 @@ class RedisCache:
 
     def _refused(self) -> None:
         # Redis answered (or this process had no connection free): it is not down, and a
-        # write it refuses (out of memory) must not turn the reads off for everyone.
+        # write it refuses (out of memory) must not turn the reads off for everyone, nor
+        # keep every later call a probe.
+        self._down_until = 0.0
         self._probing = False
         self._on_error("refused")
 

@@ -272,6 +272,13 @@ async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
         assert errors == ["refused"]
         assert await cache.get("k") == entry("kept", 1.0)  # not skipped
         assert errors == ["refused"]
+        # After an earlier outage's backoff: a refusal says Redis is up, so calls go on
+        # together rather than one probe at a time.
+        cache._down_until = time.monotonic()
+        await cache.put("other", entry())
+        assert cache._down_until == 0.0
+        got = await asyncio.gather(*(cache.get("k") for _ in range(3)))
+        assert got == [entry("kept", 1.0)] * 3 and "skipped" not in errors
     finally:
         await raw.config_set("maxmemory", 0)
         await raw.aclose()
