@@ -197,9 +197,10 @@ class IndexShare:
             # What was recorded since the last round, the tries' ends above all, goes out:
             # the others would count those tries as load until the nodes' next snapshots.
             # Bounded, and nothing if Redis is away (a shutdown must not wait on it).
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._config.timeout):
-                    await self.exchange()
+            if not self._down:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self._config.timeout):
+                        await self.exchange()
         # A reload that keeps sharing starts a new exchange, which shares again at once.
         self._index.unshare()
         await self._client.aclose()

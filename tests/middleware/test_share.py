@@ -5,7 +5,9 @@ two gateways, each routing by what the other sent."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -379,6 +381,27 @@ async def test_a_replica_that_stops_hands_on_what_it_recorded_since_its_last_rou
         assert theirs["a"].view.others_since_snapshot == 1
     finally:
         await second.stop()
+
+
+async def test_a_replica_that_stops_while_redis_is_away_does_not_wait_on_it(
+    redis_server: RedisServer, node: MakeNode
+) -> None:
+    # A reload or a shutdown while Redis hangs: the last round would wait out its timeout,
+    # holding the reload (and the shutdown behind it).
+    metrics = Metrics(lambda: None)
+    index = PrefixIndex()
+    replica = share(redis_server.url, index, metrics, timeout=1.0, every=60)
+    replica.start()
+    await replica.exchange()
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs
+    try:
+        index.record(node("a"), blocks("z" * CHUNK), 1)
+        await replica.exchange()  # times out: Redis is away
+        started = time.monotonic()
+        await replica.stop()
+        assert time.monotonic() - started < 0.5
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
 
 
 def test_the_config_names_what_is_wrong() -> None:
