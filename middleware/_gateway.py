@@ -92,8 +92,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             # CRLFs begin no message, so a newline every few seconds held a kept-alive
             # connection for good. Bytes while no request is under way start the deadline.
             cycle = self.cycle
-            if cycle is None or cycle.response_complete:
-                self._arm()
+            if cycle is None or (cycle.response_complete and not cycle.more_body):
+                self._arm()  # not for the rest of a body its answer did not wait for
             super().data_received(data)
 
         def on_message_begin(self) -> None:

@@ -78,13 +78,16 @@ class PromptLBMiddleware:
         live = self._live
         path = scope["path"]
         root = scope.get("root_path")
-        if root and path.startswith(root):
+        if root and path.startswith(root) and path not in live.routes:
             # Mounted under a prefix (Starlette's Mount, uvicorn's --root-path): ASGI's path
             # carries it, the routes and the node's path do not. Unmatched, every request fell
-            # through to the app.
-            path = path[len(root) :]
-            if path in live.routes and scope["method"] == "POST":
-                scope = {**scope, "path": path}
+            # through to the app. Only a path one of ours is left without the prefix: a mount
+            # at /v1 still matches /v1/chat/completions whole.
+            rest = path[len(root) :]
+            if rest in live.routes or rest == live.models_route or rest in live.admin:
+                path = rest
+                if rest in live.routes:
+                    scope = {**scope, "path": rest}
         if path in live.routes:
             if scope["method"] == "POST":
                 if not live.balancer.started:

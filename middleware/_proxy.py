@@ -131,10 +131,17 @@ class Proxy:
         response = up.response
         # ASGI names are lower case (a middleware outside looks for b"content-length"); the
         # node may have sent any case.
-        headers = [(n, v) for k, v in response.raw_headers if (n := k.lower()) not in _DROPPED]
-        listed = response.headers.get("connection")
-        if listed:  # the headers it names are this hop's alone too (RFC 9110 7.6.1)
-            named = {t.strip().lower().encode("latin-1") for t in listed.split(",")} - _DROPPED
+        raw = response.raw_headers
+        headers = [(n, v) for k, v in raw if (n := k.lower()) not in _DROPPED]
+        if "Connection" in response.headers:
+            # The headers it names are this hop's alone too (RFC 9110 7.6.1). Read as bytes:
+            # the decoded value may hold what latin-1 cannot encode.
+            named = {
+                t.strip().lower()
+                for k, v in raw
+                if k.lower() == b"connection"
+                for t in v.split(b",")
+            } - _DROPPED
             if named:
                 headers = [h for h in headers if h[0] not in named]
         headers += answer_headers(answer)

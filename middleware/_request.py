@@ -31,6 +31,7 @@ _YES = (b"1", b"true", b"yes")
 # Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MODEL_CHARS = 256
+_QUERY_KEPT = bytes(b for b in range(0x21, 0x7F) if b != 0x23)
 
 
 @dataclass(slots=True)
@@ -211,7 +212,7 @@ def _query(raw: bytes) -> str:
     """The query string as the client sent it, its escapes kept, and any byte outside printable
     ASCII escaped (the URL is passed on as encoded: re-quoted, ``?q=é`` reached the node
     encoded twice and a malformed ``%zz`` as ``%25zz``)."""
-    if raw.isascii() and b" " not in raw and b"#" not in raw:
+    if not raw.translate(None, _QUERY_KEPT):  # nothing outside printable ASCII, bar "#"
         return raw.decode("ascii")
     return "".join(chr(b) if 0x21 <= b <= 0x7E and b != 0x23 else f"%{b:02X}" for b in raw)
 

@@ -304,6 +304,35 @@ async def test_bare_newlines_between_requests_do_not_hold_a_connection(
     assert took < 3, took
 
 
+async def test_the_rest_of_a_body_answered_early_is_not_cut_as_slow_headers(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # A route that answers without reading the body (the gateway's 404): the upload goes on,
+    # and its bytes are not the next request's headers to time.
+    model = launch("emulator", "--model", "m")
+    config = _gateway_config(tmp_path, model.url)
+    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+
+    def upload() -> bytes:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+            conn.sendall(b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+            conn.settimeout(2)
+            answer = conn.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 404"), answer[:100]
+            conn.settimeout(0.05)
+            heard = b""
+            started = time.monotonic()
+            while time.monotonic() - started < 1.5:  # three header timeouts
+                conn.sendall(b"x" * 100)
+                with contextlib.suppress(TimeoutError, OSError):
+                    heard += conn.recv(65536)
+                time.sleep(0.1)
+            return heard
+
+    heard = await asyncio.to_thread(upload)
+    assert b"408" not in heard, heard[:200]
+
+
 def test_the_gateway_refuses_a_bad_header_timeout() -> None:
     from promptlb.middleware._gateway import main
 

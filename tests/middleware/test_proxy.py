@@ -340,6 +340,13 @@ async def test_response_headers_the_nodes_connection_header_names_are_not_passed
     assert "x-node-hop" not in response.headers
     assert response.headers["x-kept"] == "yes"
 
+    async def odd(request: web.Request) -> web.Response:
+        # A token latin-1 cannot encode: read as text, it raised before the answer started.
+        return web.json_response({"choices": []}, headers={"Connection": "keep-alive, x-€"})
+
+    async with node_answering(serve, odd) as http:
+        assert (await http.post("/v1/chat/completions", json=CHAT_BODY)).status_code == 200
+
 
 async def test_a_compressed_answer_is_passed_on_but_not_cached(serve: Serve) -> None:
     plain = json.dumps({"choices": [{"index": 0, "text": "hello"}]}).encode()
@@ -459,10 +466,15 @@ async def test_under_a_mount_prefix_the_routes_match_and_the_node_sees_its_own_p
             "/llm/v1/chat/completions?x=1", json={"model": "m", "messages": []}
         )
         models = await http.get("/llm/v1/models")
+    # Mounted at /v1 (a prefix that is part of the routes): the whole path still matches.
+    at_v1 = httpx.ASGITransport(app=app, root_path="/v1")
+    async with httpx.AsyncClient(transport=at_v1, base_url="http://test") as http:
+        whole = await http.post("/v1/chat/completions", json={"model": "m", "messages": []})
     await app.balancer.stop()
     assert response.status_code == 200 and response.headers["x-promptlb-node"] == "a"
-    assert len(seen) == 1
     assert models.status_code == 200
+    assert whole.status_code == 200
+    assert len(seen) == 2
 
 
 async def test_another_method_on_a_balanced_route_is_a_405_saying_what_is_allowed(
@@ -529,5 +541,10 @@ async def test_a_query_string_reaches_the_node_as_the_client_encoded_it(serve: S
 
         await send_raw(b"a=%C3%A9&b=%zz")
         await send_raw("q=é".encode())
+        await send_raw(b"a=\x01b")  # a control byte: escaped, not dropped by the URL type
         await app.balancer.stop()
-    assert seen == [b"/v1/chat/completions?a=%C3%A9&b=%zz", b"/v1/chat/completions?q=%C3%A9"]
+    assert seen == [
+        b"/v1/chat/completions?a=%C3%A9&b=%zz",
+        b"/v1/chat/completions?q=%C3%A9",
+        b"/v1/chat/completions?a=%01b",
+    ]
