@@ -19,7 +19,7 @@ import httpx
 import pytest
 from promptlb.middleware import PromptLBMiddleware
 
-from tests.conftest import Launcher, Serve
+from tests.conftest import Launcher, Serve, Service
 from tests.middleware.conftest import Flags, MakeCluster, Messages
 
 HEALTH = "[health]\ninterval = '300ms'\ninterval_jitter = '50ms'\ntimeout = '300ms'\n"
@@ -260,10 +260,15 @@ async def test_slow_clients_are_cut_off_while_others_are_served(
         assert json.loads(body)["error"]["code"] == 408
 
 
-async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_path: Path) -> None:
+def _guarded_gateway(launch: Launcher, tmp_path: Path) -> Service:
+    """A gateway before one emulated node, its header deadline at 500 ms."""
     model = launch("emulator", "--model", "m")
     config = _gateway_config(tmp_path, model.url)
-    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+    return launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+
+
+async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_path: Path) -> None:
+    gateway = _guarded_gateway(launch, tmp_path)
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as idle:
         started = time.monotonic()
         assert idle.recv(1024).startswith(b"HTTP/1.1 408")
@@ -276,9 +281,7 @@ async def test_bare_newlines_between_requests_do_not_hold_a_connection(
 ) -> None:
     # Each byte cancels uvicorn's keep-alive timer, and a CRLF begins no request: a newline
     # every 0.2 s held a kept-alive connection for as long as the client liked.
-    model = launch("emulator", "--model", "m")
-    config = _gateway_config(tmp_path, model.url)
-    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+    gateway = _guarded_gateway(launch, tmp_path)
 
     def trickle() -> float:
         with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
@@ -309,9 +312,7 @@ async def test_the_rest_of_a_body_answered_early_is_not_cut_as_slow_headers(
 ) -> None:
     # A route that answers without reading the body (the gateway's 404): the upload goes on,
     # and its bytes are not the next request's headers to time.
-    model = launch("emulator", "--model", "m")
-    config = _gateway_config(tmp_path, model.url)
-    gateway = launch("middleware", "--config", str(config), "--header-timeout", "500ms")
+    gateway = _guarded_gateway(launch, tmp_path)
 
     def upload() -> bytes:
         with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
