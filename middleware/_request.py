@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import quote_from_bytes
 
 from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
@@ -31,7 +32,7 @@ _YES = (b"1", b"true", b"yes")
 # Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MODEL_CHARS = 256
-_QUERY_KEPT = bytes(b for b in range(0x21, 0x7F) if b != 0x23)
+_QUERY_KEPT = "".join(chr(b) for b in range(0x21, 0x7F) if b != 0x23)  # printable, bar "#"
 
 
 @dataclass(slots=True)
@@ -212,9 +213,7 @@ def _query(raw: bytes) -> str:
     """The query string as the client sent it, its escapes kept, and any byte outside printable
     ASCII escaped (the URL is passed on as encoded: re-quoted, ``?q=é`` reached the node
     encoded twice and a malformed ``%zz`` as ``%25zz``)."""
-    if not raw.translate(None, _QUERY_KEPT):  # nothing outside printable ASCII, bar "#"
-        return raw.decode("ascii")
-    return "".join(chr(b) if 0x21 <= b <= 0x7E and b != 0x23 else f"%{b:02X}" for b in raw)
+    return quote_from_bytes(raw, safe=_QUERY_KEPT)
 
 
 def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
