@@ -26,7 +26,7 @@ from ._config_degrade import CACHE_HOP, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Refusal, Shed, UnknownModel, UpstreamError
 from ._request import Request
 from ._shedding import QueueTimeout
-from ._sse import replayable, wants_usage
+from ._sse import replayable
 
 __all__ = ["Dispatcher"]
 
@@ -166,11 +166,9 @@ class Dispatcher:
         cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
         keys: dict[str, str | None] = {}
 
-        usage = route.stream and wants_usage(request.body)
-
         def usable(entry: CacheEntry | None) -> CacheEntry | None:
             # A client that streams needs an answer we can replay as a stream.
-            if entry is not None and route.stream and not replayable(path, entry, usage):
+            if entry is not None and route.stream and not replayable(path, entry):
                 return None
             return entry
 

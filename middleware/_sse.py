@@ -207,9 +207,9 @@ def wants_usage(body: Mapping[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def replayable(path: str, entry: CacheEntry, usage: bool = False) -> bool:
+def replayable(path: str, entry: CacheEntry) -> bool:
     try:
-        replay_sse(path, entry, usage)
+        replay_sse(path, entry)
     except ValueError:
         return False
     return True
