@@ -44,9 +44,6 @@ class CacheEntry:
     created: float  # time.time() when stored
     content_type: str = "application/json"
 
-    def age(self, now: float) -> float:
-        return now - self.created
-
     def fresh(self, now: float, ttl: float) -> bool:
         """Younger than ``ttl`` by the wall clock of the replica that stored it. An entry from
         more than `CLOCK_SKEW` ahead is not fresh: a replica whose clock ran minutes fast had
