@@ -19,6 +19,17 @@ EngineChoice = Literal["auto", "vllm", "tgi", "llamacpp", "sglang", "none"]
 _ENGINES = ("auto", "vllm", "tgi", "llamacpp", "sglang", "none")
 
 
+def _whole(key: str, value: object, lo: int, hi: int | None, expected: str) -> None:
+    """An integer (not a bool) in ``lo..hi`` (``hi`` None: no bound), or ``expected``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
+        raise ConfigError(key, value, expected)
+
+
 def _seconds(key: str, value: float, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(key, value, "a number of seconds")
@@ -108,38 +119,19 @@ class SidecarConfig:
             isinstance(p, str) and p for p in self.warmup_prompts
         ):
             raise ConfigError("warmup_prompt", self.warmup_prompts, "non-empty prompts")
-        if (
-            isinstance(self.warmup_max_tokens, bool)
-            or not isinstance(self.warmup_max_tokens, int)
-            or not 1 <= self.warmup_max_tokens <= 4096
-        ):
-            raise ConfigError("warmup_max_tokens", self.warmup_max_tokens, "1..4096")
+        _whole("warmup_max_tokens", self.warmup_max_tokens, 1, 4096, "1..4096")
         _seconds("sample_interval", self.sample_interval_s, 0.01, 60.0)
         _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)
-        if (
-            isinstance(self.unhealthy_after, bool)
-            or not isinstance(self.unhealthy_after, int)
-            or not 1 <= self.unhealthy_after <= 100
-        ):
-            raise ConfigError("unhealthy_after", self.unhealthy_after, "an integer in 1..100")
+        _whole("unhealthy_after", self.unhealthy_after, 1, 100, "an integer in 1..100")
         _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
         _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
         # Up to a snapshot's largest count (2**53 bytes, 8 PiB): a limit beyond it made every
         # snapshot's mem_free unencodable, and /snapshot failed on every request.
-        if self.memory_limit is not None and (
-            isinstance(self.memory_limit, bool)
-            or not isinstance(self.memory_limit, int)
-            or not 1 <= self.memory_limit <= MAX_COUNT
-        ):
-            raise ConfigError(
-                "memory_limit", self.memory_limit, f"a number of bytes in 1..{MAX_COUNT}"
-            )
-        if self.model_pid is not None and (
-            isinstance(self.model_pid, bool)
-            or not isinstance(self.model_pid, int)
-            or self.model_pid < 1
-        ):
-            raise ConfigError("model_pid", self.model_pid, "a process id >= 1")
+        if self.memory_limit is not None:
+            expected = f"a number of bytes in 1..{MAX_COUNT}"
+            _whole("memory_limit", self.memory_limit, 1, MAX_COUNT, expected)
+        if self.model_pid is not None:
+            _whole("model_pid", self.model_pid, 1, None, "a process id >= 1")
 
     @property
     def model_host(self) -> str | None:
