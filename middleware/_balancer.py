@@ -254,6 +254,12 @@ class Balancer:
             self._share.start()
 
     async def stop(self) -> None:
+        if self._starting is not None and self._starting.locked():
+            # A start under way (a request's, or the in-app client's) ends first: stopped
+            # beside it, its first rounds finished after this and left loops and a session
+            # that nothing would stop.
+            async with self._starting:
+                pass
         if self._share is not None:
             await self._share.stop()
             self._share = None

@@ -204,3 +204,30 @@ async def test_a_start_that_fails_leaves_nothing_started_and_nothing_open(
         assert not lb.started and lb._evidence is None
     gc.collect()
     assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
+
+
+async def test_a_stop_during_a_start_waits_for_it_and_leaves_nothing_running(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The sidecar answers the first gossip round slowly: a stop that came meanwhile found no
+    # session yet, and the start then went on to open one and start loops nobody stopped.
+    asked = asyncio.Event()
+
+    async def snapshot(request: web.Request) -> web.Response:
+        asked.set()
+        await asyncio.sleep(0.3)
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url:
+        config = Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url),))
+        lb = Balancer(config)
+        starting = asyncio.create_task(lb.start())
+        await asyncio.wait_for(asked.wait(), 5)
+        await lb.stop()
+        await starting
+        assert not lb.started and lb._evidence is None
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("promptlb-")]
+    gc.collect()
+    assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
