@@ -30,7 +30,12 @@ class Evidence:
     """Keeps a `NodeTable` honest: snapshots, health, membership, and the passage of time."""
 
     def __init__(
-        self, config: Config, table: NodeTable, session: aiohttp.ClientSession, metrics: Metrics
+        self,
+        config: Config,
+        table: NodeTable,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        previous: Evidence | None = None,
     ) -> None:
         self._config = config
         self._table = table
@@ -38,7 +43,14 @@ class Evidence:
         self._metrics = metrics
         key = config.sign_key()
         self._keys: dict[str, SigningKey] | None = {key.kid: key} if key else None
-        self._freshness = FreshnessCheck(max(config.stale_after, 1.0)) if key else None
+        window = max(config.stale_after, 1.0)
+        self._freshness: FreshnessCheck | None = None
+        if key is not None:
+            # Carried over a reload: a fresh one passed a replay still in its window (one
+            # older than the snapshot in force), which was then neither counted nor logged.
+            held = previous._freshness if previous is not None else None
+            self._freshness = held if held is not None else FreshnessCheck(window)
+            self._freshness.window_s = window
         token = config.sidecar_token()
         self._sidecar_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._gate = asyncio.Semaphore(config.gossip_concurrency)
@@ -76,6 +88,11 @@ class Evidence:
             *(self._check(n) for n in checks),
             *(self._gossip(n) for n in nodes if n.config.sidecar),
         )
+
+    def forget(self, name: str) -> None:
+        """Node ``name`` left the table: under discovery, names come and go for good."""
+        if self._freshness is not None:
+            self._freshness.forget(name)
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -178,7 +178,10 @@ class Balancer:
         evidence = None
         if previous._session is not None:
             self._session = previous._session
-            evidence = Evidence(self.config, self.table, self._session, self.metrics)
+            evidence = Evidence(
+                self.config, self.table, self._session, self.metrics, previous._evidence
+            )
+            self._evidence = evidence  # told of the nodes that leave below
             # Checked before they join and before any node leaves: the requests that arrive
             # meanwhile still have the old nodes, and the new ones serve from the moment
             # they are members.
@@ -192,7 +195,6 @@ class Balancer:
             if previous._evidence is not None:
                 await previous._evidence.stop()
                 previous._evidence = None
-            self._evidence = evidence
             await evidence.start()
             if previous._share is not None:
                 await previous._share.stop()
@@ -204,6 +206,8 @@ class Balancer:
         """Node ``name`` left the table: what the strategy learnt of it and its metrics go."""
         self.strategy.forget_node(name)
         self.metrics.forget_node(name)
+        if self._evidence is not None:
+            self._evidence.forget(name)
 
     @property
     def started(self) -> bool:

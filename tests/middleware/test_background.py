@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
 from promptlb.middleware._balancer import Balancer
+from promptlb.shared import encode, load_key_file
 
-from tests.conftest import Launcher, sidecar_args
+from tests.conftest import Launcher, Serve, sidecar_args
+from tests.middleware.conftest import MakeSnapshot
 
 
 async def test_unsigned_snapshots_are_rejected_and_counted_when_a_key_is_set(
@@ -222,3 +226,48 @@ async def test_a_dns_lookup_that_never_answers_is_cut_at_its_timeout(
         assert any("no answer in 0.2s" in r.message for r in caplog.records)
     finally:
         await lb.stop()
+
+
+async def test_a_replayed_snapshot_is_refused_across_a_reload_and_a_leaving_node_forgotten(
+    serve: Serve, snap: MakeSnapshot, tmp_path: Path
+) -> None:
+    # The replay check was built afresh with each reload's evidence loops: a snapshot older
+    # than the one in force, still inside its window, passed it (the table then dropped it
+    # unseen, neither counted nor logged as rejected). And the nodes it remembered were never
+    # forgotten, one more with each name discovery ever saw.
+    key_file = tmp_path / "key"
+    key_file.write_text("k1:a-long-enough-shared-secret\n")
+    key = load_key_file(key_file)
+    served = {"seq": 2}
+
+    async def snapshot(request: web.Request) -> web.Response:
+        wire = dataclasses.replace(snap("a", seq=served["seq"]), ts=time.time())
+        return web.Response(body=encode(wire, key))
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url:
+        a = NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url)
+        b = NodeConfig(name="b", url="http://127.0.0.1:9")
+        settings: dict[str, Any] = {
+            "sign_key_file": str(key_file),
+            "health": HealthConfig(enabled=False),
+        }
+        lb = Balancer(Config(nodes=(a, b), **settings))
+        await lb.start()
+        try:
+            assert lb.table.nodes["a"].snapshot.seq == 2  # type: ignore[union-attr]
+            served["seq"] = 1  # an old answer, replayed
+            new = Balancer(Config(nodes=(a, b), **settings), previous=lb)
+            await new.succeed(lb)
+            lb = new
+            node = lb.table.nodes["a"]
+            assert node.snapshot is not None and node.snapshot.seq == 2
+            assert node.snapshot_errors == 1
+            new = Balancer(Config(nodes=(b,), **settings), previous=lb)
+            await new.succeed(lb)
+            lb = new
+            assert lb._evidence is not None and lb._evidence._freshness is not None
+            assert "a" not in lb._evidence._freshness._last
+        finally:
+            await lb.stop()
