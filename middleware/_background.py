@@ -152,7 +152,8 @@ class Evidence:
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 node.snapshot_errors += 1
                 kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
-                self._metrics.snapshot_errors.labels(node.name, kind).inc()
+                if self._metrics.member(node.name):  # not one that left during the round
+                    self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return
         self._problem(node, "snapshot", None)

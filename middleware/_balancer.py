@@ -525,7 +525,8 @@ class Try:
                     node = table.nodes[view.name]
                     metrics.node(node.name).picks.inc()
                     if tried:
-                        metrics.retries.labels(tried[-1]).inc()
+                        if metrics.member(tried[-1]):
+                            metrics.retries.labels(tried[-1]).inc()
                         budget.retrying += 1
                     tried.append(node.name)
                     avoid.add(node.name)

@@ -140,14 +140,20 @@ class NodeMetrics:
 
     __slots__ = ("_metrics", "_name", "latency", "picks", "ttft")
 
-    def __init__(self, metrics: Metrics, name: str, strategy: str) -> None:
+    def __init__(self, metrics: Metrics | None, name: str, strategy: str) -> None:
+        """``metrics`` None: series of a node that left, counted nowhere."""
         self._metrics = metrics
         self._name = name
+        if metrics is None:
+            self.picks, self.latency, self.ttft = Tally(), Spread(), Spread()
+            return
         self.picks = metrics.picks.setdefault((strategy, name), Tally())
         self.latency = metrics.latency.setdefault(name, Spread())
         self.ttft = metrics.ttft.setdefault(name, Spread())
 
     def outcome(self, outcome: str) -> Tally:
+        if self._metrics is None:
+            return Tally()
         key = (self._name, outcome)
         found = self._metrics.outcomes.get(key)
         if found is None:
@@ -158,6 +164,7 @@ class NodeMetrics:
 class Metrics:
     def __init__(self, table: Callable[[], NodeTable | None], strategy: str = "") -> None:
         self._strategy = strategy
+        self._table = table
         self._nodes: dict[str, NodeMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -237,7 +244,7 @@ class Metrics:
     def forget_node(self, name: str) -> None:
         """Node ``name`` left the table: its series go. Under DNS discovery every rollout brings
         nodes of new names, whose series would otherwise pile up for good; Prometheus marks the
-        ones gone stale. (A try still finishing there may count one outcome again.)"""
+        ones gone stale. A try still finishing there counts nowhere (`node`)."""
         self._nodes.pop(name, None)
         for key in [k for k in self.outcomes if k[0] == name]:
             del self.outcomes[key]
@@ -260,8 +267,17 @@ class Metrics:
     def node(self, name: str) -> NodeMetrics:
         found = self._nodes.get(name)
         if found is None:
+            if not self.member(name):
+                # A try that outlived its node (a rollout's long stream): series made for it
+                # now would stay for good, since the node's leaving was their one removal.
+                return NodeMetrics(None, name, self._strategy)
             found = self._nodes[name] = NodeMetrics(self, name, self._strategy)
         return found
+
+    def member(self, name: str) -> bool:
+        """Whether ``name`` is in the node table (whose series may be made)."""
+        table = self._table()
+        return table is None or name in table.nodes
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

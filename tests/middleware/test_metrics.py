@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from promptlb.middleware import Config, NodeConfig
+from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._metrics import _LATENCY_BUCKETS, Metrics
 
 
@@ -52,3 +56,22 @@ def test_picks_stay_counted_under_the_strategy_that_made_them() -> None:
     text = metrics.render().decode()
     assert 'promptlb_picks_total{node="a",strategy="least_conn"} 1.0' in text
     assert 'promptlb_picks_total{node="a",strategy="weighted"} 2.0' in text
+
+
+def test_a_try_that_outlives_its_node_brings_none_of_its_series_back() -> None:
+    # A rollout's node leaves DNS while a long stream still runs there: the try's end made the
+    # node's series again, and nothing would ever remove them a second time.
+    a, b = (NodeConfig(name=n, url="http://127.0.0.1:9") for n in "ab")
+    lb = Balancer(Config(nodes=(a, b)))
+    gone = lb.table.nodes["a"]
+    lb.metrics.node("a").outcome("200").inc()
+    lb.metrics.retries.labels("a").inc()
+    lb.table.reconfigure(Config(nodes=(b,)))
+    assert 'node="a"' not in lb.metrics.render().decode()
+    lb._finish(gone, ok=True, started=time.monotonic() - 0.1, ttft=0.05, outcome="200")
+    lb.metrics.node("a").picks.inc()
+    assert lb.metrics.node("a") is not lb.metrics.node("a")  # counted nowhere, kept nowhere
+    lb.metrics.node("b").outcome("200").inc()
+    text = lb.metrics.render().decode()
+    assert 'node="a"' not in text
+    assert 'promptlb_requests_total{node="b",outcome="200"} 1.0' in text
