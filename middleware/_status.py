@@ -37,7 +37,9 @@ _Reading = tuple[float, dict[str, tuple[int, int]]]  # (monotonic time, node -> 
 
 class StatusPage:
     """Renders the status document; keeps the last ``WINDOW_S`` of its own readings (shared by
-    every viewer: they are readings of the same counters) to turn counts into rates."""
+    every viewer: they are readings of the same counters), and the one before them, to turn
+    counts into rates: over about the window, or since the last look when that was longer
+    ago."""
 
     def __init__(self) -> None:
         self._readings: deque[_Reading] = deque()
@@ -49,7 +51,9 @@ class StatusPage:
             {name: (n.requests, n.failures) for name, n in lb.table.nodes.items()},
         )
         readings = self._readings
-        while readings and now - readings[0][0] > WINDOW_S:
+        # The newest reading older than the window stays as the base: a script polling less
+        # often than WINDOW_S found none left, and got no rate and whole-life ratios.
+        while len(readings) > 1 and now - readings[1][0] > WINDOW_S:
             readings.popleft()
         base = readings[0] if readings and now - readings[0][0] >= _MIN_SPAN_S else None
         if not readings or now - readings[-1][0] >= _MIN_SPAN_S:

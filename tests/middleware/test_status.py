@@ -175,3 +175,22 @@ def test_the_score_shown_is_the_one_the_strategy_ranks_by(
     a.view.in_flight = 4  # ours, sent since the snapshot
     nodes = {n["name"]: n for n in status_json(lb)["nodes"]}
     assert nodes["a"]["score"]["queue"] == queue
+
+
+def test_a_poller_slower_than_the_window_gets_rates_since_its_last_look() -> None:
+    # Every reading was older than the window by the next look: no base was left, and a script
+    # polling every 15 s got qps null and success over the whole life (here 1000 old failures).
+    app = PromptLBMiddleware(None, config=config())  # type: ignore[arg-type]
+    lb = app.balancer
+    a = lb.table.nodes["a"]
+    for _ in range(1000):
+        lb.table.record_result(a, False, None, None, 0.0)
+    page = StatusPage()
+    page.render(lb)
+    page._readings[0] = (page._readings[0][0] - 15.0, page._readings[0][1])
+    for _ in range(150):
+        lb.table.record_result(a, True, 0.1, 0.01, 0.0)
+    totals = page.render(lb)["totals"]
+    assert totals["window_s"] == pytest.approx(15.0, abs=0.5)
+    assert totals["qps"] == pytest.approx(10.0, rel=0.05)
+    assert totals["success_rate"] == 1.0
