@@ -194,6 +194,7 @@ class Dispatcher:
             if len(hops) == 1:
                 raise Shed(route.model, self.config.shedding.retry_after) from None
             first = 1  # waited long enough for the primary: degrade
+            metrics.fallbacks.labels(route.model, hops[1]).inc()
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
@@ -388,7 +389,9 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
                 continue
             exc = task.exception()
             if exc is None:
-                lb.metrics.hedges.labels("won_first" if task is tasks[0] else "won_hedge").inc()
+                if len(tasks) > 1:  # one answered before the hedge was due: no race to win
+                    won = "won_first" if task is tasks[0] else "won_hedge"
+                    lb.metrics.hedges.labels(won).inc()
                 task.result().attempts += tried
                 return task
             error = exc

@@ -188,7 +188,8 @@ class Metrics:
         )
         self.unavailable = Counter(
             "promptlb_no_node_available",
-            "Requests answered 503: no candidate node.",
+            "Model hops that found no candidate node: the request's 503 unless a fallback "
+            "answered it.",
             ["model"],
             registry=r,
         )
@@ -197,7 +198,8 @@ class Metrics:
         )
         self.fallbacks = Counter(
             "promptlb_fallbacks",
-            "Requests that went on to the next hop of their fallback chain.",
+            "Requests that went on to a hop of their fallback chain (counted under each hop "
+            "gone on to), for a failure or for no room in the primary's admission queue.",
             ["model", "to"],
             registry=r,
         )

@@ -12,9 +12,11 @@ from typing import Any, cast
 import aiohttp
 import httpx
 import pytest
+from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._answer import Answer
-from promptlb.middleware._balancer import Try
+from promptlb.middleware._balancer import Balancer, Try
 from promptlb.middleware._config import load_config
+from promptlb.middleware._degrade import _first_success
 from promptlb.middleware._live import build_live
 from promptlb.middleware._refusals import Exhausted, UpstreamError
 
@@ -617,6 +619,9 @@ async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
     assert code == 200 and elapsed < 1.0, (code, elapsed)
     assert (headers["x-promptlb-model"], headers["x-promptlb-degraded"]) == ("small", "fallback")
     assert (await busy)[0] == 200
+    # Counted as a fallback: the dashboard and the degraded-answers panel stayed flat.
+    async with aiohttp.ClientSession() as http, http.get(c.app.url + "/_promptlb/metrics") as r:
+        assert 'promptlb_fallbacks_total{model="big",to="small"} 1.0' in await r.text()
 
 
 async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) -> None:
@@ -649,3 +654,20 @@ async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) ->
         got = await http.post("/v1/chat/completions", json={**body, "stream": True})
         assert got.status_code == 503
         assert seen("stale_hit") == 0
+
+
+async def test_an_attempt_answered_before_its_hedge_was_due_wins_no_race() -> None:
+    # won_first counted every hedged chain's answer, hedged or not: with 1% of requests
+    # hedged, won_first + won_hedge came to a hundred times the hedges sent.
+    lb = Balancer(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),)))
+
+    async def answer() -> Answer:
+        return Answer("m")
+
+    alone = asyncio.ensure_future(answer())
+    assert await _first_success([alone], lb) is alone
+    raced = [asyncio.ensure_future(answer()), asyncio.ensure_future(answer())]
+    assert await _first_success(raced, lb) is raced[0]
+    count = lb.metrics.registry.get_sample_value
+    assert count("promptlb_hedges_total", {"event": "won_first"}) == 1
+    assert count("promptlb_hedges_total", {"event": "won_hedge"}) is None
