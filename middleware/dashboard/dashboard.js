@@ -8,6 +8,7 @@ const EVERY_MS = 750; // a poll at most this long after the last answer: under a
 const FETCH_MS = 5000; // a status that takes longer is dropped and asked again
 const statusUrl = new URL("status", document.baseURI);
 let lastAt = 0;
+let problem = ""; // why the last poll failed: shown with the age of the data, not in turn with it
 let loop = 0; // one polling loop at a time: a new one (after a login) ends the one before
 
 const $ = (id) => document.getElementById(id);
@@ -52,8 +53,8 @@ function bar(ratio) {
   return outer;
 }
 
-function badge(text) {
-  return el("span", text, "badge state-" + text);
+function badge(text, kind = text) {
+  return el("span", text, "badge state-" + kind);
 }
 
 function nodeRow(n) {
@@ -64,7 +65,9 @@ function nodeRow(n) {
   const state = cell(row);
   state.className = "state";
   state.append(badge(n.state));
-  if (n.leaking) state.append(badge("leaking"));
+  // The state "leaking" is a node drained before it runs out of memory; this is the status
+  // page's earlier warning (fast growth while it still serves), drawn apart from it.
+  if (n.leaking && n.state !== "leaking") state.append(badge("memory growing", "growing"));
   if (n.ejected_for_s > 0) state.append(el("span", "back in " + n.ejected_for_s + " s", "sub"));
   // GPU per card
   const gpus = cell(row);
@@ -112,6 +115,8 @@ function render(doc) {
 }
 
 function askForToken(message) {
+  lastAt = 0; // no board, no "last update" ticking over the login
+  problem = "";
   $("board").hidden = true;
   $("forget").hidden = true;
   $("login").hidden = false;
@@ -129,15 +134,35 @@ function start() {
 // (a body cut off by a restart, a proxy's HTML error page sent as 200) or never answered
 // stopped the board for good, "last update N s ago" until the page was reloaded.
 function retry(mine, message) {
-  $("freshness").textContent = message + "; retrying";
-  $("freshness").className = "error";
+  problem = message + "; retrying";
+  showFreshness();
+  // A way out while it retries: the token may be what fails.
+  $("forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
   setTimeout(poll, EVERY_MS, mine);
+}
+
+function showFreshness() {
+  const age = lastAt ? Date.now() - lastAt : 0;
+  const parts = [];
+  if (age > 3000) parts.push("last update " + Math.round(age / 1000) + " s ago");
+  if (problem) parts.push(problem);
+  if (!parts.length) return;
+  $("freshness").textContent = parts.join(": ");
+  $("freshness").className = "error";
 }
 
 async function poll(mine) {
   if (mine !== loop) return;
   const token = sessionStorage.getItem(TOKEN_KEY);
-  const headers = token ? { Authorization: "Bearer " + token } : {};
+  let headers;
+  try {
+    headers = new Headers(token ? { Authorization: "Bearer " + token } : {});
+  } catch (err) {
+    // A pasted character a header cannot carry (a curly quote): every fetch threw, read as
+    // "gateway unreachable" for good, with the token kept and no way to forget it.
+    sessionStorage.removeItem(TOKEN_KEY);
+    return askForToken("That token has characters a header cannot carry.");
+  }
   const signal = AbortSignal.timeout(FETCH_MS);
   let response;
   let doc;
@@ -161,17 +186,13 @@ async function poll(mine) {
     return retry(mine, "status unreadable (" + err.name + ")");
   }
   $("forget").hidden = !token;
+  problem = "";
   $("freshness").className = "muted";
   $("freshness").textContent = "live";
   setTimeout(poll, EVERY_MS, mine);
 }
 
-setInterval(() => {
-  if (lastAt && Date.now() - lastAt > 3000) {
-    $("freshness").textContent = "last update " + Math.round((Date.now() - lastAt) / 1000) + " s ago";
-    $("freshness").className = "error";
-  }
-}, 1000);
+setInterval(showFreshness, 1000);
 
 $("login").addEventListener("submit", (event) => {
   event.preventDefault();

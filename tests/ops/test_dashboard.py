@@ -111,6 +111,11 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
 
             # No token yet: the page asks for one; a wrong one is refused.
             await page.locator("#login").wait_for(state="visible", timeout=10_000)
+            # A token no header can carry (a pasted curly quote) is refused at once: it made
+            # every fetch throw, read as "gateway unreachable" for good.
+            await page.fill("#token", "not\u2019the-token")
+            await page.click("#login button")
+            await page.locator("#login-error", has_text="cannot carry").wait_for(timeout=10_000)
             await page.fill("#token", "not-the-token")
             await page.click("#login button")
             await page.locator("#login-error", has_text="refused").wait_for(timeout=10_000)
@@ -147,6 +152,12 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
 
             await page.route("**/_promptlb/status", junk)
             await page.locator("#freshness", has_text="status unreadable").wait_for(timeout=5_000)
+            # The reason stays in sight once the data's age is shown too (it used to be written
+            # over by "last update N s ago" every second, and back at each retry).
+            await page.locator("#freshness", has_text="last update").wait_for(timeout=6_000)
+            shown = await page.locator("#freshness").text_content() or ""
+            assert "status unreadable" in shown, shown
+            assert await page.locator("#forget").is_visible()  # a way out if the token fails
             await page.unroute("**/_promptlb/status", junk)
             before = int(await page.evaluate("() => document.body.dataset.updated"))
             await page.wait_for_function(
@@ -154,7 +165,10 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
             )
             await page.locator("#freshness", has_text="live").wait_for(timeout=5_000)
             leaky = page.locator("tr[data-node=leaky] .state")
-            await leaky.locator(".state-leaking").wait_for(timeout=20_000)
+            # Fast growth while it still serves: a warning of its own, not the drained state.
+            growing = leaky.locator(".state-growing")
+            await growing.wait_for(timeout=20_000)
+            assert await growing.text_content() == "memory growing"
             for name in NODES:
                 # p50 / p90 / p99 with their unit: ms, or s from a second up (the heavy node
                 # decodes 60 tokens/s, so on a slow machine its answers pass a second).
@@ -187,6 +201,10 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
             assert await badge.text_content() in {"unhealthy", "ejected"}
             png = await page.screenshot(path=str(shot), full_page=True)
             assert png.startswith(b"\x89PNG") and len(png) > 10_000
+            # Forgotten: the login, with no age of the board's data counting over it.
+            await page.click("#forget")
+            await page.locator("#login").wait_for(state="visible", timeout=5_000)
+            assert await page.evaluate("() => lastAt") == 0
             await browser.close()
         assert TOKEN not in gateway.log()  # nothing the browser sent was logged
     finally:
