@@ -36,7 +36,7 @@ from ._livereport import Run, build_report, publish
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
 from ._report import CRASH_WINDOW_S, RESULTS
-from ._scenario import Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
+from ._scenario import SLOW_FACTOR, Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
 
 __all__ = ["Cluster", "run_cluster", "scaled"]
 
@@ -167,7 +167,7 @@ class Cluster:
             else:
                 await asyncio.to_thread(self.restart, name)  # the trace goes on meanwhile
         elif fault.kind == "slow":
-            await self.set_faults(http, name, {"slow_factor": fault.value or 2.0})
+            await self.set_faults(http, name, {"slow_factor": fault.value or SLOW_FACTOR})
         elif fault.kind == "hang":
             await self.set_faults(http, name, {"hang": True})
         elif fault.kind == "leak":

@@ -19,6 +19,7 @@ from promptlb.shared import ConfigError, parse_duration
 from ._prompts import Messages, Prompts, message_tokens, parse_prompts, prompted_arrivals
 
 __all__ = [
+    "SLOW_FACTOR",
     "TARGET_KEYS",
     "Arrival",
     "Burst",
@@ -105,11 +106,14 @@ class Workload:
     prompts: Prompts | None = None
 
 
+SLOW_FACTOR = 2.0  # a "slow" fault without a value, live and in the simulator alike
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fault:
     at: float
     kind: FaultKind
-    value: float = 0.0  # slow: the factor; leak: MB per request
+    value: float = 0.0  # slow: the factor (0: SLOW_FACTOR); leak: MB per request
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from array import array
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "DETECT",
     "FAULT",
     "FINISH",
+    "HEADERS",
     "KV_SAMPLE",
     "MARK",
     "OUTLIER",
@@ -39,6 +41,7 @@ __all__ = [
 
 # Event kinds. Ties in time are broken by a sequence number, so the order is deterministic.
 FINISH, CONNECT_FAIL, TIMEOUT, REFRESH, FAULT, DETECT, UNEJECT, MARK, SHARE, KV_SAMPLE = range(10)
+HEADERS = 10  # a retry's headers came: it leaves the retry budget
 # The middleware's ejection defaults: SimParams sets only how many failures eject.
 OUTLIER = OutlierConfig()
 
@@ -60,6 +63,11 @@ class SimState:
     ) -> None:
         if strategy not in SIM_STRATEGIES:
             raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
+        untimed = math.isinf(params.per_try_timeout) and math.isinf(params.client_timeout)
+        if untimed and any(f.kind == "hang" for spec in nodes for f in spec.faults):
+            # A try on the hung node would never end, nor the run (its periodic events never
+            # run out): the timeouts are what end it, live.
+            raise ConfigError("client_timeout", params.client_timeout, "finite with a hang fault")
         self.params = params
         self.name = strategy
         # The oracle is a perfect dispatcher too (exact, instant state, no replicas), that
@@ -94,7 +102,8 @@ class SimState:
         self.ttfts: array[float] = array("d")
         self._replanned = False  # a start found other cached blocks than its forecast took
         self.replicas: list[Replica] = []
-        self.detect_at: dict[tuple[int, float], list[tuple[int, bool]]] = {}
+        # (replica, when) -> (node, up, its first check): the checks that end a streak then
+        self.detect_at: dict[tuple[int, float], list[tuple[int, bool, float]]] = {}
         self.groups: dict[tuple[float, float, float, float], Group] = {}
         self.group_list: list[Group] = []
         # The simulated nodes all serve the one model: the pool is every node.

@@ -66,6 +66,7 @@ from ._simbase import (
     DETECT,
     FAULT,
     FINISH,
+    HEADERS,
     KV_SAMPLE,
     MARK,
     REFRESH,
@@ -145,6 +146,8 @@ class _Sim(Faults):
                         self._try_failed(req, "connect", t)
                 elif kind == DETECT:
                     self._detect(obj, t)
+                elif kind == HEADERS:
+                    self._headers(obj, try_no)
                 elif kind == UNEJECT:
                     self._uneject(obj, try_no, t)
                 elif kind == FAULT:

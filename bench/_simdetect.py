@@ -115,8 +115,13 @@ class Detection(SimState):
             return
         if not limit:
             return
+        if replica.ejected[idx]:
+            # Tries under way when it was ejected, failing now: not a new streak, as
+            # NodeTable.record_result has it.
+            replica.consecutive[idx] = 0
+            return
         replica.consecutive[idx] += 1
-        if replica.consecutive[idx] < limit or replica.ejected[idx]:
+        if replica.consecutive[idx] < limit:
             return
         if replica.n_ejected >= self.eject_cap:
             return
@@ -145,8 +150,10 @@ class Detection(SimState):
 
     def _schedule_detection(self, node: Node, now: float, up: bool) -> None:
         """Each replica's health checks, staggered over the interval, see the change; it counts
-        after ``threshold`` checks in a row. Replicas detecting at the same instant share one
-        event, so that a fault on many nodes at once costs one rebuild per replica."""
+        after ``threshold`` checks in a row, unless the node changed back before the last of
+        them (`_detect`). Replicas detecting at the same instant share one event, so that a
+        fault on many nodes at once costs one rebuild per replica."""
+        node.state_since = now
         params = self.params
         interval = params.health_interval
         threshold = params.healthy_threshold if up else params.unhealthy_threshold
@@ -162,18 +169,29 @@ class Detection(SimState):
             if batch is None:
                 batch = self.detect_at[key] = []
                 self._push(at, DETECT, key)
-            batch.append((node.idx, up))
+            batch.append((node.idx, up, first))
 
     def _detect(self, key: tuple[int, float], now: float) -> None:
         replica = self.replicas[key[0]]
         alive = replica.alive
-        for idx, up in self.detect_at.pop(key):
-            if alive[idx] == up:
+        nodes = self.nodes
+        for idx, up, first in self.detect_at.pop(key):
+            node = nodes[idx]
+            if alive[idx] == up or (node.state != CRASHED) != up or node.state_since > first:
+                # Seen already, or the node changed back before the streak's last check: a
+                # check the other way reset it (NodeTable.record_health); a change after the
+                # first check has its own event.
                 continue
             alive[idx] = up
-            if up and not replica.ejected[idx]:
+            if up and replica.ejected[idx]:
+                # Envoy's successful_active_health_check_uneject_host, as record_health: a
+                # node ejected, then unhealthy, that passes its checks again is back.
+                replica.ejected[idx] = False
+                replica.n_ejected -= 1
+                replica.ejected_until[idx] = 0.0
+            if up:
                 self._warm(replica, idx, now)
-            elif not up:
+            else:
                 replica.ramping.pop(idx, None)
                 replica.views[idx].ramp = 1.0
         if replica.ramping:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ._scenario import Fault
+from ._scenario import SLOW_FACTOR, Fault
 from ._simnode import CONNECTING, CRASHED, HUNG, QUEUED, UP, Node, Req
 from ._simtries import Tries
 
@@ -53,7 +53,7 @@ class Faults(Tries):
             elif was == CRASHED:
                 self._schedule_detection(node, now, up=True)
         elif kind == "slow":
-            node.factor = fault.value if fault.value > 0 else 1.0
+            node.factor = fault.value or SLOW_FACTOR
             if self.perfect and node.state == UP:
                 self._leave_group(node)
                 self._join_group(node)

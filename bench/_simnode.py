@@ -142,6 +142,7 @@ class Node:
         "spec",
         "stale",
         "state",
+        "state_since",
         "t_last",
         "ttft",
         "version",
@@ -157,6 +158,7 @@ class Node:
         self.inv_prefill = 1.0 / spec.prefill_tokens_per_s if spec.prefill_tokens_per_s else 0.0
         self.factor = 1.0
         self.state = UP
+        self.state_since = 0.0  # when it last crashed or came back: what health checks see
         self.running = 0
         self.queue: deque[Req] = deque()
         # Queue entries whose try has ended (timed out, failed): left in place and skipped at

@@ -9,7 +9,7 @@ import heapq
 
 from promptlb.middleware._refusals import NoNodeAvailable
 
-from ._simbase import CONNECT_FAIL, FINISH, TIMEOUT
+from ._simbase import CONNECT_FAIL, FINISH, HEADERS, TIMEOUT
 from ._simdetect import Detection
 from ._simnode import CONNECTING, CRASHED, HUNG, QUEUED, RUNNING, STUCK, Node, Req
 from ._simperfect import Perfect
@@ -46,12 +46,15 @@ class Tries(Perfect, Detection):
         """A try failed before its headers: the proxy tries another node if it may."""
         node = req.node
         self._end_try(req)
+        if now >= req.born + self.params.client_timeout:
+            # The client has given up (the try's deadline was the client's): the gateway
+            # cancels the try and counts it against no node, as a cut stream in `_finish`.
+            self._fail(req, "timeout", now)
+            return
         if node is not None and not self.perfect:
             self._record(req.replica, node.idx, ok=False, now=now)
         req.last = kind
-        if now >= req.born + self.params.client_timeout:
-            self._fail(req, "timeout", now)  # the client has already given up
-        elif len(req.tried) >= self.params.attempts:
+        if len(req.tried) >= self.params.attempts:
             self._fail(req, kind, now)
         else:
             self._route(req, now)
@@ -166,9 +169,6 @@ class Tries(Perfect, Detection):
         req.phase = RUNNING
         req.start = now
         node.active[req] = None
-        if req.retry_try:  # its headers are on their way: it leaves the retry budget
-            req.retry_try = False
-            self.replicas[req.replica].budget.retrying -= 1
         prompted = req.prompted
         kv = node.kv
         if prompted is not None and kv is not None and self.service is None:
@@ -187,7 +187,12 @@ class Tries(Perfect, Detection):
             req.cut = True
         req.finish = finish
         heapq.heappush(self.heap, (finish, next(self.seq), FINISH, req, req.try_no))
-        if not req.armed and now + req.head * factor > req.deadline:
+        headers = now + req.head * factor
+        if req.retry_try and headers <= req.deadline:
+            # A retry holds its place in the budget until its headers come, as Balancer.open
+            # keeps it until the node answers: a burst of resets is held to the budget.
+            self._push(headers, HEADERS, req, req.try_no)
+        if not req.armed and headers > req.deadline:
             req.armed = True
             self._push(req.deadline, TIMEOUT, req, req.try_no)
         if self._replanned:  # the forecast took another prefill: recompute it from the state
@@ -249,6 +254,11 @@ class Tries(Perfect, Detection):
                 replica.budget.active -= 1
                 self._record(req.replica, node.idx, ok=True, now=t)
         self._next(node, t)
+
+    def _headers(self, req: Req, try_no: int) -> None:
+        if req.try_no == try_no and req.retry_try:  # else it ended first (`_end_try`)
+            req.retry_try = False
+            self.replicas[req.replica].budget.retrying -= 1
 
     def _timeout(self, t: float, req: Req, try_no: int) -> None:
         if req.done or req.try_no != try_no:
