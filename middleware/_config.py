@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from promptlb.shared import ConfigError, SigningKey, load_key_file, parse_duration
+from promptlb.shared import ConfigError, Redacted, SigningKey, load_key_file, parse_duration
 
 from ._config_base import DURATION, check_redis_url, check_url, positive, whole_number
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
@@ -282,7 +282,7 @@ class IndexShareConfig:
     writes what it sent since and reads what the others wrote. Redis down costs hit rate, never
     a request: the exchange is skipped until it answers again."""
 
-    redis: str  # redis://host:port/db, rediss:// or unix://
+    redis: str = field(repr=False)  # redis://host:port/db, rediss:// or unix://
     every: float = field(default=INDEX_SHARE_EVERY, metadata=DURATION)
     key: str = "promptlb:prefixes"  # one stream per deployment: the replicas that share
     # The stream is trimmed to about this many batches: at 20 ms, 4 s of 50 busy replicas' rounds
@@ -432,6 +432,10 @@ def load_config(source: str | Path | Mapping[str, Any] | Config) -> Config:
     return build(Config, source, "")
 
 
+# Fields whose value an error must not print.
+_SECRETS = frozenset({"api_key", "admin_token", "priority_token"})
+
+
 def build(cls: type[T], data: object, path: str) -> T:
     """Convert a mapping into the dataclass ``cls`` by its field types; errors carry the path."""
     if not isinstance(data, Mapping):
@@ -442,18 +446,27 @@ def build(cls: type[T], data: object, path: str) -> T:
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
         if key not in known:
-            raise ConfigError(where, value, "one of " + ", ".join(sorted(known)))
+            # A mistyped key may be a secret's (admin_tokne = "..."): its value is not echoed.
+            raise ConfigError(where, Redacted(value), "one of " + ", ".join(sorted(known)))
         if key == "strategy_options":
             if not isinstance(value, Mapping):
                 raise ConfigError(where, value, "a table")
             kwargs[key] = dict(value)
             continue
-        kwargs[key] = _convert(hints[key], value, where, known[key].metadata.get("duration", False))
+        try:
+            kwargs[key] = _convert(
+                hints[key], value, where, known[key].metadata.get("duration", False)
+            )
+        except ConfigError as exc:
+            if key in _SECRETS:
+                raise ConfigError(exc.key, Redacted(value), exc.expected) from None
+            raise
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         where = f"{path}.{exc.key}" if path else exc.key
-        raise ConfigError(where, exc.value, exc.expected) from None
+        shown = Redacted(exc.value) if exc.key in _SECRETS else exc.value
+        raise ConfigError(where, shown, exc.expected) from None
     except TypeError as exc:  # a required field is missing
         missing = [
             f.name

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError
 
-__all__ = ["DURATION", "check_redis_url", "check_url", "positive", "whole_number"]
+__all__ = ["DURATION", "check_redis_url", "check_url", "positive", "redact_url", "whole_number"]
 
 DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
 
@@ -20,7 +20,14 @@ def check_url(key: str, value: str) -> str:
         parts = urlsplit(value)
     except ValueError:  # e.g. an unclosed IPv6 bracket
         raise ConfigError(key, value, expected) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.username is not None or parts.password is not None:
+        # Sent as basic auth, and printed wherever the URL is (health logs, the status page).
+        raise ConfigError(key, redact_url(value), "a URL without user:password@ (use api_key)")
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or any(c.isspace() for c in parts.netloc)
+    ):
         raise ConfigError(key, value, expected)
     try:
         port = parts.port  # parsed on access: out of range or not a number raises
@@ -36,12 +43,29 @@ def check_url(key: str, value: str) -> str:
     return value.rstrip("/")
 
 
+def redact_url(value: str) -> str:
+    """``value`` with its password out: ``user:pw@`` and a ``password=`` query parameter
+    (redis-py takes either)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return value
+    if "@" in rest.partition("?")[0]:
+        rest = "***@" + rest.partition("@")[2]
+    head, q, query = rest.partition("?")
+    if q:
+        parts = query.split("&")
+        shown = [
+            f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
+            for p in parts
+        ]
+        rest = f"{head}?{'&'.join(shown)}"
+    return f"{scheme}://{rest}"
+
+
 def check_redis_url(key: str, value: str, expected: str) -> None:
     """A Redis URL that redis-py will take: checked now, or the gateway would fail on it as it
     starts, or halfway through applying a reloaded config."""
-    # The error is printed and logged: the URL's password stays out of it.
-    scheme, _, rest = value.partition("://")
-    shown = f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else value
+    shown = redact_url(value)  # the error is printed and logged: the password stays out
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(key, shown, expected)
     try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from promptlb.shared import ConfigError
 
-from ._config_base import DURATION, check_redis_url, positive
+from ._config_base import DURATION, check_redis_url, positive, redact_url
 
 __all__ = ["CACHE_HOP", "CacheConfig", "FallbackConfig", "SheddingConfig"]
 
@@ -98,11 +98,10 @@ class CacheConfig:
                 raise ConfigError(f"families.{model}", family, "a non-empty string")
 
     def __repr__(self) -> str:
-        scheme, _, rest = self.backend.partition("://")
-        backend = f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else self.backend
         return (
-            f"CacheConfig(backend={backend!r}, ttl={self.ttl}, stale_ttl={self.stale_ttl}, "
-            f"serve_fresh={self.serve_fresh}, max_bytes={self.max_bytes})"
+            f"CacheConfig(backend={redact_url(self.backend)!r}, ttl={self.ttl}, "
+            f"stale_ttl={self.stale_ttl}, serve_fresh={self.serve_fresh}, "
+            f"max_bytes={self.max_bytes})"
         )
 
 

@@ -1,6 +1,6 @@
 """What the sidecar and the middleware agree on: the load snapshot, its codec, config helpers."""
 
-from ._config import ConfigError, parse_duration
+from ._config import ConfigError, Redacted, parse_duration
 from ._errors import SnapshotError
 from ._kv import (
     BLOCK_BYTES,
@@ -24,6 +24,7 @@ __all__ = [
     "EngineSample",
     "FreshnessCheck",
     "GpuSample",
+    "Redacted",
     "SigningKey",
     "Snapshot",
     "SnapshotError",

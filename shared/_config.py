@@ -5,7 +5,20 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["ConfigError", "parse_duration"]
+__all__ = ["ConfigError", "Redacted", "parse_duration"]
+
+
+class Redacted:
+    """Stands in an error for a value it must not print: a secret, or what may be one (the
+    value of a mistyped key such as ``admin_tokne``)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: object) -> None:
+        self.kind = type(value).__name__
+
+    def __repr__(self) -> str:
+        return f"<a {self.kind}, not shown>"
 
 
 class ConfigError(ValueError):

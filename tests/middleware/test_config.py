@@ -112,6 +112,8 @@ TWO = NODE + "[[nodes]]\nname = 'b'\n"
         ("url = 'http://h:8000/v1'", "nodes[1].url", "no path like /v1"),
         ("url = 'http://h:8000/?x=1'", "nodes[1].url", "no query"),
         ("url = 'http://h:8000#top'", "nodes[1].url", "no query"),
+        ("url = 'http://h :8000'", "nodes[1].url", "http(s) URL"),
+        ("url = 'http://u:p@h:8000'", "nodes[1].url", "without user:password@"),
         ("url = 'http://h:1'\nsidecar = 'http://[::1:9500'", "nodes[1].sidecar", "http(s) URL"),
         ("url = 'http://h:1'\nsidecar = 'http://h:95000'", "nodes[1].sidecar", "1..65535"),
         ("url = 'http://h:1'\nsidecar = 'http://h:9500/snapshot'", "nodes[1].sidecar", "no path"),
@@ -260,6 +262,43 @@ def test_a_redis_url_error_keeps_the_password_out() -> None:
         )
     assert info.value.value == "redis://***@h:x"
     assert "pw" not in str(info.value)
+
+
+SECRET = "s3cr3t-value"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # Mistyped keys: the value may be the secret the key was meant to hold.
+        {"admin_tokne": SECRET},
+        {"nodes": [{"name": "a", "url": "http://a:1", "apikey": SECRET}]},
+        {"shedding": {"priority-token": SECRET}},
+        # The right key with a value of the wrong type.
+        {"admin_token": [SECRET]},
+        {"nodes": [{"name": "a", "url": "http://a:1", "api_key": [SECRET]}]},
+        # Passwords in URLs: a query parameter redis-py takes, a node's user:password@.
+        {"cache": {"backend": f"redis://h:6379/0?password={SECRET}&socket_timeout=x"}},
+        {"index_share": {"redis": f"redis://h:6379/0?Password={SECRET}&db=x"}},
+        {"nodes": [{"name": "a", "url": f"http://user:{SECRET}@a:1"}]},
+    ],
+)
+def test_no_error_prints_a_secret(data: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], **data})
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value.value)
+
+
+def test_no_repr_prints_a_redis_password() -> None:
+    config = load_config(
+        {
+            "nodes": [{"name": "a", "url": "http://a:1"}],
+            "cache": {"backend": f"redis://r:6379/0?password={SECRET}"},
+            "index_share": {"redis": f"redis://:{SECRET}@r:6379/0"},
+        }
+    )
+    assert SECRET not in repr(config)
+    assert "redis://r:6379/0?password=***" in repr(config.cache)
 
 
 @pytest.mark.parametrize(
