@@ -159,6 +159,9 @@ class Balancer:
         self._dropped = dropped
         self._names: dict[bytes, str | None] = {}  # see _name_of
         self._assumed_rate = config.outlier.assumed_tokens_per_s
+        # Passed with each try, not only set on the session: a reload keeps the session, and
+        # a changed connect_timeout went on with the old one.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=config.retry.connect_timeout)
 
     async def succeed(self, previous: Balancer) -> tuple[list[str], list[str]]:
         """Take over from ``previous``: the node table follows this config (nodes added and
@@ -552,6 +555,7 @@ class Try:
                                 else URL(node.config.url + target, encoded=True),
                                 data=request.raw,
                                 headers=lb.forward_headers(node, request.headers),
+                                timeout=lb._timeout,
                             )
                         except asyncio.CancelledError:
                             if not expiry.fired or task.uncancel() > cancelling:

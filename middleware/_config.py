@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from promptlb.shared import ConfigError, Redacted, SigningKey, load_key_file, parse_duration
 
+from ._classify import CLASSES
 from ._config_base import DURATION, check_redis_url, check_url, positive, whole_number
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 from ._strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -346,6 +347,18 @@ class Config:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError("strategy", self.strategy, "one of " + ", ".join(sorted(STRATEGIES)))
+        routes = self.strategy_options.get("routes")
+        builtin = self.classifier is None and self.class_header is None
+        if self.strategy == "model_aware" and isinstance(routes, Mapping) and builtin:
+            # The classes are the built-in ones unless a classifier or a header names others:
+            # a mistyped class (cdoe) was a route no request ever took.
+            for name in routes:
+                if name not in CLASSES:
+                    raise ConfigError(
+                        f"strategy_options.routes.{name}",
+                        name,
+                        "one of " + ", ".join(CLASSES) + " (or set classifier/class_header)",
+                    )
         if self.discovery.mode == "static" and not self.nodes:
             raise ConfigError("nodes", [], "at least one [[nodes]] entry (or discovery dns)")
         names = [n.name for n in self.nodes]
@@ -409,6 +422,8 @@ def _read_token(key: str, path: str | None) -> str | None:
         return Path(path).read_text(encoding="utf-8").strip() or None
     except OSError as exc:
         raise ConfigError(key, path, f"a readable file ({exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, path, "a UTF-8 text file holding the token") from None
 
 
 T = TypeVar("T")

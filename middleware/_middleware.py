@@ -126,6 +126,9 @@ class PromptLBMiddleware:
             except ConfigError as exc:
                 log.error("promptlb: config reload refused, the running config stays: %s", exc)
                 return False
+            except Exception:  # a check that let a bad value through: still a refusal
+                log.exception("promptlb: config reload refused, the running config stays")
+                return False
             added, removed = await live.balancer.succeed(old.balancer)
             self._live = live
             self.client.use(live.dispatcher, live.reader)

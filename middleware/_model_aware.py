@@ -29,11 +29,13 @@ class ModelAware:
         default: Sequence[str] = (),
     ) -> None:
         table: dict[str, frozenset[str]] = {}
+        if routes is not None and not isinstance(routes, Mapping):
+            raise ConfigError("routes", routes, "a table of class = [node tags or names]")
         for cls, tags in (routes or {}).items():
-            if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+            if not _names(tags):
                 raise ConfigError(f"routes.{cls}", tags, "a list of node tags or names")
             table[cls] = frozenset(tags)
-        if isinstance(default, str):
+        if not _names(default):
             raise ConfigError("default", default, "a list of node tags or names")
         self._routes = table
         self._default = frozenset(default)
@@ -70,6 +72,13 @@ class ModelAware:
 
     def forget_node(self, name: str) -> None:
         self.inner.forget_node(name)
+
+
+def _names(value: object) -> bool:
+    """Whether ``value`` is a list of node tags or names (a bare string is one tag mistyped)."""
+    return isinstance(value, list | tuple | set | frozenset) and all(
+        isinstance(t, str) and t for t in value
+    )
 
 
 def _matching(candidates: Sequence[NodeView], wanted: frozenset[str]) -> list[NodeView]:

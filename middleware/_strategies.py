@@ -72,4 +72,11 @@ def make_strategy(name: str, **options: Any) -> Strategy:
             outer = name_key or options_key
             key = outer if exc.key == "strategy" else f"{options_key}.{exc.key}"
             raise ConfigError(key, exc.value, exc.expected) from None
-    return STRATEGIES[name](**options)
+    try:
+        return STRATEGIES[name](**options)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        # A value of a type the strategy's own checks did not foresee: a config error, not a
+        # traceback at start (or out of a reload).
+        raise ConfigError("strategy_options", options, f"options {name!r} takes ({exc})") from None

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import socket
+import time
 from typing import Any
 
 import pytest
 from aiohttp import web
-from promptlb.middleware import Config, NodeConfig
+from promptlb.middleware import Config, HealthConfig, NodeConfig
 from promptlb.middleware._balancer import _NAMES_KEPT, Balancer
 from promptlb.middleware._config import RetryConfig
 from promptlb.middleware._refusals import NoNodeAvailable, UpstreamError
@@ -231,3 +234,44 @@ async def test_a_stop_during_a_start_waits_for_it_and_leaves_nothing_running(
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("promptlb-")]
     gc.collect()
     assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
+
+
+async def test_a_reloaded_connect_timeout_is_the_one_tries_use() -> None:
+    # The session, with the first config's connect timeout, passes to the new balancer: the
+    # new timeout was logged as changed and never used.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    waiting = []  # its one-place backlog full: a new connect is never answered
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(("127.0.0.1", port))
+        waiting.append(sock)
+
+    def config(connect: float) -> Config:
+        return Config(
+            nodes=(NodeConfig(name="a", url=f"http://127.0.0.1:{port}", models=("m",)),),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(attempts=1, connect_timeout=connect),
+        )
+
+    old = Balancer(config(0.2))
+    await old.start()
+    lb = Balancer(config(1.2), previous=old)
+    try:
+        await lb.succeed(old)
+        request = RequestReader(lb.config, lb.admission).build(
+            "/v1/chat/completions", {"model": "m", "messages": []}
+        )
+        started = time.monotonic()
+        with pytest.raises(UpstreamError):
+            async with lb.open(request):
+                pass
+        assert time.monotonic() - started >= 1.0
+    finally:
+        await lb.stop()
+        for sock in (*waiting, listener):
+            sock.close()

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
+from promptlb.middleware._live import build_live
 from promptlb.shared import ConfigError
 
 NODE = "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:8000'\n"
@@ -331,3 +332,48 @@ def test_a_redis_url_without_the_redis_extra_is_a_config_error(
         load_config({"nodes": [{"name": "a", "url": "http://a:1"}], table: {key: "redis://h/0"}})
     assert info.value.key == f"{table}.{key}"
     assert "promptlb[redis]" in info.value.expected
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"default": 3}, "strategy_options.default"),
+        ({"default": "gpu"}, "strategy_options.default"),  # one tag, mistyped as a string
+        ({"routes": 3}, "strategy_options.routes"),
+        ({"routes": {"code": 5}}, "strategy_options.routes.code"),
+        ({"routes": {"code": True}}, "strategy_options.routes.code"),
+        # Without a classifier or class header the classes are the built-in ones.
+        ({"routes": {"cdoe": ["gpu"]}}, "strategy_options.routes.cdoe"),
+    ],
+)
+def test_model_aware_options_of_the_wrong_shape_are_config_errors(
+    options: dict[str, Any], key: str
+) -> None:
+    # They were a TypeError or AttributeError out of the gateway's start, or out of a reload.
+    data = {"nodes": [{"name": "a", "url": "http://a:1"}], "strategy": "model_aware"}
+    with pytest.raises(ConfigError) as info:
+        build_live(load_config({**data, "strategy_options": options}), None)
+    assert info.value.key == key
+
+
+def test_a_class_of_its_own_is_a_route_under_a_classifier_or_class_header() -> None:
+    config = load_config(
+        {
+            "nodes": [{"name": "a", "url": "http://a:1"}],
+            "strategy": "model_aware",
+            "class_header": "x-class",
+            "strategy_options": {"routes": {"batch": ["cpu"]}},
+        }
+    )
+    build_live(config, None)
+
+
+def test_a_token_file_that_is_not_text_is_a_config_error(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe\x00binary")
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://a:1"}], "admin_token_file": str(token)}
+    )
+    with pytest.raises(ConfigError, match="UTF-8") as info:
+        config.admin_secret()
+    assert info.value.key == "admin_token_file"

@@ -334,3 +334,22 @@ async def test_a_first_burst_without_lifespan_waits_for_the_first_health_round(
             )
         await app.balancer.stop()
     assert [a.status_code for a in answers] == [200] * 5
+
+
+async def test_a_reload_that_fails_any_other_way_is_still_a_refusal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A check that lets a bad value through raised out of reload(): under SIGHUP an
+    # unretrieved task exception, not the refusal line, and the caller saw no answer.
+    config = {"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+    app = PromptLBMiddleware(None, config=config)  # type: ignore[arg-type]
+    before = app.config
+
+    def broken(*args: Any) -> Any:
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr("promptlb.middleware._middleware.build_live", broken)
+    with caplog.at_level("ERROR", logger="promptlb"):
+        assert not await app.reload(config)
+    assert app.config is before
+    assert any("reload refused" in r.getMessage() for r in caplog.records)
