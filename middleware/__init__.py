@@ -2,15 +2,19 @@
 
 from ._client import PromptLBClient, PromptLBError
 from ._config import (
+    AffinityConfig,
+    BatchingConfig,
     Config,
     DiscoveryConfig,
     HealthConfig,
+    IndexShareConfig,
     NodeConfig,
     OutlierConfig,
     RequestsConfig,
     RetryConfig,
     load_config,
 )
+from ._config_degrade import CacheConfig, FallbackConfig, SheddingConfig
 from ._middleware import PromptLBMiddleware
 from ._refusals import NoNodeAvailable
 from ._strategies import STRATEGIES
@@ -18,9 +22,14 @@ from ._view import NodeView, RouteRequest
 
 __all__ = [
     "STRATEGIES",
+    "AffinityConfig",
+    "BatchingConfig",
+    "CacheConfig",
     "Config",
     "DiscoveryConfig",
+    "FallbackConfig",
     "HealthConfig",
+    "IndexShareConfig",
     "NoNodeAvailable",
     "NodeConfig",
     "NodeView",
@@ -31,5 +40,6 @@ __all__ = [
     "RequestsConfig",
     "RetryConfig",
     "RouteRequest",
+    "SheddingConfig",
     "load_config",
 ]

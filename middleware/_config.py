@@ -112,7 +112,7 @@ class DiscoveryConfig:
     mode: Literal["static", "dns"] = "static"
     name: str = ""
     port: int = 8000
-    sidecar_port: int | None = 9500
+    sidecar_port: int | None = 9500  # 0 (TOML has no null) or None: the nodes have none
     scheme: Literal["http", "https"] = "http"
     sidecar_scheme: Literal["http", "https"] = "http"
     interval: float = field(default=30.0, metadata=DURATION)
@@ -124,6 +124,10 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         if self.mode == "dns" and not self.name:
             raise ConfigError("name", self.name, "a DNS name to resolve (discovery mode dns)")
+        if self.sidecar_port == 0 and not isinstance(self.sidecar_port, bool):
+            # Discovered nodes without sidecars: each health check went to a sidecar port with
+            # nothing there, and each gossip round failed.
+            object.__setattr__(self, "sidecar_port", None)
         for key in ("port", "sidecar_port"):
             port = getattr(self, key)
             if port is not None and not 1 <= port <= 65535:
@@ -156,6 +160,8 @@ class HealthConfig:
         for key in ("unhealthy_threshold", "healthy_threshold"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, getattr(self, key), "an integer >= 1")
+        if not self.expected_statuses:  # no status would pass: every node unhealthy, every 503
+            raise ConfigError("expected_statuses", [], "at least one [start, end) range")
         for pair in self.expected_statuses:
             if len(pair) != 2 or not 100 <= pair[0] < pair[1] <= 600:
                 raise ConfigError(

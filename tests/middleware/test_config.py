@@ -377,3 +377,34 @@ def test_a_token_file_that_is_not_text_is_a_config_error(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="UTF-8") as info:
         config.admin_secret()
     assert info.value.key == "admin_token_file"
+
+
+def test_no_expected_status_at_all_is_refused() -> None:
+    # Every health check failed: every node unhealthy from the start, every request a 503.
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            {"nodes": [{"name": "a", "url": "http://a:1"}], "health": {"expected_statuses": []}}
+        )
+    assert info.value.key == "health.expected_statuses"
+
+
+def test_discovered_nodes_without_sidecars_are_said_with_port_0() -> None:
+    # TOML has no null, and None was the only way to say it.
+    dns = {"mode": "dns", "name": "models.local", "sidecar_port": 0}
+    config = load_config({"discovery": dns})
+    assert config.discovery.sidecar_port is None
+
+
+def test_every_config_table_can_be_built_from_the_public_api() -> None:
+    import promptlb.middleware as public
+
+    config = Config(
+        nodes=(NodeConfig(name="a", url="http://a:1"),),
+        cache=public.CacheConfig(),
+        fallback=(public.FallbackConfig(model="big", then=("small",)),),
+        shedding=public.SheddingConfig(enabled=True),
+        affinity=public.AffinityConfig(),
+        batching=public.BatchingConfig(),
+        index_share=public.IndexShareConfig(redis="redis://127.0.0.1:6379/0"),
+    )
+    assert config.index_share is not None
