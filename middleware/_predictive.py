@@ -262,7 +262,8 @@ class Predictive:
         self._models: dict[str, ServiceModel] = {}
         self._old_models: dict[str, ServiceModel] = {}
         self._picks_left = FORGET_SPAN
-        self._history: dict[str, float] = {}  # prompt class -> EWMA of its output tokens
+        # (model, prompt class) -> EWMA of the max_tokens its requests asked for
+        self._history: dict[tuple[str, str], float] = {}
         self._mean_out = 0.0  # EWMA of the expected output of every request routed
         if not isinstance(cache_aware, bool):
             raise ConfigError("cache_aware", cache_aware, "true or false")
@@ -297,7 +298,9 @@ class Predictive:
     def expected_output(self, request: RouteRequest) -> float:
         if request.max_tokens is not None and request.max_tokens > 0:
             return float(request.max_tokens)
-        return self._history.get(request.prompt_class, float(self.default_output_tokens))
+        return self._history.get(
+            (request.model, request.prompt_class), float(self.default_output_tokens)
+        )
 
     def expected_time(
         self, request: RouteRequest, node: NodeView, out: float, uncached: float | None = None
@@ -571,17 +574,12 @@ class Predictive:
         # The wait is a guess: never let it take more than most of what was measured.
         service = max(latency_s - waited, 0.2 * latency_s)
         out = self.expected_output(request)
-        if request.max_tokens is None and model.count >= self.warmup:
-            _, b, c = model.theta
-            if b > 0:
-                implied = (
-                    (service - max(model.theta[0], 0.0) - max(c, 0.0) * (prefill / _IN_SCALE))
-                    * _OUT_SCALE
-                    / b
-                )
-                self._learn_class(request.prompt_class, max(1.0, implied))
-        elif request.max_tokens is not None and request.max_tokens > 0:
-            self._learn_class(request.prompt_class, float(request.max_tokens))
+        # Only what requests asked for: a length implied by an answer's latency, through a b
+        # that was itself fitted to such lengths, ran away (non-streamed chats without
+        # max_tokens: 2e14 tokens within a thousand picks, then b at 0 and no way back). With
+        # no size known, `out` stays one constant and b takes the mean length up.
+        if request.max_tokens is not None and request.max_tokens > 0:
+            self._learn_class(request, float(request.max_tokens))
         decode = None
         if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
             decode = latency_s - ttft_s
@@ -607,11 +605,13 @@ class Predictive:
         name, out, prefill, service, decode, clean = reading
         self._model(name).update(out, prefill, service, decode, head=clean)
 
-    def _learn_class(self, prompt_class: str, tokens: float) -> None:
-        old = self._history.get(prompt_class)
+    def _learn_class(self, request: RouteRequest, tokens: float) -> None:
+        # By model too: an embeddings model's requests said nothing of a chat model's.
+        key = (request.model, request.prompt_class)
+        old = self._history.get(key)
         if old is None and len(self._history) >= _MAX_CLASSES:
             return  # classes can come from a header: they must not pile up
-        self._history[prompt_class] = tokens if old is None else old + 0.05 * (tokens - old)
+        self._history[key] = tokens if old is None else old + 0.05 * (tokens - old)
 
     def model_of(self, name: str) -> ServiceModel | None:
         """The learnt model of node ``name``, for the status page and tests."""

@@ -346,6 +346,39 @@ def test_requests_without_max_tokens_use_their_class_history(node: MakeNode) -> 
     assert strategy.expected_output(request(77, cls="code")) == 77
 
 
+def test_answers_without_max_tokens_never_run_the_output_estimate_away(node: MakeNode) -> None:
+    # Their length was learnt from latency through b, which was fitted to those same lengths:
+    # within a thousand picks 2e14 tokens, b at zero, and two of four equal nodes starved.
+    rng = random.Random(3)
+    strategy = Predictive(PowerOfTwoChoices())
+    views = [node(f"n{i}", running=0) for i in range(4)]
+    got: Counter[str] = Counter()
+    for i in range(4000):
+        asked = RouteRequest(model="m", input_tokens=rng.randint(20, 2000), max_tokens=None)
+        chosen = strategy.pick(asked, views, rng)
+        latency = 0.2 + 0.0001 * asked.input_tokens + 0.02 * rng.randint(50, 350)
+        strategy.observe(asked, chosen, latency, None, 0)
+        if i >= 3000:
+            got[chosen.name] += 1
+    assert strategy.expected_output(RouteRequest(model="m", max_tokens=None)) == 256
+    for view in views:
+        model = strategy.model_of(view.name)
+        assert model is not None
+        # b takes up the mean length: 0.02 s a token x 200 tokens ~ 4 s at 256 "tokens".
+        assert 2.0 < model.service(256, 1000) < 7.0
+    assert min(got.values()) > 150, got  # of 1,000: none starved
+
+
+def test_a_models_history_is_its_own(node: MakeNode) -> None:
+    strategy = Predictive(PowerOfTwoChoices())
+    view = node("a", running=0)
+    embed = RouteRequest(model="embed", input_tokens=100, max_tokens=9_000)
+    for _ in range(20):
+        strategy.observe(embed, view, 0.5, None, 0)
+    assert strategy.expected_output(RouteRequest(model="embed", max_tokens=None)) > 8_000
+    assert strategy.expected_output(RouteRequest(model="chat", max_tokens=None)) == 256
+
+
 def test_predictive_is_in_the_strategy_table_with_its_options() -> None:
     strategy = make_strategy("predictive", warmup=4, sample=8, forget=0.9)
     assert isinstance(strategy, Predictive)
