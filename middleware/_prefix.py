@@ -157,6 +157,10 @@ class PrefixIndex:
             state = nodes.get(node.name)
             if state is None:
                 continue
+            snap = node.snapshot
+            if snap is not None and state.boot is not None and snap.boot != state.boot:
+                # Restarted, its cache gone: matched until the next record there noticed.
+                state = self._state(node)
             get = state.sent.get
             sent = get(first)
             if sent is None or sent < oldest:

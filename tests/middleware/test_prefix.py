@@ -90,6 +90,17 @@ def test_a_full_node_caps_its_entries_and_a_restart_empties_them(node: MakeNode)
     assert len(index) == 1
 
 
+def test_a_restarted_node_holds_nothing_from_its_first_new_snapshot(node: MakeNode) -> None:
+    # Only a record there noticed the new boot: until one came, the restarted node still
+    # matched as the holder and won picks for prefixes it no longer had.
+    index = PrefixIndex()
+    prompt = blocks("o" * CHUNK * 3)
+    index.record(node("a", running=1), prompt, 1)
+    assert index.matches(prompt, [node("a", seq=2, running=1)], 2) == {"a": 3}
+    assert index.matches(prompt, [node("a", seq=1, boot="new", running=0)], 2) == {}
+    assert len(index) == 0
+
+
 def test_the_engines_capacity_bounds_the_node_whatever_its_use(node: MakeNode) -> None:
     # 10 coarse blocks fit: the index keeps as many, however many replicas' records it takes.
     index = PrefixIndex(capacity=1000)
