@@ -92,6 +92,9 @@ class Affinity:
         self._rings: dict[int, _Ring] = {}
         self._by_names: dict[tuple[str, ...], _Ring] = {}
         # Looked up once: the Strategy protocol may or may not have the hook.
+        self._inner_placed: Callable[[RouteRequest, NodeView], None] | None = getattr(
+            inner, "placed", None
+        )
 
     @property
     def inner(self) -> Strategy:
@@ -144,11 +147,16 @@ class Affinity:
         return self._inner.pick(request, candidates, rng)
 
     def _placed(self, request: RouteRequest, node: NodeView) -> NodeView:
-        # Placed here, not by the inner strategy: its prefix index learns where the request went
-        # (and the other replicas, which the balancer tells of every try's end, of its start).
-        index = self._inner.prefix_index
-        if index is not None:
-            index.placed(node, request.blocks)
+        # Placed here, not by the inner strategy: it learns where the request went, its prefix
+        # index does (and the other replicas, which the balancer tells of every try's end, of
+        # its start).
+        hook = self._inner_placed
+        if hook is not None:
+            hook(request, node)
+        else:
+            index = self._inner.prefix_index
+            if index is not None:
+                index.placed(node, request.blocks)
         return node
 
     def observe(

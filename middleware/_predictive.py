@@ -62,6 +62,7 @@ __all__ = ["Predictive", "ServiceModel"]
 _OUT_SCALE = 100.0  # features in hundreds of output tokens and thousands of input tokens keep
 _IN_SCALE = 1000.0  # the least-squares problem well conditioned
 _MAX_CLASSES = 1024
+_UNCACHED_KEPT = 4096  # picks awaiting their answers, the oldest let go first
 _P_CAP = 1e4  # bounds the covariance: forgetting with little excitation would inflate it
 # Expected times this close to the best are a tie, settled by our own requests in flight. In the
 # simulator (three or four seeds, 1 and 8 replicas) 0.2 took shared-system-prompt's TTFT p90 at
@@ -281,8 +282,11 @@ class Predictive:
         self._tick = 0
         # The uncached prompt tokens of each pick, until its answer teaches the model: by the id
         # of the route (one object per request, the same at pick and at observe) and the node,
-        # since a hedged request is picked twice and answered by either; bounded.
-        self._uncached: dict[tuple[int, str], float] = {}
+        # since a hedged request is picked twice and answered by either. The route is held
+        # with it, so that no other request can take its id while the entry stands (a failed
+        # try's entry was read by a later request given the freed id). Bounded: the oldest
+        # go first, answers that never came (failed tries).
+        self._uncached: dict[tuple[int, str], tuple[RouteRequest, float]] = {}
 
     @property
     def prefix_index(self) -> PrefixIndex | None:
@@ -387,11 +391,27 @@ class Predictive:
             # record below, which would make every prompt look cached where it was just sent
             depth = index.matches(request.blocks, (chosen,), self._tick).get(chosen.name, 0)
         index.record(chosen, request.blocks, self._tick)
-        uncached = self._uncached
-        if len(uncached) > 4096:
-            uncached.clear()  # answers that never came (failed tries): let them go
-        uncached[id(request), chosen.name] = self._prefill(request, depth)
+        self._remember(request, chosen, depth)
         return chosen
+
+    def placed(self, request: RouteRequest, node: NodeView) -> None:
+        """A wrapper placed ``request`` on ``node`` itself (``[affinity]``'s ring): recorded
+        as a pick of ours, with what the node was expected to hold then, so that its answer
+        teaches the prefill rate from the uncached part (it was taught the whole prompt,
+        most of it cached on a session's node, and learnt prefill as nearly free)."""
+        index = self.index
+        if index is None:
+            return
+        if request.blocks:
+            depth = index.matches(request.blocks, (node,), self._tick).get(node.name, 0)
+            self._remember(request, node, depth)
+        index.placed(node, request.blocks)
+
+    def _remember(self, request: RouteRequest, node: NodeView, depth: int) -> None:
+        uncached = self._uncached
+        if len(uncached) >= _UNCACHED_KEPT:
+            del uncached[next(iter(uncached))]
+        uncached[id(request), node.name] = (request, self._prefill(request, depth))
 
     @staticmethod
     def _prefill(request: RouteRequest, depth: int) -> float:
@@ -569,7 +589,8 @@ class Predictive:
     ) -> None:
         """A successful try took ``latency_s``; ``queue_at_pick`` was the node's queue then."""
         model = self._model(node.name)
-        prefill = self._uncached.pop((id(request), node.name), float(request.input_tokens))
+        entry = self._uncached.pop((id(request), node.name), None)
+        prefill = entry[1] if entry is not None else float(request.input_tokens)
         waited = model.wait(queue_at_pick) if model.count else 0.0
         # The wait is a guess: never let it take more than most of what was measured.
         service = max(latency_s - waited, 0.2 * latency_s)

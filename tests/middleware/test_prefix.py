@@ -3,6 +3,8 @@ node's capacity, and the guards against the pitfalls peers' users hit."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import random
 from collections import Counter
@@ -10,6 +12,7 @@ from collections import Counter
 import aiohttp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from promptlb.middleware._affinity import Affinity
 from promptlb.middleware._config import load_config
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._predictive import Predictive
@@ -454,10 +457,42 @@ def test_the_model_learns_prefill_from_what_was_not_cached(node: MakeNode) -> No
     a = node("a")
     req = chat("f" * CHUNK * 6, 10)  # cold: the inner strategy picks, alone
     assert strategy.pick(req, [a], random.Random(1)) is a
-    assert strategy._uncached[id(req), "a"] == req.input_tokens  # nothing was held before
+    assert strategy._uncached[id(req), "a"][1] == req.input_tokens  # nothing was held before
     again = chat("f" * CHUNK * 6, 20)
     strategy.pick(again, [a], random.Random(1))
-    assert strategy._uncached[id(again), "a"] == again.input_tokens - 6 * INDEX_TOKENS
+    assert strategy._uncached[id(again), "a"][1] == again.input_tokens - 6 * INDEX_TOKENS
+
+
+def test_a_session_placed_by_affinity_teaches_prefill_from_what_was_not_cached(
+    node: MakeNode,
+) -> None:
+    # Placed on its session's node by [affinity]'s ring, a turn taught the model its whole
+    # prompt as prefill, most of it cached there: the rate came out low, cached prefixes
+    # undervalued.
+    strategy = Affinity(Predictive(PowerOfTwoChoices()))
+    a = node("a")
+    first = dataclasses.replace(chat("g" * CHUNK * 6, 10), session_key="s:1")
+    assert strategy.pick(first, [a], random.Random(1)) is a
+    inner = strategy.inner
+    assert isinstance(inner, Predictive)
+    assert inner._uncached[id(first), "a"][1] == first.input_tokens
+    turn = dataclasses.replace(chat("g" * CHUNK * 6, 20), session_key="s:1")
+    strategy.pick(turn, [a], random.Random(1))
+    assert inner._uncached[id(turn), "a"][1] == turn.input_tokens - 6 * INDEX_TOKENS
+
+
+def test_an_answer_never_learns_another_requests_uncached_tokens(node: MakeNode) -> None:
+    # A failed try's entry stayed, and the next request given its freed id (CPython reuses
+    # them at once) was taught with it: 9,000 tokens for a 300-token prompt.
+    strategy = Predictive(PowerOfTwoChoices())
+    a = node("a")
+    a_route = RouteRequest(model="m")
+    long = chat("h" * CHUNK * 30, 10)
+    strategy.pick(long, [a], random.Random(1))  # its try fails: no observe
+    del long
+    gc.collect()
+    later = [dataclasses.replace(a_route, input_tokens=75) for _ in range(50)]
+    assert not any((id(r), "a") in strategy._uncached for r in later)
 
 
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=700)
