@@ -95,6 +95,9 @@ class Affinity:
         self._inner_placed: Callable[[RouteRequest, NodeView], None] | None = getattr(
             inner, "placed", None
         )
+        self._narrow: Callable[[RouteRequest, Sequence[NodeView]], Sequence[NodeView]] | None = (
+            getattr(inner, "narrow", None)
+        )
 
     @property
     def inner(self) -> Strategy:
@@ -114,6 +117,11 @@ class Affinity:
         key = request.session_key
         if key is None:
             return self._inner.pick(request, candidates, rng)
+        narrow = self._narrow
+        if narrow is not None:
+            # model_aware's class routes hold for keyed requests too: the ring ran over every
+            # candidate, and a class routed to one node was spread over all of them.
+            candidates = narrow(request, candidates)
         n = len(candidates)
         if n == 0:
             raise NoNodeAvailable(request.model)

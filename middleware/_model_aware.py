@@ -52,13 +52,18 @@ class ModelAware:
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
     ) -> NodeView:
+        return self.inner.pick(request, self.narrow(request, candidates), rng)
+
+    def narrow(self, request: RouteRequest, candidates: Sequence[NodeView]) -> Sequence[NodeView]:
+        """The candidates of ``request``'s class: its route's nodes, else the default's, else
+        all. A wrapper that places requests itself (``[affinity]``) narrows by it first."""
         chosen: Sequence[NodeView] = ()
         wanted = self._routes.get(request.prompt_class)
         if wanted:
             chosen = _matching(candidates, wanted)
         if not chosen and self._default:
             chosen = _matching(candidates, self._default)
-        return self.inner.pick(request, chosen or candidates, rng)
+        return chosen or candidates
 
     def observe(
         self,

@@ -209,6 +209,23 @@ def test_rings_are_built_once_per_candidate_list(nodes: MakePool) -> None:
     assert len(ring.points) == 4 * 16
 
 
+def test_model_aware_routes_hold_for_keyed_requests(node: MakeNode) -> None:
+    # The ring ran over every candidate: a class routed to one node went to all three.
+    routed = make_strategy("model_aware", routes={"code": ["gpu-big"]})
+    affinity = Affinity(routed)
+    pool = [node("big", tags={"gpu-big"}), node("small1"), node("small2")]
+    rng = random.Random(3)
+    got = Counter(
+        affinity.pick(
+            RouteRequest(model="m", session_key=f"s:{i}", prompt_class="code"), pool, rng
+        ).name
+        for i in range(300)
+    )
+    assert got == {"big": 300}
+    others = Counter(affinity.pick(keyed(f"s:{i}"), pool, rng).name for i in range(300))
+    assert len(others) == 3  # an unrouted class keeps the whole ring
+
+
 def test_a_list_filtered_per_request_finds_the_ring_of_the_same_nodes(nodes: MakePool) -> None:
     # Shedding's admission filter and a retry's list are new objects each request: each
     # rebuilt its ring (64 nodes x 64 points sorted, 2.5 ms a pick). The same nodes in the
