@@ -273,11 +273,11 @@ class Predictive:
         # Aged in picks, not seconds: a strategy has no clock of its own (the simulator runs
         # it on virtual time), and an idle gateway's cache entries are not getting older.
         self.index: PrefixIndex | None = None
+        # Checked with the index off too: a bad value turning up only once it is switched on.
+        capacity = whole_number("index_capacity", index_capacity, 16)
+        ttl = float(whole_number("index_ttl", index_ttl, 1))
         if cache_aware:
-            self.index = PrefixIndex(
-                capacity=whole_number("index_capacity", index_capacity, 16),
-                ttl=float(whole_number("index_ttl", index_ttl, 1)),
-            )
+            self.index = PrefixIndex(capacity=capacity, ttl=ttl)
             self.index.on_reading = self._learn_reading
         self._tick = 0
         # The uncached prompt tokens of each pick, until its answer teaches the model: by the id

@@ -395,6 +395,8 @@ def test_predictive_is_in_the_strategy_table_with_its_options() -> None:
         ({"default_output_tokens": 0}, "default_output_tokens"),
         ({"p2c_options": {"queue_scale": -1}}, "p2c_options.queue_scale"),
         ({"p2c_options": {"nope": 1}}, "p2c_options.nope"),  # the path to the bad key
+        ({"cache_aware": False, "index_capacity": 0}, "index_capacity"),
+        ({"cache_aware": False, "index_ttl": "1h"}, "index_ttl"),
     ],
 )
 def test_bad_predictive_options_are_config_errors(options: dict[str, Any], key: str) -> None:
