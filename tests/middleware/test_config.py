@@ -408,3 +408,35 @@ def test_every_config_table_can_be_built_from_the_public_api() -> None:
         index_share=public.IndexShareConfig(redis="redis://127.0.0.1:6379/0"),
     )
     assert config.index_share is not None
+
+
+def test_the_readme_names_every_config_key() -> None:
+    # examples/cluster.toml says the README lists them all; a dozen keys were missing.
+    import dataclasses
+    import re
+
+    import promptlb.middleware as public
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tables = [
+        public.Config,
+        public.NodeConfig,
+        public.DiscoveryConfig,
+        public.HealthConfig,
+        public.OutlierConfig,
+        public.RetryConfig,
+        public.RequestsConfig,
+        public.CacheConfig,
+        public.FallbackConfig,
+        public.SheddingConfig,
+        public.BatchingConfig,
+        public.AffinityConfig,
+        public.IndexShareConfig,
+    ]
+    missing = [
+        f"{table.__name__}.{field.name}"
+        for table in tables
+        for field in dataclasses.fields(table)
+        if not re.search(rf"\b{field.name}\b", readme)
+    ]
+    assert not missing
