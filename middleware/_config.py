@@ -365,6 +365,10 @@ class Config:
                         name,
                         "one of " + ", ".join(CLASSES) + " (or set classifier/class_header)",
                     )
+        if self.discovery.mode == "dns" and self.nodes:
+            # They served until the first answer replaced them, and no reload ever touched
+            # them: neither a bootstrap list nor a part of the cluster.
+            raise ConfigError("nodes", [n.name for n in self.nodes], "none with discovery dns")
         if self.discovery.mode == "static" and not self.nodes:
             raise ConfigError("nodes", [], "at least one [[nodes]] entry (or discovery dns)")
         names = [n.name for n in self.nodes]

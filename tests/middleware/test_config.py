@@ -87,6 +87,7 @@ tags = ["code"]
         ("[outlier]\nassumed_tokens_per_s = 0\n" + NODE, "outlier.assumed_tokens_per_s", "> 0"),
         ("forward_client_address = 'yes'\n" + NODE, "forward_client_address", "true or false"),
         ("[discovery]\nmode = 'dns'\n", "discovery.name", "DNS name"),
+        (NODE + "[discovery]\nmode = 'dns'\nname = 'm.local'\n", "nodes", "none with discovery"),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_what_was_expected(
