@@ -22,7 +22,7 @@ from ._answer import Answer
 from ._balancer import Balancer
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
 from ._config import Config
-from ._config_degrade import CACHE_HOP, FallbackConfig
+from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Refusal, Shed, UnknownModel, UpstreamError
 from ._request import Request
 from ._shedding import QueueTimeout
@@ -53,7 +53,10 @@ class Dispatcher:
         self._closing: set[asyncio.Task[None]] = set()
         if previous is not None:
             self.retired, self._closing = previous.retired, previous._closing
-            if previous.cache_config == cache_cfg:
+            if _store(previous.cache_config) == _store(cache_cfg):
+                # Only how answers are served changed (serve_fresh, ttl, sampling, families):
+                # the stored answers stay. A new store lost them all, a memory backend's most
+                # of all, which is what an outage falls back on.
                 self.cache, self._writes = previous.cache, previous._writes
             elif previous.cache is not None:
                 self._retire(previous.cache, previous._writes, previous.config)
@@ -444,3 +447,16 @@ class _Answering:
         found = self._found
         if found is not None and found.held is not None:
             found.held.close(exc)
+
+
+def _store(config: CacheConfig | None) -> tuple[object, ...] | None:
+    """What the cache's store is built from: a reload that changes none of it keeps it."""
+    if config is None:
+        return None
+    return (
+        config.backend,
+        config.max_bytes,
+        config.stale_ttl,
+        config.key_prefix,
+        config.timeout,
+    )

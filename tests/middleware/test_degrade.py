@@ -671,3 +671,19 @@ async def test_an_attempt_answered_before_its_hedge_was_due_wins_no_race() -> No
     count = lb.metrics.registry.get_sample_value
     assert count("promptlb_hedges_total", {"event": "won_first"}) == 1
     assert count("promptlb_hedges_total", {"event": "won_hedge"}) is None
+
+
+def test_a_reload_that_changes_only_how_answers_are_served_keeps_the_stored_ones() -> None:
+    # Any [cache] change replaced the store: a memory backend lost every answer, which is
+    # what an outage falls back on.
+    def live(cache: dict[str, Any], before: Any = None) -> Any:
+        nodes = [{"name": "a", "url": "http://127.0.0.1:9"}]
+        return build_live(load_config({"nodes": nodes, "cache": cache}), before)
+
+    first = live({"serve_fresh": False})
+    second = live({"serve_fresh": True, "ttl": "10m", "cache_sampled": True}, first)
+    assert second.dispatcher.cache is first.dispatcher.cache
+    assert not second.dispatcher.retired
+    third = live({"serve_fresh": True, "ttl": "10m", "max_bytes": 2**20}, second)
+    assert third.dispatcher.cache is not second.dispatcher.cache
+    assert third.dispatcher.retired == [second.dispatcher.cache]
