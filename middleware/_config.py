@@ -63,7 +63,10 @@ class NodeConfig:
         if self.sidecar is not None:
             object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
         positive("weight", self.weight)
-        if self.api_key_env is not None and self.api_key is None:
+        if self.api_key_env is not None and self.api_key is not None:
+            # One of them was silently ignored (the environment's).
+            raise ConfigError("api_key_env", self.api_key_env, "no api_key beside it")
+        if self.api_key_env is not None:
             key = os.environ.get(self.api_key_env)
             if not key:
                 raise ConfigError("api_key_env", self.api_key_env, "a set environment variable")
@@ -371,10 +374,11 @@ class Config:
             raise ConfigError("nodes", [n.name for n in self.nodes], "none with discovery dns")
         if self.discovery.mode == "static" and not self.nodes:
             raise ConfigError("nodes", [], "at least one [[nodes]] entry (or discovery dns)")
-        names = [n.name for n in self.nodes]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ConfigError("nodes", dup, "unique node names")
+        seen: set[str] = set()
+        for i, node in enumerate(self.nodes):
+            if node.name in seen:
+                raise ConfigError(f"nodes[{i}].name", node.name, "a name no other node has")
+            seen.add(node.name)
         for route in self.routes:
             if not route.startswith("/"):
                 raise ConfigError("routes", route, "paths starting with /")

@@ -251,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")
     header_timeout = _duration(parser, "--header-timeout", args.header_timeout)
-    graceful_shutdown = _duration(parser, "--graceful-shutdown", args.graceful_shutdown)
+    # 0: stop at once, the requests under way cut (a restart that must not wait).
+    graceful_shutdown = _duration(parser, "--graceful-shutdown", args.graceful_shutdown, zero=True)
     # promptlb's own lines (ejections and returns, health changes, reloads) at the chosen
     # level; uvicorn configures only its own loggers.
     handler = logging.StreamHandler()
@@ -276,12 +277,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
 
-def _duration(parser: argparse.ArgumentParser, flag: str, value: str) -> float:
-    """A duration flag's seconds (> 0), or the parser's error naming it."""
+def _duration(
+    parser: argparse.ArgumentParser, flag: str, value: str, *, zero: bool = False
+) -> float:
+    """A duration flag's seconds (> 0, or >= 0 with ``zero``), or the parser's error naming
+    it."""
     try:
         seconds = parse_duration(flag, value)
     except ConfigError as exc:
         parser.error(f"argument {exc}")
-    if seconds <= 0:
-        parser.error(f"argument {flag}: got {value}, expected > 0")
+    if seconds < 0 or (seconds == 0 and not zero):
+        parser.error(f"argument {flag}: got {value}, expected {'>= 0' if zero else '> 0'}")
     return seconds

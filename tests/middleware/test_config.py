@@ -77,7 +77,12 @@ tags = ["code"]
         ),
         ("stratgy = 'p2c'\n" + NODE, "stratgy", "one of"),
         ("", "nodes", "at least one"),
-        (NODE + NODE, "nodes", "unique"),
+        (NODE + NODE, "nodes[1].name", "no other node has"),
+        (
+            "[[nodes]]\nname = 'a'\nurl = 'http://a:1'\napi_key = 'k'\napi_key_env = 'HOME'\n",
+            "nodes[0].api_key_env",
+            "no api_key beside it",
+        ),
         ("max_body_bytes = 10\n" + NODE, "max_body_bytes", ">= 1024"),
         ("[requests]\nmax_tokens = 0\n" + NODE, "requests.max_tokens", ">= 1"),
         ("[requests]\ncontext = { big = -1 }\n" + NODE, "requests.context.big", ">= 1"),

@@ -424,12 +424,18 @@ async def test_sigterm_lets_a_long_stream_finish_within_the_graceful_shutdown(
     assert gateway.proc.wait(timeout=5) in (0, -signal.SIGTERM)
 
 
-def test_the_gateway_refuses_a_bad_graceful_shutdown() -> None:
+def test_the_gateway_refuses_a_bad_graceful_shutdown(capsys: pytest.CaptureFixture[str]) -> None:
     from promptlb.middleware._gateway import main
 
-    for bad in ("soon", "0s"):
+    for bad in ("soon", "-1s"):
         with pytest.raises(SystemExit):
             main(["--config", "x.toml", "--graceful-shutdown", bad])
+        assert "--graceful-shutdown" in capsys.readouterr().err
+    # 0: stop at once. Taken; what stops this start is the config file that is not there.
+    with pytest.raises(SystemExit):
+        main(["--config", "x.toml", "--graceful-shutdown", "0s"])
+    err = capsys.readouterr().err
+    assert "bad config" in err and "--graceful-shutdown" not in err
 
 
 async def test_a_5xx_then_another_failure_charges_the_first_node(serve: Serve) -> None:
