@@ -342,7 +342,7 @@ def test_the_reload_log_line_names_every_key_that_changed() -> None:
 
 
 async def test_a_replaced_cache_is_closed_once_its_requests_are_over(tmp_path: Path) -> None:
-    """A reload that changes [cache] replaces the cache; the old one was kept until shutdown
+    """A reload that changes [cache]'s store replaces the cache; the old one was kept until shutdown
     (each such reload held another `max_bytes`). It is now closed once the longest answer its
     config allows is over, and a late write to it keeps nothing."""
     base = (
@@ -350,11 +350,11 @@ async def test_a_replaced_cache_is_closed_once_its_requests_are_over(tmp_path: P
         "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\n"
     )
     path = tmp_path / "promptlb.toml"
-    app = mounted(path, base + "[cache]\nttl = '1m'\n")
+    app = mounted(path, base + "[cache]\nmax_bytes = 1048576\n")
     old = app.dispatcher.cache
     assert isinstance(old, MemoryCache)
     await old.put("k", CacheEntry(b"{}", "m", time.time()))
-    path.write_text(base + "[cache]\nttl = '2m'\n")
+    path.write_text(base + "[cache]\nmax_bytes = 2097152\n")
     assert await app.reload()
     assert app.dispatcher.cache is not old and app.dispatcher.retired == [old]
     assert len(old) == 1  # requests that began on it may still read it
@@ -362,7 +362,7 @@ async def test_a_replaced_cache_is_closed_once_its_requests_are_over(tmp_path: P
     assert app.dispatcher.retired == [] and len(old) == 0
     await old.put("late", CacheEntry(b"{}", "m", time.time()))
     assert len(old) == 0
-    path.write_text(base + "[cache]\nttl = '3m'\n")
+    path.write_text(base + "[cache]\nmax_bytes = 4194304\n")
     assert await app.reload()  # one replaced just before shutdown is closed by it
     replaced = app.dispatcher.retired[0]
     assert isinstance(replaced, MemoryCache) and len(replaced) == 0  # nothing put in it
