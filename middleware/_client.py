@@ -130,12 +130,19 @@ class PromptLBClient:
                 for event in _events(replay_sse(path, answer.entry, wants_usage(body))):
                     yield event
                 return
-            if up.response.status < 400:
+            status = up.response.status
+            if status < 400 and up.response.content_type != "application/json":
                 async for event in _aevents(_chunks(answer.first, up), up.node.name):
                     yield event
                 return
-            text = (await _rest(answer.first, up)).decode(errors="replace")
-            error = PromptLBError(up.response.status, text, up.node.name)
+            # An error, or a 200 that is no stream (a node that ignored `stream`, an error
+            # body sent as 200): it ended the iteration with no event and no error.
+            data = await _rest(answer.first, up)
+            try:
+                parsed: object = json.loads(data)
+            except ValueError:
+                parsed = data.decode(errors="replace")
+            error = PromptLBError(status if status >= 400 else 502, parsed, up.node.name)
         raise error
 
 
@@ -182,20 +189,57 @@ def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
 
 
 async def _aevents(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
-    """SSE: events are separated by blank lines; "data: [DONE]" ends the stream."""
+    """SSE: events are separated by blank lines; "data: [DONE]" ends the stream. An error
+    event (a node's, or the one the proxy writes when a stream breaks) is raised, and so is
+    a stream that stops before its end: both were iterated as if the answer were whole."""
     pending = b""
+    finished = False  # a choice said why it ended: a server that sends no [DONE] is done
     async for chunk in chunks:
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+            event = _event(line, node)
+            if event is _DONE:
                 return
-            try:
-                event = json.loads(data)
-            except ValueError:
-                body = error_body(502, "upstream sent an event that is not JSON", "upstream_error")
-                raise PromptLBError(502, body, node) from None
-            yield event
+            if event is not None:
+                finished = _finished(event) or finished
+                yield event
+    event = _event(pending, node)  # a last line with no newline after it
+    if event is _DONE:
+        return
+    if event is not None:
+        finished = _finished(event) or finished
+        yield event
+    if not finished:
+        body = error_body(502, "upstream stream ended before its end", "upstream_error")
+        raise PromptLBError(502, body, node)
+
+
+_DONE: dict[str, Any] = {}
+
+
+def _event(line: bytes, node: str) -> dict[str, Any] | None:
+    """One SSE line's event: None for a line that carries none, `_DONE` for the end."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        event = json.loads(data)
+    except ValueError:
+        body = error_body(502, "upstream sent an event that is not JSON", "upstream_error")
+        raise PromptLBError(502, body, node) from None
+    if not isinstance(event, dict):
+        body = error_body(502, "upstream sent an event that is not an object", "upstream_error")
+        raise PromptLBError(502, body, node)
+    if "error" in event:
+        raise PromptLBError(502, event, node)
+    return event
+
+
+def _finished(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") for c in choices
+    )

@@ -133,3 +133,51 @@ async def test_a_nodes_error_answer_is_charged_to_the_node_as_on_the_proxys_path
             "promptlb_requests_total", {"node": "a", "outcome": "aborted"}
         )
         assert not aborted
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "seen"),
+    [
+        # A node's error event inside a 200 stream (vLLM's when generation fails; the proxy's
+        # own when a stream breaks): handed to the app as an event, then a normal end.
+        (
+            b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+            b'data: {"error": {"message": "generation failed"}}\n\n',
+            "text/event-stream",
+            1,
+        ),
+        # Cut off: no [DONE] and no choice that finished.
+        (b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n', "text/event-stream", 1),
+        # A JSON body sent as 200 to a streaming request: no event and no error at all.
+        (b'{"error": {"message": "model overloaded"}}', "application/json", 0),
+    ],
+)
+async def test_a_stream_that_fails_or_stops_short_raises(
+    serve: Serve, body: bytes, content_type: str, seen: int
+) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=content_type)
+
+    async with middleware_over(serve, chat) as app:
+        events: list[dict[str, Any]] = []
+        with pytest.raises(PromptLBError) as raised:
+            await collect(app.client.chat_stream(model="m", messages=HI), events)
+    assert len(events) == seen
+    assert raised.value.status == 502 and raised.value.node == "a"
+
+
+async def test_a_stream_without_done_ends_with_its_finished_choice(serve: Serve) -> None:
+    # Some servers send no [DONE]: a choice that says why it ended is the end; and a last
+    # event with no newline after it was dropped.
+    body = (
+        b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}'
+    )
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="text/event-stream")
+
+    async with middleware_over(serve, chat) as app:
+        events: list[dict[str, Any]] = []
+        await collect(app.client.chat_stream(model="m", messages=HI), events)
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
