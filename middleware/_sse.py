@@ -13,6 +13,18 @@ from ._cache import CacheEntry
 __all__ = ["StreamAssembler", "replay_sse", "replayable", "wants_usage"]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
+
+
+def _more_than_text(part: dict[str, Any]) -> bool:
+    """Whether a message or delta carries something besides its text. Empty values are
+    nothing: vLLM's every message has ``"tool_calls": []``, OpenAI's ``"annotations": []``,
+    and no answer of theirs could be replayed to a streaming client."""
+    return any(
+        k not in _PLAIN and v is not None and not (isinstance(v, list | dict | str) and not v)
+        for k, v in part.items()
+    )
+
+
 _FIRST_MAP = 64 * 1024  # a text's first memory map: address space only until written
 _UTF8 = "surrogatepass"  # JSON may carry a lone surrogate: kept as it came, not an error
 
@@ -157,7 +169,7 @@ class StreamAssembler:
                 return
             if self._chat:
                 delta = choice.get("delta") or {}
-                if any(v is not None and k not in _PLAIN for k, v in delta.items()):
+                if _more_than_text(delta):
                     self._give_up()  # tool calls, reasoning, refusals: not kept
                     return
                 if delta.get("role"):
@@ -244,11 +256,13 @@ def replay_sse(path: str, entry: CacheEntry, usage: bool = False) -> list[bytes]
         if not isinstance(choice, dict):
             raise ValueError("cached choice is not an object")
         index = choice.get("index", 0)
+        if choice.get("logprobs") is not None:
+            # A stream of ours carries none, so the replay would drop them unsaid (a stored
+            # non-stream answer that asked for them, replayed to a stream that asks too).
+            raise ValueError("cached choice carries logprobs")
         if chat:
             message = choice.get("message") or {}
-            if not isinstance(message, dict) or any(
-                v is not None and k not in _PLAIN for k, v in message.items()
-            ):
+            if not isinstance(message, dict) or _more_than_text(message):
                 raise ValueError("cached message carries more than text (tool calls ...)")
             delta = {
                 "role": message.get("role", "assistant"),

@@ -137,6 +137,48 @@ def test_answers_that_carry_more_than_text_are_not_replayed() -> None:
         replay_sse("/v1/chat/completions", CacheEntry(b'{"choices": ["x"]}', "m", 0.0))
 
 
+def test_an_answer_with_logprobs_is_not_replayed() -> None:
+    # A stream of ours carries none: a stored non-stream answer that asked for them was
+    # replayed to a stream that asks too, without them, unsaid.
+    logprobs = {"content": [{"token": "hi", "logprob": -0.1}]}
+    message = {"role": "assistant", "content": "hi"}
+    body = {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs}],
+    }
+    with pytest.raises(ValueError, match="logprobs"):
+        replay_sse("/v1/chat/completions", CacheEntry(json.dumps(body).encode(), "m", 0.0))
+
+
+def test_empty_extras_of_real_servers_do_not_stop_a_replay_or_a_store() -> None:
+    # vLLM's every message has "tool_calls": [], OpenAI's "annotations": []: none of their
+    # answers could be replayed to a streaming client, nor their streams stored.
+    message = {
+        "role": "assistant",
+        "content": "hi",
+        "tool_calls": [],
+        "annotations": [],
+        "refusal": None,
+        "reasoning_content": None,
+    }
+    body = {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+    }
+    events = replay_sse("/v1/chat/completions", CacheEntry(json.dumps(body).encode(), "m", 0.0))
+    assembler = StreamAssembler(chat=True, max_bytes=10_000)
+    for event in events:
+        assembler.feed(event)
+    stored = assembler.result()
+    assert stored is not None
+    assert json.loads(stored)["choices"][0]["message"]["content"] == "hi"
+    delta = {"index": 0, "delta": {"content": "x", "tool_calls": []}, "finish_reason": "stop"}
+    again = StreamAssembler(chat=True, max_bytes=10_000)
+    again.feed(_chunk(delta))
+    again.feed(b"data: [DONE]\n\n")
+    assert again.result() is not None
+
+
 def test_zero_temperatures_share_a_key_and_nan_is_not_cached() -> None:
     body = {"messages": [{"role": "user", "content": "q"}]}
     zero = cache_key("/v1/chat/completions", {**body, "temperature": 0}, "m")
