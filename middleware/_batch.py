@@ -33,6 +33,10 @@ class Reply:
 
 Fetch = Callable[[dict[str, Any]], Awaitable[Reply]]
 
+# A merged request refused for what it carries: 400, 422 (TEI's validation) or 413 (a body
+# limit in front of the node, which the merged body may pass where no caller's alone does).
+_ONE_BY_ONE = frozenset({400, 413, 422})
+
 _FAILED = Reply(502, None, "the batched upstream call failed", "upstream_error")
 
 
@@ -133,9 +137,9 @@ class Batcher:
         merged = {**members[0].body, "input": [s for m in members for s in m.inputs]}
         try:
             reply = await members[0].fetch(merged)
-            if reply.status == 400 and len(members) > 1:
-                # One caller's bad input fails the merged request: ask again one by one, so
-                # that only its owner gets the error.
+            if reply.status in _ONE_BY_ONE and len(members) > 1:
+                # One caller's bad input (or the merged body's size) fails the merged request:
+                # ask again one by one, so that only its owner gets the error.
                 await asyncio.gather(*(self._alone(m) for m in members))
                 return
             for member, own in zip(members, _split(reply, members), strict=True):

@@ -59,15 +59,36 @@ async def _read(answer: Answer) -> Reply:
         parsed = json.loads(data)
     except ValueError:
         parsed = None
-    if status != 200:
-        error = parsed.get("error") if isinstance(parsed, dict) else None
-        if not isinstance(error, dict):
-            error = {}
-        message = str(error.get("message") or f"upstream answered {status}")
-        return fail(status, message, str(error.get("type") or "upstream_error"), *headers)
+    if status != 200 or (isinstance(parsed, dict) and "error" in parsed and "data" not in parsed):
+        if up is not None and (wait := up.response.headers.get("Retry-After")):
+            # The node's own: a 429's or 503's callers retried at once without it.
+            headers.append((b"retry-after", wait.encode("latin-1", "replace")))
+        message, kind, param = _node_error(parsed, status)
+        # A 200 that carries an error is no answer: the node's words, as a bad gateway.
+        return fail(status if status != 200 else 502, message, kind, *headers, param=param)
     if not isinstance(parsed, dict):
         return fail(502, "upstream answer is not a JSON object", "upstream_error", *headers)
     return Reply(200, parsed, headers=tuple(headers))
+
+
+def _node_error(parsed: object, status: int) -> tuple[str, str, str | None]:
+    """A node's error as it worded it: OpenAI's ``{"error": {...}}``, vLLM's older top-level
+    ``{"object": "error", "message": ...}`` or TEI's ``{"error": "...", "error_type": ...}``;
+    each but the first became "upstream answered 4xx"."""
+    error: object = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, str) and isinstance(parsed, dict):
+        error = {"message": error, "type": parsed.get("error_type")}
+    elif not isinstance(error, dict) and isinstance(parsed, dict) and "message" in parsed:
+        error = parsed
+    if not isinstance(error, dict):
+        error = {}
+    message = str(error.get("message") or f"upstream answered {status}")
+    param = error.get("param")
+    return (
+        message,
+        str(error.get("type") or "upstream_error"),
+        param if isinstance(param, str) else None,
+    )
 
 
 async def unless_gone(watch: RequestWatch, work: Awaitable[Reply]) -> Reply | None:

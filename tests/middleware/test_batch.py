@@ -36,9 +36,12 @@ class Upstream:
     """A fake node: one embedding per input, listed in reverse (the ``index`` says where each
     goes), usage one token per character; rejects a batch holding an empty string with 400."""
 
-    def __init__(self, status: int = 200, gate: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, status: int = 200, gate: asyncio.Event | None = None, bad: int = 400
+    ) -> None:
         self.calls: list[list[str]] = []
         self.status = status
+        self.bad = bad  # the status a bad input gets (TEI: 422; a proxy's body limit: 413)
         self.gate = gate
         self.called = asyncio.Event()
 
@@ -53,7 +56,7 @@ class Upstream:
             if self.status != 200:
                 return Reply(self.status, None, "node is down", "upstream_error")
             if "" in inputs:
-                return Reply(400, None, "empty input", "invalid_request_error", "input")
+                return Reply(self.bad, None, "empty input", "invalid_request_error", "input")
             data = [
                 {"object": "embedding", "index": i, "embedding": vector(s)}
                 for i, s in enumerate(inputs)
@@ -182,13 +185,16 @@ def test_only_string_inputs_are_batchable() -> None:
     assert string_inputs({"model": "m"}) is None
 
 
-async def test_a_bad_input_fails_only_its_own_caller() -> None:
-    node, batcher = Upstream(), Batcher(0.01, 64)
+@pytest.mark.parametrize("status", [400, 413, 422])
+async def test_a_bad_input_fails_only_its_own_caller(status: int) -> None:
+    # 413 (a proxy's body limit, which the merged body may pass) and 422 (TEI's validation)
+    # failed every caller of the batch, where each alone would have gone through.
+    node, batcher = Upstream(bad=status), Batcher(0.01, 64)
     values: list[str | list[str]] = ["ok", ["fine", ""], ["also", "good"]]
     good, bad, also = await asyncio.gather(*(submit(batcher, node, v) for v in values))
     own(good, "ok")
     own(also, ["also", "good"])
-    assert bad.status == 400
+    assert bad.status == status
     assert bad.body is None and bad.message == "empty input"
     assert (bad.kind, bad.param) == ("invalid_request_error", "input")
     assert node.calls[0] == ["ok", "fine", "", "also", "good"]
@@ -395,3 +401,84 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
     ]
     assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
     assert asked == [None]  # one merged request, asking for no encoding
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message", "kind"),
+    [
+        # TEI's shape: a string error and its type beside it.
+        (
+            429,
+            {"error": "Model is overloaded", "error_type": "Overloaded"},
+            "Model is overloaded",
+            "Overloaded",
+        ),
+        # vLLM's older shape: the error at the top level.
+        (
+            400,
+            {"object": "error", "message": "bad dims", "type": "BadRequestError"},
+            "bad dims",
+            "BadRequestError",
+        ),
+        # An error sent as a 200: no answer, the node's words as a bad gateway.
+        (
+            200,
+            {"error": {"message": "CUDA out of memory", "type": "server_error"}},
+            "CUDA out of memory",
+            "server_error",
+        ),
+    ],
+)
+async def test_a_batched_callers_error_is_the_nodes_own(
+    serve: Serve, status: int, body: dict[str, Any], message: str, kind: str
+) -> None:
+    # The node's Retry-After was dropped (callers retried at once) and any error not nested as
+    # OpenAI's became "upstream answered 4xx"; a 200 carrying an error, a generic 502.
+    from aiohttp import web
+
+    async def embed(request: web.Request) -> web.Response:
+        return web.json_response(body, status=status, headers={"Retry-After": "7"})
+
+    batching = {"enabled": True, "batch_window": "50ms", "max_batch": 8}
+    async with gateway_over(serve, {"/v1/embeddings": embed}, batching=batching) as (_, http):
+        replies = await asyncio.gather(
+            *(
+                http.post("/v1/embeddings", json={"model": "m", "input": [f"t{i}"]})
+                for i in range(2)
+            )
+        )
+    for reply in replies:
+        assert reply.status_code == (status if status != 200 else 502)
+        assert reply.json()["error"]["message"] == message
+        assert reply.json()["error"]["type"] == kind
+        assert reply.headers["retry-after"] == "7"
+
+
+async def test_callers_with_other_keys_are_never_merged(serve: Serve) -> None:
+    # An Azure-style node authenticates by `api-key`: caller B's inputs travelled, and were
+    # billed, under caller A's key (only Authorization, when forwarded, split batches).
+    from aiohttp import web
+
+    seen: list[tuple[str | None, list[str]]] = []
+
+    async def embed(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.headers.get("api-key"), body["input"]))
+        data = [
+            {"object": "embedding", "index": i, "embedding": [0.0]}
+            for i in range(len(body["input"]))
+        ]
+        return web.json_response({"object": "list", "data": data, "model": "m"})
+
+    batching = {"enabled": True, "batch_window": "50ms", "max_batch": 8}
+    async with gateway_over(serve, {"/v1/embeddings": embed}, batching=batching) as (_, http):
+        replies = await asyncio.gather(
+            *(
+                http.post(
+                    "/v1/embeddings", json={"model": "m", "input": [t]}, headers={"api-key": k}
+                )
+                for t, k in (("a1", "key-a"), ("b1", "key-b"), ("a2", "key-a"))
+            )
+        )
+    assert [r.status_code for r in replies] == [200] * 3
+    assert sorted(seen) == [("key-a", ["a1", "a2"]), ("key-b", ["b1"])]

@@ -153,7 +153,7 @@ def test_an_answer_with_logprobs_is_not_replayed() -> None:
 def test_empty_extras_of_real_servers_do_not_stop_a_replay_or_a_store() -> None:
     # vLLM's every message has "tool_calls": [], OpenAI's "annotations": []: none of their
     # answers could be replayed to a streaming client, nor their streams stored.
-    message = {
+    message: dict[str, Any] = {
         "role": "assistant",
         "content": "hi",
         "tool_calls": [],
