@@ -15,8 +15,9 @@ from ._answer import Answer
 from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
+from ._replies import Body, keep, recorder_for
 from ._request import RequestReader
-from ._sse import replay_sse, wants_usage
+from ._sse import StreamAssembler, replay_sse, wants_usage
 
 __all__ = ["PromptLBClient", "PromptLBError"]
 
@@ -119,8 +120,18 @@ class PromptLBClient:
             elif not isinstance(parsed, dict):
                 error = PromptLBError(502, parsed, up.node.name)
             else:
+                # Into the cache as the proxy keeps it: an app that only called in-app never
+                # filled it, and had no fresh hits and no answer to stand in for an outage.
+                recorder = recorder_for(answer, path, False, self._entry_limit())
+                if recorder is not None:
+                    recorder.feed(data)
+                keep(self._dispatch.store, answer, recorder)
                 return parsed
         raise error
+
+    def _entry_limit(self) -> int:
+        cache = self._dispatch.cache_config
+        return cache.max_entry_bytes if cache is not None else 0
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async with self._open(path, body) as answer:
@@ -132,8 +143,11 @@ class PromptLBClient:
                 return
             status = up.response.status
             if status < 400 and up.response.content_type != "application/json":
-                async for event in _aevents(_chunks(answer.first, up), up.node.name):
+                recorder = recorder_for(answer, path, True, self._entry_limit())
+                chunks = _chunks(answer.first, up)
+                async for event in _aevents(_fed(chunks, recorder), up.node.name):
                     yield event
+                keep(self._dispatch.store, answer, recorder)  # not reached if left early
                 return
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
@@ -178,6 +192,15 @@ async def _chunks(first: bytes, up: Upstream) -> AsyncIterator[bytes]:
             return
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _broke(up, exc) from None
+        yield chunk
+
+
+async def _fed(
+    chunks: AsyncIterator[bytes], recorder: StreamAssembler | Body | None
+) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        if recorder is not None:
+            recorder.feed(chunk)
         yield chunk
 
 

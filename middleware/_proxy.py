@@ -14,11 +14,10 @@ from ._asgi import Receive, RequestWatch, Scope, Send, send_json, send_refusal
 from ._balancer import HOP_BY_HOP, Balancer
 from ._batch import Batcher, batch_key, string_inputs
 from ._batch_io import respond, unless_gone, upstream
-from ._cache import CacheEntry
 from ._config import Config
 from ._degrade import Dispatcher
 from ._refusals import Refusal, SlowBody
-from ._replies import SSE, Body, send_cached
+from ._replies import SSE, Body, keep, recorder_for, send_cached
 from ._request import Request, RequestReader
 from ._sse import StreamAssembler, wants_usage
 
@@ -152,14 +151,7 @@ class Proxy:
         headers += answer_headers(answer)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sse = response.headers.get("content-type", "").encode().startswith(SSE)
-        recorder: StreamAssembler | Body | None = None
-        # An answer the node compressed (the client's Accept-Encoding is passed on) is not kept:
-        # the cache would serve its bytes as plain JSON to a client that asked for none.
-        if answer.store_key is not None and not response.headers.get("content-encoding"):
-            limit = self._entry_limit
-            recorder = StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
-            if not sse:
-                recorder = Body(limit)
+        recorder = recorder_for(answer, path, sse, self._entry_limit)
         if recorder is not None and answer.first:
             recorder.feed(answer.first)
         if response.content.at_eof():
@@ -168,13 +160,7 @@ class Proxy:
             await send({"type": "http.response.body", "body": answer.first})
         else:
             await self._stream_rest(send, answer, recorder, sse)
-        if recorder is not None and not up.failed and answer.store_key is not None:
-            complete = recorder.result()
-            if complete is not None:
-                self._dispatch.store(
-                    answer.store_key,
-                    CacheEntry(body=complete, model=answer.model, created=time.time()),
-                )
+        keep(self._dispatch.store, answer, recorder)
 
     async def _stream_rest(
         self, send: Send, answer: Answer, recorder: StreamAssembler | Body | None, sse: bool

@@ -3,11 +3,15 @@ bounded copy of a non-stream answer kept for the cache while it passes through."
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from ._answer import Answer, answer_headers
 from ._asgi import Send
-from ._sse import replay_sse
+from ._cache import CacheEntry
+from ._sse import StreamAssembler, replay_sse
 
-__all__ = ["SSE", "Body", "send_cached"]
+__all__ = ["SSE", "Body", "keep", "recorder_for", "send_cached"]
 
 SSE = b"text/event-stream"
 
@@ -33,6 +37,33 @@ class Body:
 
     def result(self) -> bytes | None:
         return None if self.chunks is None else b"".join(self.chunks)
+
+
+def recorder_for(answer: Answer, path: str, sse: bool, limit: int) -> StreamAssembler | Body | None:
+    """What keeps ``answer`` for the cache while it passes (up to ``limit`` bytes), or None
+    when it is not to be kept: no store key, or compressed by the node (the cache would serve
+    its bytes as plain JSON to a client that asked for none). The proxy's and the in-app
+    client's, so that both fill the cache alike."""
+    up = answer.upstream
+    if answer.store_key is None or up is None or up.response.headers.get("content-encoding"):
+        return None
+    if sse:
+        return StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
+    return Body(limit)
+
+
+def keep(
+    store: Callable[[str, CacheEntry], None],
+    answer: Answer,
+    recorder: StreamAssembler | Body | None,
+) -> None:
+    """``answer``, passed on whole and unbroken, into the cache."""
+    up = answer.upstream
+    if recorder is None or up is None or up.failed or answer.store_key is None:
+        return
+    complete = recorder.result()
+    if complete is not None:
+        store(answer.store_key, CacheEntry(body=complete, model=answer.model, created=time.time()))
 
 
 async def send_cached(

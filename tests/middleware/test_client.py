@@ -4,6 +4,7 @@ what it expects, against in-process nodes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -181,3 +182,39 @@ async def test_a_stream_without_done_ends_with_its_finished_choice(serve: Serve)
         events: list[dict[str, Any]] = []
         await collect(app.client.chat_stream(model="m", messages=HI), events)
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_in_app_answers_fill_the_cache_as_proxied_ones_do(serve: Serve, stream: bool) -> None:
+    # An app that only called in-app never filled it: no fresh hits, no outage stand-ins.
+    calls = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        calls.append(1)
+        if not stream:
+            message = {"role": "assistant", "content": "hello"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            return web.json_response({"object": "chat.completion", "choices": [choice]})
+        first = {"index": 0, "delta": {"role": "assistant", "content": "hel"}}
+        last = {"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}
+        events = b"".join(
+            b"data: " + json.dumps({"choices": [c]}).encode() + b"\n\n" for c in (first, last)
+        )
+        events += b"data: [DONE]\n\n"
+        return web.Response(body=events, content_type="text/event-stream")
+
+    async with middleware_over(serve, chat, cache={"serve_fresh": True}) as app:
+        for _ in range(2):
+            if stream:
+                events: list[dict[str, Any]] = []
+                stream_it = app.client.chat_stream(model="m", messages=HI, temperature=0)
+                await collect(stream_it, events)
+                text = "".join(
+                    e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]
+                )
+            else:
+                answer = await app.client.chat(model="m", messages=HI, temperature=0)
+                text = answer["choices"][0]["message"]["content"]
+            assert text == "hello"
+            await asyncio.sleep(0.05)  # the store is written in the background
+    assert len(calls) == 1
