@@ -74,9 +74,12 @@ class Node:
     def models(self) -> frozenset[str]:
         return frozenset(self.config.models) or self.learnt_models
 
-    def state(self, now: float, stale_after: float, oom_within: float = 0.0) -> str:
+    def state(
+        self, now: float, stale_after: float, oom_within: float = 0.0, *, ejection: bool = True
+    ) -> str:
+        """``ejection`` False: the state it would be in but for an ejection."""
         snap = self.snapshot if now - self.snapshot_at <= stale_after else None
-        if now < self.ejected_until:
+        if ejection and now < self.ejected_until:
             return "ejected"
         if self.health_ok is None:
             return "unknown"
@@ -403,6 +406,7 @@ class NodeTable:
         stale_after = self._config.stale_after
         oom_within = self._config.outlier.drain_before_oom
         leaking: list[Node] = []
+        ejected: list[Node] = []  # out only for their ejection: their health checks pass
         candidates: dict[str, list[NodeView]] = {}
         known: set[str] = set()
         # A node that names no model (none configured, none learnt yet) takes any model.
@@ -414,6 +418,9 @@ class NodeTable:
             state = node.state(now, stale_after, oom_within)
             if state == "leaking":
                 leaking.append(node)
+            elif state == "ejected":
+                if node.state(now, stale_after, oom_within, ejection=False) == "ready":
+                    ejected.append(node)
             elif state == "ready":
                 for model in node.models:
                     candidates.setdefault(model, []).append(node.view)
@@ -421,11 +428,15 @@ class NodeTable:
                     wildcard.append(node.view)
         for views in candidates.values():
             views.extend(wildcard)
-        if leaking and not wildcard:
-            # Drained while others serve its models; a model with no other node keeps its
-            # leaking ones: a node near its OOM beats none.
-            bare = {m for node in leaking for m in node.models if not candidates.get(m)}
-            for node in leaking:
+        for kept in (leaking, ejected):
+            if not kept or wildcard:
+                continue
+            # Drained or ejected while others serve its models; a model with no other node
+            # keeps them. A node near its OOM beats none; so does an ejected one whose health
+            # checks pass (Envoy's panic routing: a one-node model was a 503, or its fallback,
+            # for the whole ejection, 30 s and more, after five failures in a row).
+            bare = {m for node in kept for m in node.models if not candidates.get(m)}
+            for node in kept:
                 for model in node.models & bare:
                     candidates.setdefault(model, []).append(node.view)
         self._candidates = candidates

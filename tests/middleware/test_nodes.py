@@ -477,3 +477,25 @@ def test_discovery_applies_a_reloaded_config_to_the_nodes_it_keeps() -> None:
     assert n0.models == {"m", "m2"} and n0.view.models == {"m", "m2"}
     assert t.nodes["n1"] is not n1 and t.nodes["n1"].requests == 0  # another sidecar: afresh
     assert t.nodes["n1"].config.sidecar == "http://s:9"
+
+
+def test_a_model_whose_every_node_is_ejected_keeps_those_whose_health_passes() -> None:
+    # Envoy's panic routing: a one-node model was a 503 (or its fallback) for the whole
+    # ejection, 30 s and more, after five failures in a row.
+    t = table(1, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=30))
+    n0 = t.nodes["n0"]
+    for _ in range(2):
+        t.record_result(n0, False, None, None, 1.0)
+    assert n0.ejected_until == 31.0 and t.state_of(n0) == "ejected"
+    assert names(t, 2.0) == {"n0"}  # out, but the model has nothing else
+    t.record_health(n0, False, "down", 3.0)
+    t.record_health(n0, False, "down", 4.0)
+    assert names(t, 4.0) == set()  # unhealthy too: not kept
+
+
+def test_an_ejected_node_stays_out_while_its_model_has_another() -> None:
+    t = table(2, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=30))
+    n0 = t.nodes["n0"]
+    for _ in range(2):
+        t.record_result(n0, False, None, None, 1.0)
+    assert names(t, 2.0) == {"n1"}
