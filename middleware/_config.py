@@ -63,10 +63,14 @@ class NodeConfig:
         if self.sidecar is not None:
             object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
         positive("weight", self.weight)
-        if self.api_key_env is not None and self.api_key is not None:
+        if (
+            self.api_key_env is not None
+            and self.api_key is not None
+            and self.api_key != os.environ.get(self.api_key_env)  # a copy: read from it before
+        ):
             # One of them was silently ignored (the environment's).
             raise ConfigError("api_key_env", self.api_key_env, "no api_key beside it")
-        if self.api_key_env is not None:
+        if self.api_key_env is not None and self.api_key is None:
             key = os.environ.get(self.api_key_env)
             if not key:
                 raise ConfigError("api_key_env", self.api_key_env, "a set environment variable")

@@ -49,8 +49,10 @@ def redact_url(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     if not sep:
         return value
-    if "@" in rest.partition("?")[0]:
-        rest = "***@" + rest.partition("@")[2]
+    authority, q, query = rest.partition("?")
+    if "@" in authority:
+        # The last @ ends the user part, as urllib and redis-py read it: a password may hold @.
+        rest = "***@" + authority.rpartition("@")[2] + q + query
     head, q, query = rest.partition("?")
     if q:
         parts = query.split("&")

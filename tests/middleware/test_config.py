@@ -288,6 +288,9 @@ SECRET = "s3cr3t-value"
         {"cache": {"backend": f"redis://h:6379/0?password={SECRET}&socket_timeout=x"}},
         {"index_share": {"redis": f"redis://h:6379/0?Password={SECRET}&db=x"}},
         {"nodes": [{"name": "a", "url": f"http://user:{SECRET}@a:1"}]},
+        # A password that holds @: the user part ends at the last one.
+        {"nodes": [{"name": "a", "url": f"http://user:{SECRET}@x@a:1"}]},
+        {"cache": {"backend": f"redis://:{SECRET}@x@h:6379/0?socket_timeout=x"}},
     ],
 )
 def test_no_error_prints_a_secret(data: dict[str, Any]) -> None:
@@ -446,3 +449,11 @@ def test_the_readme_names_every_config_key() -> None:
         if not re.search(rf"\b{field.name}\b", readme)
     ]
     assert not missing
+
+
+def test_a_node_read_from_the_environment_can_be_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    monkeypatch.setenv("NODE_KEY", "from-env")
+    node = NodeConfig(name="a", url="http://a:1", api_key_env="NODE_KEY")
+    assert dataclasses.replace(node, weight=2.0).api_key == "from-env"
