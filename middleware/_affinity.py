@@ -50,12 +50,9 @@ def key_hash(text: str) -> int:
 class _Ring:
     """The sorted vnode points of one candidate list and, per point, the candidate's index."""
 
-    __slots__ = ("candidates", "owners", "points")
+    __slots__ = ("owners", "points")
 
     def __init__(self, candidates: Sequence[NodeView], points_of: Callable[[str], list[int]]):
-        # Holding the list keeps the identity test sound: no new list can reuse the id of one
-        # still referenced.
-        self.candidates = candidates
         pairs = sorted((p, i) for i, node in enumerate(candidates) for p in points_of(node.name))
         self.points = [p for p, _ in pairs]
         self.owners = [i for _, i in pairs]
@@ -89,7 +86,9 @@ class Affinity:
         self.vnodes = vnodes
         self._factor = 1.0 + self.epsilon
         self._points: dict[str, list[int]] = {}
-        self._rings: dict[int, _Ring] = {}
+        # By the list's id, with the list (whose identity makes the id sound): the table's lists
+        # are new at each of its rebuilds, and each found its ring by names once only.
+        self._rings: dict[int, tuple[Sequence[NodeView], _Ring]] = {}
         self._by_names: dict[tuple[str, ...], _Ring] = {}
         # Looked up once: the Strategy protocol may or may not have the hook.
         self._inner_placed: Callable[[RouteRequest, NodeView], None] | None = getattr(
@@ -182,9 +181,9 @@ class Affinity:
 
     def _ring(self, candidates: Sequence[NodeView]) -> _Ring:
         rings = self._rings
-        ring = rings.get(id(candidates))
-        if ring is not None and ring.candidates is candidates:
-            return ring
+        found = rings.get(id(candidates))
+        if found is not None and found[0] is candidates:
+            return found[1]
         # Another list of the same nodes in the same order: the ring's positions hold for it.
         names = tuple(node.name for node in candidates)
         by_names = self._by_names
@@ -195,9 +194,9 @@ class Affinity:
             if len(self._points) >= _MAX_NAMES:
                 self._points = {}
             ring = by_names[names] = _Ring(candidates, self._points_of)
-            if len(rings) >= _MAX_RINGS:
-                rings.clear()
-            rings[id(candidates)] = ring  # its own list: found by identity next time
+        if len(rings) >= _MAX_RINGS:
+            rings.clear()
+        rings[id(candidates)] = (candidates, ring)  # found by identity next time
         return ring
 
     def _points_of(self, name: str) -> list[int]:

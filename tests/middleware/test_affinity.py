@@ -203,9 +203,9 @@ def test_rings_are_built_once_per_candidate_list(nodes: MakePool) -> None:
     pool = nodes(4)
     rng = random.Random(7)
     affinity.pick(keyed("s:a"), pool, rng)
-    ring = affinity._rings[id(pool)]
+    ring = affinity._rings[id(pool)][1]
     affinity.pick(keyed("s:b"), pool, rng)
-    assert affinity._rings[id(pool)] is ring
+    assert affinity._rings[id(pool)][1] is ring
     assert len(ring.points) == 4 * 16
 
 
