@@ -145,7 +145,7 @@ class PromptLBClient:
             if status < 400 and up.response.content_type != "application/json":
                 recorder = recorder_for(answer, path, True, self._entry_limit())
                 chunks = _chunks(answer.first, up)
-                async for event in _aevents(_fed(chunks, recorder), up.node.name):
+                async for event in _aevents(_fed(chunks, recorder), up):
                     yield event
                 keep(self._dispatch.store, answer, recorder)  # not reached if left early
                 return
@@ -211,10 +211,21 @@ def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
                 yield json.loads(line[5:])
 
 
-async def _aevents(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
+async def _aevents(chunks: AsyncIterator[bytes], up: Upstream) -> AsyncIterator[dict[str, Any]]:
     """SSE: events are separated by blank lines; "data: [DONE]" ends the stream. An error
     event (a node's, or the one the proxy writes when a stream breaks) is raised, and so is
-    a stream that stops before its end: both were iterated as if the answer were whole."""
+    a stream that stops before its end: both were iterated as if the answer were whole. Each
+    is the node's failure (``failed``): raised inside the answer's block, it would otherwise
+    read as the app giving up, and a node that kept failing so was never charged."""
+    try:
+        async for event in _events_of(chunks, up.node.name):
+            yield event
+    except PromptLBError:
+        up.failed = True
+        raise
+
+
+async def _events_of(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
     pending = b""
     finished = False  # a choice said why it ended: a server that sends no [DONE] is done
     async for chunk in chunks:

@@ -163,8 +163,12 @@ async def test_a_stream_that_fails_or_stops_short_raises(
         events: list[dict[str, Any]] = []
         with pytest.raises(PromptLBError) as raised:
             await collect(app.client.chat_stream(model="m", messages=HI), events)
+        metrics = app.balancer.metrics.render().decode()
     assert len(events) == seen
     assert raised.value.status == 502 and raised.value.node == "a"
+    if seen:  # a stream's failure is the node's, not the app giving up
+        assert 'outcome="aborted"' not in metrics
+        assert app.balancer.table.nodes["a"].failures == 1
 
 
 async def test_a_stream_without_done_ends_with_its_finished_choice(serve: Serve) -> None:
