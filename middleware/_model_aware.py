@@ -54,6 +54,15 @@ class ModelAware:
     ) -> NodeView:
         return self.inner.pick(request, self.narrow(request, candidates), rng)
 
+    def placed(self, request: RouteRequest, node: NodeView) -> None:
+        """A wrapper placed ``request`` itself: told on to the inner strategy, which learns
+        from it as from a pick of its own (``predictive``), else to its prefix index."""
+        hook = getattr(self.inner, "placed", None)
+        if hook is not None:
+            hook(request, node)
+        elif (index := self.inner.prefix_index) is not None:
+            index.placed(node, request.blocks)
+
     def narrow(self, request: RouteRequest, candidates: Sequence[NodeView]) -> Sequence[NodeView]:
         """The candidates of ``request``'s class: its route's nodes, else the default's, else
         all. A wrapper that places requests itself (``[affinity]``) narrows by it first."""

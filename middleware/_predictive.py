@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from promptlb.shared import ConfigError, Snapshot
@@ -282,11 +283,12 @@ class Predictive:
         self._tick = 0
         # The uncached prompt tokens of each pick, until its answer teaches the model: by the id
         # of the route (one object per request, the same at pick and at observe) and the node,
-        # since a hedged request is picked twice and answered by either. The route is held
-        # with it, so that no other request can take its id while the entry stands (a failed
-        # try's entry was read by a later request given the freed id). Bounded: the oldest
-        # go first, answers that never came (failed tries).
-        self._uncached: dict[tuple[int, str], tuple[RouteRequest, float]] = {}
+        # since a hedged request is picked twice and answered by either; with the route's
+        # prompt length, so that a failed try's entry is not read by a later request that
+        # CPython gave the freed id (holding the route itself would keep its block hashes, a
+        # long context's tens of KB, alive per entry). Bounded: the oldest go first (answers
+        # that never came), each in O(1).
+        self._uncached: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
 
     @property
     def prefix_index(self) -> PrefixIndex | None:
@@ -410,8 +412,16 @@ class Predictive:
     def _remember(self, request: RouteRequest, node: NodeView, depth: int) -> None:
         uncached = self._uncached
         if len(uncached) >= _UNCACHED_KEPT:
-            del uncached[next(iter(uncached))]
-        uncached[id(request), node.name] = (request, self._prefill(request, depth))
+            uncached.popitem(last=False)
+        uncached[id(request), node.name] = (request.input_tokens, self._prefill(request, depth))
+
+    def _taught(self, request: RouteRequest, name: str) -> float:
+        """The prompt tokens ``request``'s answer from node ``name`` teaches as prefill: what
+        the node lacked at the pick, or the whole prompt when that is not known."""
+        entry = self._uncached.pop((id(request), name), None)
+        if entry is not None and entry[0] == request.input_tokens:
+            return entry[1]
+        return float(request.input_tokens)
 
     @staticmethod
     def _prefill(request: RouteRequest, depth: int) -> float:
@@ -589,8 +599,7 @@ class Predictive:
     ) -> None:
         """A successful try took ``latency_s``; ``queue_at_pick`` was the node's queue then."""
         model = self._model(node.name)
-        entry = self._uncached.pop((id(request), node.name), None)
-        prefill = entry[1] if entry is not None else float(request.input_tokens)
+        prefill = self._taught(request, node.name)
         waited = model.wait(queue_at_pick) if model.count else 0.0
         # The wait is a guess: never let it take more than most of what was measured.
         service = max(latency_s - waited, 0.2 * latency_s)

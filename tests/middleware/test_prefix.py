@@ -10,10 +10,12 @@ import random
 from collections import Counter
 
 import aiohttp
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from promptlb.middleware._affinity import Affinity
 from promptlb.middleware._config import load_config
+from promptlb.middleware._model_aware import ModelAware
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import (
@@ -27,6 +29,7 @@ from promptlb.middleware._prefix import (
 from promptlb.middleware._request import RequestReader
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._shedding import Admission
+from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import BYTES_PER_TOKEN, prompt_bytes
 
@@ -481,6 +484,18 @@ def test_a_session_placed_by_affinity_teaches_prefill_from_what_was_not_cached(
     assert inner._uncached[id(turn), "a"][1] == turn.input_tokens - 6 * INDEX_TOKENS
 
 
+def test_a_session_placed_through_model_aware_teaches_the_inner_predictive(
+    node: MakeNode,
+) -> None:
+    strategy = Affinity(make_strategy("model_aware", inner="predictive"))
+    a = node("a")
+    turn = dataclasses.replace(chat("k" * CHUNK * 6, 10), session_key="s:1")
+    strategy.pick(turn, [a], random.Random(1))
+    inner = strategy.inner
+    assert isinstance(inner, ModelAware) and isinstance(inner.inner, Predictive)
+    assert (id(turn), "a") in inner.inner._uncached
+
+
 def test_an_answer_never_learns_another_requests_uncached_tokens(node: MakeNode) -> None:
     # A failed try's entry stayed, and the next request given its freed id (CPython reuses
     # them at once) was taught with it: 9,000 tokens for a 300-token prompt.
@@ -489,10 +504,31 @@ def test_an_answer_never_learns_another_requests_uncached_tokens(node: MakeNode)
     a_route = RouteRequest(model="m")
     long = chat("h" * CHUNK * 30, 10)
     strategy.pick(long, [a], random.Random(1))  # its try fails: no observe
+    stale = strategy._uncached[id(long), "a"]
+    assert stale == (long.input_tokens, long.input_tokens)
     del long
     gc.collect()
     later = [dataclasses.replace(a_route, input_tokens=75) for _ in range(50)]
-    assert not any((id(r), "a") in strategy._uncached for r in later)
+    # Whether or not CPython gave one of them the freed id, none is taught the stale entry.
+    for route in later:
+        strategy._uncached[id(route), "a"] = stale  # as if it had been given the id
+        assert strategy._taught(route, "a") == 75
+
+
+def test_the_oldest_pick_waiting_for_its_answer_goes_first(
+    node: MakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("promptlb.middleware._predictive._UNCACHED_KEPT", 5)
+    strategy = Predictive(PowerOfTwoChoices())
+    a = node("a")
+    routes = [dataclasses.replace(chat("j" * CHUNK * 2, 10), input_tokens=i) for i in range(5)]
+    for route in routes:
+        strategy._remember(route, a, 0)
+    assert len(strategy._uncached) == 5
+    extra = dataclasses.replace(routes[0], input_tokens=99)
+    strategy._remember(extra, a, 0)
+    assert (id(routes[0]), "a") not in strategy._uncached
+    assert (id(extra), "a") in strategy._uncached and len(strategy._uncached) == 5
 
 
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=700)
