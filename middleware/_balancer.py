@@ -261,12 +261,15 @@ class Balancer:
             self._share.start()
 
     async def stop(self) -> None:
-        if self._starting is not None and self._starting.locked():
-            # A start under way (a request's, or the in-app client's) ends first: stopped
-            # beside it, its first rounds finished after this and left loops and a session
-            # that nothing would stop.
-            async with self._starting:
-                pass
+        if self._starting is None:
+            return await self._stop()
+        # Under the start's lock: a start under way (a request's, or the in-app client's) ends
+        # first, and none begins while this tears down. Stopped beside one, its first rounds
+        # finished after this and left loops and a session that nothing would stop.
+        async with self._starting:
+            await self._stop()
+
+    async def _stop(self) -> None:
         if self._share is not None:
             await self._share.stop()
             self._share = None
