@@ -152,7 +152,7 @@ class Evidence:
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 node.snapshot_errors += 1
                 kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
-                if self._metrics.member(node.name):  # not one that left during the round
+                if self._table.nodes.get(node.name) is node:  # not one gone during the round
                     self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return

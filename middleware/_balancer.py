@@ -355,7 +355,7 @@ class Balancer:
             self._finish(node, ok=False, started=upstream.started, ttft=None, outcome="timeout")
         elif aborted or upstream.client_slow:
             # Given up by the caller, or out of time waiting on the client: not the node's doing.
-            self.metrics.node(node.name).outcome("aborted").inc()
+            self.metrics.of(node).outcome("aborted").inc()
         elif upstream.failed and upstream.overran and self._needs_longer(node, route, whole):
             # The stream ran out of time generating what it asked for: its size, not the node.
             self._finish(node, ok=None, started=upstream.started, ttft=None)
@@ -415,7 +415,7 @@ class Balancer:
         counts neither way); returns its latency."""
         now = time.monotonic()
         latency = now - started
-        metrics = self.metrics.node(node.name)
+        metrics = self.metrics.of(node)
         metrics.outcome(outcome).inc()
         if ok is None:
             self.table.record_request_fault(node)

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ._nodes import NodeTable
+from ._nodes import Node, NodeTable
 
 __all__ = ["Metrics", "NodeMetrics", "Spread", "Tally"]
 
@@ -275,6 +275,15 @@ class Metrics:
                 return NodeMetrics(None, name, self._strategy)
             found = self._nodes[name] = NodeMetrics(self, name, self._strategy)
         return found
+
+    def of(self, node: Node) -> NodeMetrics:
+        """`node`'s series, when ``node`` is the table's node of its name: a try still on a
+        node a reload replaced (the name now another server's) counts nowhere, where it
+        counted against the new server."""
+        table = self._table()
+        if table is not None and table.nodes.get(node.name) is not node:
+            return NodeMetrics(None, node.name, self._strategy)
+        return self.node(node.name)
 
     def member(self, name: str) -> bool:
         """Whether ``name`` is in the node table (whose series may be made)."""

@@ -75,3 +75,14 @@ def test_a_try_that_outlives_its_node_brings_none_of_its_series_back() -> None:
     text = lb.metrics.render().decode()
     assert 'node="a"' not in text
     assert 'promptlb_requests_total{node="b",outcome="200"} 1.0' in text
+
+
+def test_a_try_on_a_node_a_reload_replaced_counts_against_neither() -> None:
+    # The name is now another server's: the old server's late failures counted in the new
+    # server's series (and its error-rate alert).
+    lb = Balancer(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),)))
+    old = lb.table.nodes["a"]
+    lb.table.reconfigure(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:10"),)))
+    assert lb.table.nodes["a"] is not old
+    lb._finish(old, ok=False, started=time.monotonic() - 0.1, ttft=None, outcome="500")
+    assert 'outcome="500"' not in lb.metrics.render().decode()
