@@ -10,12 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-from promptlb.shared import FreshnessCheck, SigningKey, SnapshotError, decode
+from promptlb.shared import (
+    MAX_SNAPSHOT_BYTES,
+    FreshnessCheck,
+    SigningKey,
+    SnapshotError,
+    decode,
+)
 
 from ._config import GOSSIP_JITTER, Config, NodeConfig
 from ._metrics import Metrics
@@ -24,6 +31,26 @@ from ._nodes import Node, NodeTable
 __all__ = ["Evidence"]
 
 log = logging.getLogger("promptlb.middleware")
+
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
+_HEALTH_BYTES = 64 * 1024  # more than any health answer: the rest is not read
+
+
+async def _capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None when it passes ``limit`` bytes (the connection is then closed, not
+    read on). A sidecar that streamed hundreds of MB was read whole before the decoder's own
+    bound refused it: 32 at once, every round, on the loop that serves requests."""
+    length = response.content_length
+    if length is not None and length > limit:
+        response.close()
+        return None
+    data = bytearray()
+    async for chunk in response.content.iter_chunked(16 * 1024):
+        data += chunk
+        if len(data) > limit:
+            response.close()
+            return None
+    return bytes(data)
 
 
 class Evidence:
@@ -117,8 +144,12 @@ class Evidence:
         if message is None:
             if self._problems.pop(key, None) is not None:
                 log.info("node %s: %s ok again", node.name, kind)
-        elif self._problems.get(key) != message:
-            self._problems[key] = message
+            return
+        # The same problem with other numbers is no change: a sidecar's clock off by more
+        # than stale_after logged "is 6.1s old", "is 6.2s old"... every round.
+        same = _NUMBERS.sub("#", message)
+        if self._problems.get(key) != same:
+            self._problems[key] = same
             log.warning("node %s: %s: %s", node.name, kind, message)
 
     # -- gossip ----------------------------------------------------------------------------
@@ -137,7 +168,11 @@ class Evidence:
                 ) as response:
                     if response.status != 200:
                         raise SnapshotError(f"sidecar /snapshot answered {response.status}")
-                    body = await response.read()
+                    body = await _capped(response, MAX_SNAPSHOT_BYTES)
+                    if body is None:
+                        raise SnapshotError(
+                            f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
+                        )
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
                 if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
@@ -207,7 +242,9 @@ class Evidence:
                     url, timeout=aiohttp.ClientTimeout(total=health.timeout), headers=headers
                 ) as response,
             ):
-                await response.read()
+                # Read (so that the connection is reused), but not past a health answer's size:
+                # a broken or hostile endpoint streamed into memory every round.
+                await _capped(response, _HEALTH_BYTES)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if sidecar:
                 return None

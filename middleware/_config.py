@@ -391,6 +391,8 @@ class Config:
         positive("gossip_interval", self.gossip_interval)
         positive("gossip_timeout", self.gossip_timeout)
         positive("stale_after", self.stale_after)
+        if self.stale_after > 86_400:  # the replay check's bound: a ValueError out of start
+            raise ConfigError("stale_after", self.stale_after, "at most a day (86400s)")
         # A snapshot is renewed once a round at best, and rounds start up to a jittered
         # interval apart and take up to gossip_timeout: two can land that far apart from a
         # healthy sidecar. One that goes stale sooner is missing for part of some rounds, and a

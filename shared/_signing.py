@@ -108,8 +108,11 @@ def decode(
 class FreshnessCheck:
     """Rejects snapshots older than ``window_s`` and replays within a boot.
 
-    It remembers, per node, the newest ``(boot, seq)`` accepted. A new boot id starts a new
-    sequence; a ``seq`` that is not newer than the last one of the same boot is rejected.
+    It remembers, per node, the newest ``(boot, seq, ts)`` accepted. A new boot id starts a
+    new sequence; a ``seq`` that is not newer than the last one of the same boot is rejected,
+    and so is another boot's snapshot not newer than the last one accepted: after a restart the
+    old boot's snapshots, still inside the window, were taken again, and an interceptor could
+    replay old and new in turn (the node flipping between ready and its real state).
     Timestamps more than ``window_s`` in the future are rejected too (a clock far ahead would
     otherwise make a snapshot immortal).
     """
@@ -126,7 +129,7 @@ class FreshnessCheck:
                 f"freshness window must be a number of seconds in (0, 86400]: {window_s!r}"
             )
         self.window_s = window_s
-        self._last: dict[str, tuple[str, int]] = {}
+        self._last: dict[str, tuple[str, int, float]] = {}
 
     def __repr__(self) -> str:
         return f"FreshnessCheck(window_s={self.window_s!r})"
@@ -139,12 +142,18 @@ class FreshnessCheck:
         if age < -self.window_s:
             raise SnapshotError(f"snapshot from {snapshot.node!r} is {-age:.1f}s in the future")
         last = self._last.get(snapshot.node)
-        if last is not None and last[0] == snapshot.boot and snapshot.seq <= last[1]:
-            raise SnapshotError(
-                f"snapshot from {snapshot.node!r} has seq {snapshot.seq}, "
-                f"not newer than {last[1]} of boot {snapshot.boot!r}"
-            )
-        self._last[snapshot.node] = (snapshot.boot, snapshot.seq)
+        if last is not None:
+            if last[0] == snapshot.boot and snapshot.seq <= last[1]:
+                raise SnapshotError(
+                    f"snapshot from {snapshot.node!r} has seq {snapshot.seq}, "
+                    f"not newer than {last[1]} of boot {snapshot.boot!r}"
+                )
+            if last[0] != snapshot.boot and snapshot.ts <= last[2]:
+                raise SnapshotError(
+                    f"snapshot from {snapshot.node!r} of boot {snapshot.boot!r} is not newer "
+                    f"than the last one accepted, of boot {last[0]!r}"
+                )
+        self._last[snapshot.node] = (snapshot.boot, snapshot.seq, snapshot.ts)
 
     def forget(self, node: str) -> None:
         self._last.pop(node, None)

@@ -118,7 +118,10 @@ def _auth_middleware(config: SidecarConfig) -> Callable[..., Awaitable[web.Strea
                 "(--token-file or PROMPTLB_SIDECAR_TOKEN)",
             )
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+        # surrogateescape: aiohttp reads header bytes so; a non-UTF-8 token was a 500 and a
+        # traceback per request, anyone's to send.
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, token):
             return web.json_response(
                 {"error": "a valid bearer token is required"},
                 status=401,

@@ -24,6 +24,8 @@ __all__ = ["RETRY_S", "GpuCollector"]
 
 log = logging.getLogger("promptlb.sidecar.gpu")
 _MiB = 1024 * 1024
+_TEMP_C = (-100, 200)  # what a snapshot may carry (`shared._snapshot`)
+_POWER_W = (0, 100_000)
 RETRY_S = 30.0
 
 
@@ -156,6 +158,12 @@ class GpuCollector:
             try:
                 power = round(nvml.nvmlDeviceGetPowerUsage(handle) / 1000)  # from milliwatts
             except Exception:
+                power = None
+            # A glitched sensor (255 degrees, an all-ones milliwatt count) is no reading: out
+            # of the wire format's range, it made every /snapshot of the node a 500.
+            if temp is not None and not _TEMP_C[0] <= temp <= _TEMP_C[1]:
+                temp = None
+            if power is not None and not _POWER_W[0] <= power <= _POWER_W[1]:
                 power = None
             out.append(
                 GpuSample(

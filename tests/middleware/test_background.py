@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
+from promptlb.middleware._background import Evidence
 from promptlb.middleware._balancer import Balancer
 from promptlb.shared import encode, load_key_file
 
@@ -271,3 +272,49 @@ async def test_a_replayed_snapshot_is_refused_across_a_reload_and_a_leaving_node
             assert "a" not in lb._evidence._freshness._last
         finally:
             await lb.stop()
+
+
+async def test_a_snapshot_answer_past_the_size_bound_is_not_read_whole(serve: Serve) -> None:
+    # A broken or hostile sidecar streamed megabytes into memory every round before the
+    # decoder's own bound refused them.
+    sent = {"bytes": 0}
+
+    async def snapshot(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        try:
+            for _ in range(4096):  # 64 MB, if it were all read
+                await response.write(b"\0" * 16384)
+                sent["bytes"] += 16384
+        except (ConnectionResetError, RuntimeError):
+            pass  # the gateway closed the connection
+        return response
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url:
+        config = Config(
+            nodes=(NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url),),
+            health=HealthConfig(enabled=False),
+        )
+        lb = Balancer(config)
+        await lb.start()
+        try:
+            node = lb.table.nodes["a"]
+            assert node.snapshot is None and node.snapshot_errors == 1
+        finally:
+            await lb.stop()
+    assert sent["bytes"] < 16 * 1024 * 1024
+
+
+def test_a_problem_with_other_numbers_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # A sidecar's clock off by more than stale_after: "is 6.1s old", "is 6.2s old"... each
+    # round logged a warning, where a problem is logged once when it starts or changes.
+    lb = Balancer(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),)))
+    evidence = Evidence(lb.config, lb.table, None, lb.metrics)  # type: ignore[arg-type]
+    node = lb.table.nodes["a"]
+    with caplog.at_level("WARNING", logger="promptlb"):
+        for age in ("6.1", "6.2", "7.9"):
+            evidence._problem(node, "snapshot", f"SnapshotError: snapshot from 'a' is {age}s old")
+        evidence._problem(node, "snapshot", "SnapshotError: sidecar /snapshot answered 500")
+    assert len(caplog.records) == 2

@@ -78,6 +78,7 @@ tags = ["code"]
         ("stratgy = 'p2c'\n" + NODE, "stratgy", "one of"),
         ("", "nodes", "at least one"),
         (NODE + NODE, "nodes[1].name", "no other node has"),
+        ("stale_after = '25h'\n" + NODE, "stale_after", "at most a day"),
         (
             "[[nodes]]\nname = 'a'\nurl = 'http://a:1'\napi_key = 'k'\napi_key_env = 'HOME'\n",
             "nodes[0].api_key_env",

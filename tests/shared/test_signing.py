@@ -370,10 +370,23 @@ def test_newer_seq_is_accepted_and_remembered() -> None:
 def test_new_boot_with_a_lower_seq_is_accepted() -> None:
     check = FreshnessCheck()
     check.check(snap(boot="boot-1", seq=1000), now=NOW)
-    check.check(snap(boot="boot-2", seq=0), now=NOW)
-    check.check(snap(boot="boot-2", seq=1), now=NOW)
+    check.check(snap(boot="boot-2", seq=0, ts=NOW + 1), now=NOW + 1)
+    check.check(snap(boot="boot-2", seq=1, ts=NOW + 2), now=NOW + 2)
     with pytest.raises(SnapshotError):
-        check.check(snap(boot="boot-2", seq=1), now=NOW)
+        check.check(snap(boot="boot-2", seq=1, ts=NOW + 2), now=NOW + 2)
+
+
+def test_old_and_new_boots_cannot_be_replayed_in_turn() -> None:
+    # After a restart, the old boot's snapshots were still inside the window: replayed in
+    # turn with the new boot's, each was taken, and the node flipped between ready and its
+    # real state (draining here).
+    check = FreshnessCheck(5.0)
+    old = snap(boot="boot-a", seq=900, ts=NOW - 3, draining=False)
+    new = snap(boot="boot-b", seq=1, ts=NOW - 1, draining=True)
+    check.check(old, now=NOW)
+    check.check(new, now=NOW)
+    with pytest.raises(SnapshotError, match="not newer than the last one accepted"):
+        check.check(old, now=NOW)
 
 
 def test_nodes_are_independent() -> None:

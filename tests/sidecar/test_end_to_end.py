@@ -147,6 +147,15 @@ async def test_control_endpoints_need_the_token(launch: Launcher, tmp_path: Path
             wrong = {"Authorization": "Bearer not-the-token"}
             async with http.post(sidecar.url + path, headers=wrong) as response:
                 assert response.status == 401, path
+            # A token that is not UTF-8 was a 500 and a traceback, anyone's to send.
+            reader, writer = await asyncio.open_connection("127.0.0.1", sidecar.port)
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n".encode()
+                + b"Authorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n"
+            )
+            status = await reader.readline()
+            writer.close()
+            assert status.split()[1] == b"401", (path, status)
         # Nothing warmed it up (no token was given), so that stays the one reason once probed.
         await wait_health(http, sidecar, 503, reasons=["warmup not done"])
         auth = {"Authorization": f"Bearer {TOKEN}"}

@@ -150,3 +150,15 @@ def test_disabled_collection_does_not_touch_nvml(nvml: FakeNvml) -> None:
     gpus.open()
     assert gpus.sample() == ()
     assert nvml.inits == 0
+
+
+def test_a_glitched_sensor_is_no_reading(nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 255 degrees and an all-ones milliwatt count were passed on: out of the wire format's
+    # range, every /snapshot of the node answered 500.
+    monkeypatch.setattr(nvml, "nvmlDeviceGetTemperature", lambda h, sensor: 255)
+    monkeypatch.setattr(nvml, "nvmlDeviceGetPowerUsage", lambda h: 0xFFFFFFFF)
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    samples = gpus.sample()
+    assert [(g.temp_c, g.power_w) for g in samples] == [(None, None), (None, None)]
+    gpus.close()
