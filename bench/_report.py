@@ -32,7 +32,10 @@ __all__ = [
 ]
 
 _ROOT = Path(__file__).resolve().parents[1]
-RESULTS = _ROOT / "bench" / "results"
+# In a checkout, the committed results; installed (no pyproject.toml beside the package), the
+# working directory's bench/results: site-packages is no place to write, nor, in the image,
+# writable by its user.
+RESULTS = (_ROOT if (_ROOT / "pyproject.toml").exists() else Path.cwd()) / "bench" / "results"
 
 
 def _intervals(results: Iterable[Result], node: str) -> list[tuple[float, float]]:
@@ -267,8 +270,7 @@ def environment() -> dict[str, Any]:
     """Where the numbers come from. ``dirty``: tracked files differed from the commit, so the
     commit alone does not reproduce them. Results already written under ``bench/results/`` do
     not count: a suite run rewrites them as it goes, and they change no code that is measured."""
-    results = RESULTS.relative_to(_ROOT).as_posix()
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{results}")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
     return {
         "commit": git_commit(),
         "dirty": None if status is None else bool(status),

@@ -49,7 +49,12 @@ def test_every_package_folder_of_the_tree_is_in_the_wheel(wheel: Path) -> None:
     for package, folder in mapped_folders().items():
         # Walk the tree, not the config: a subpackage missing from the config must fail here.
         for path in (ROOT / folder).rglob("*"):
-            if path.suffix == ".py" or path.name == "py.typed":
+            # Code, and the data the parts read at run time: the dashboard's files, the bench's
+            # scenarios (dropped from package-data, they would be missing only when installed).
+            data = path.suffix in (".html", ".js", ".css") or (
+                path.suffix == ".toml" and path.parent.name == "scenarios"
+            )
+            if path.suffix == ".py" or path.name == "py.typed" or data:
                 if "__pycache__" in path.parts:
                     continue
                 inside = path.relative_to(ROOT / folder).as_posix()
@@ -57,6 +62,7 @@ def test_every_package_folder_of_the_tree_is_in_the_wheel(wheel: Path) -> None:
     assert expected, "no package folders found"
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
     assert "promptlb/__init__.py" not in names  # a namespace: every part installs alone
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # Apache-2.0's text
     assert not [
         n
         for n in names
@@ -99,6 +105,9 @@ for bare in ("middleware", "sidecar", "shared", "emulator"):
     except ModuleNotFoundError:
         continue
     sys.exit(f"bare import {{bare}} worked")
+# Installed, the bench writes under the working directory, not into site-packages.
+from promptlb.bench._report import RESULTS
+assert str(RESULTS) == {str(tmp_path / "bench" / "results")!r}, RESULTS
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -115,3 +124,55 @@ print("ok")
     entry_points = (next(target.glob("promptlb-*.dist-info")) / "entry_points.txt").read_text()
     assert "promptlb-sidecar = promptlb.sidecar._cli:main" in entry_points
     assert "promptlb-emulator = promptlb.emulator._cli:main" in entry_points
+
+
+# The distribution that provides each third-party module the parts import.
+_PROVIDES = {
+    "aiohttp": "aiohttp",
+    "httptools": "httptools",
+    "msgpack": "msgpack",
+    "prometheus_client": "prometheus-client",
+    "psutil": "psutil",
+    "pynvml": "nvidia-ml-py",
+    "redis": "redis",
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
+    "uvloop": "uvloop",
+    "yarl": "yarl",
+}
+
+
+def _declared(requirements: list[str]) -> set[str]:
+    names = set()
+    for requirement in requirements:
+        name = requirement.split(";")[0]
+        for stop in "<>=![ ":
+            name = name.split(stop)[0]
+        names.add(name.strip().lower())
+    return names
+
+
+@pytest.mark.parametrize("part", ["sidecar", "middleware", "emulator"])
+def test_each_part_declares_what_it_imports(part: str) -> None:
+    """A part installs alone (``promptlb[emulator]``): every third-party module it imports
+    at load time must come with its extra. The emulator's prometheus-client did not."""
+    import ast
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _declared(project["dependencies"] + project["optional-dependencies"][part])
+    missing = set()
+    for path in (ROOT / part).glob("*.py"):
+        for statement in ast.parse(path.read_text()).body:  # load time: not a lazy import
+            if isinstance(statement, ast.Import):
+                modules = [alias.name for alias in statement.names]
+            elif isinstance(statement, ast.ImportFrom) and not statement.level:
+                modules = [statement.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("promptlb", "__future__"):
+                    continue
+                if _PROVIDES.get(top, top) not in declared:
+                    missing.add(f"{path.name}: {top}")
+    assert not missing
