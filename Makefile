@@ -15,8 +15,11 @@ $(FILES): FORCE
 	@mkdir -p $(VENV)
 	@echo '$(LISTING)' | cmp -s - $@ || echo '$(LISTING)' > $@
 
+# A venv whose python has no pip (a `venv` that failed half-way, e.g. without python3-venv) is
+# made again: `test -x` took it for a good one and every later run failed on pip.
 $(STAMP): pyproject.toml $(FILES)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); \
+	  $(PYTHON) -m venv $(VENV) || { echo "python3 -m venv failed: on Debian, apt-get install python3-venv"; exit 1; }; }
 	$(BIN)/python -m pip install -q --upgrade pip
 	# strict editable mode: mypy cannot follow setuptools' default finder for mapped packages
 	$(BIN)/python -m pip install -q -e '.[all,dev]' --config-settings editable_mode=strict
@@ -31,7 +34,7 @@ demo-up: $(STAMP)
 
 # the dashboard's browser test, keeping its screenshot where the README shows it
 screenshot: $(STAMP)
-	PROMPTLB_SCREENSHOT=docs/dashboard.png $(BIN)/python -m pytest -q tests/ops/test_dashboard.py
+	CI=true PROMPTLB_SCREENSHOT=docs/dashboard.png $(BIN)/python -m pytest -q tests/ops/test_dashboard.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
