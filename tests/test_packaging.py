@@ -25,6 +25,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "wheel",
             "--no-deps",
             "--no-build-isolation",
+            "--no-index",  # loopback only: nothing to fetch, and no version check
+            "--disable-pip-version-check",
             "-q",
             "-w",
             str(out),
@@ -85,6 +87,8 @@ def test_installed_wheel_imports_as_promptlb_only(wheel: Path, tmp_path: Path) -
             "pip",
             "install",
             "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
             "-q",
             "--target",
             str(target),

@@ -390,7 +390,7 @@ async def test_a_replica_that_stops_while_redis_is_away_does_not_wait_on_it(
     # holding the reload (and the shutdown behind it).
     metrics = Metrics(lambda: None)
     index = PrefixIndex()
-    replica = share(redis_server.url, index, metrics, timeout=1.0, every=60)
+    replica = share(redis_server.url, index, metrics, timeout=5.0, every=60)
     replica.start()
     await replica.exchange()
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # Redis hangs
@@ -399,7 +399,7 @@ async def test_a_replica_that_stops_while_redis_is_away_does_not_wait_on_it(
         await replica.exchange()  # times out: Redis is away
         started = time.monotonic()
         await replica.stop()
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.0  # not the 5 s timeout again
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
 

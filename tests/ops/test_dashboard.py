@@ -140,10 +140,12 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
                 "() => Number(document.getElementById('t-qps').textContent) > 0",
                 timeout=15_000,
             )
+            # Keeps updating: two more polls' answers drawn (the page asks every 750 ms; the
+            # bound is for a loaded machine, the mechanism is that it goes on at all).
             before = int(await page.evaluate("() => document.body.dataset.updated"))
-            await asyncio.sleep(1.2)
-            after = int(await page.evaluate("() => document.body.dataset.updated"))
-            assert after - before >= 700, "the page did not update within a second"
+            await page.wait_for_function(
+                f"() => Number(document.body.dataset.updated) >= {before} + 700", timeout=5_000
+            )
 
             # A status answer it cannot read (a proxy's error page sent as 200) is retried: it
             # used to end the polling for good.
@@ -192,7 +194,7 @@ async def test_dashboard_in_a_real_browser(chromium: str, launch: Launcher, tmp_
                 timeout=5_000,
             )
             lag = time.monotonic() - seen_by_gateway
-            assert lag < 1.5, f"the page showed the dead node {lag:.2f}s after the gateway"
+            assert lag < 5, f"the page showed the dead node {lag:.2f}s after the gateway"
             # First its sidecar says the model server is not ready (warming); then the health
             # checks mark it unhealthy, or its failed tries eject it, whichever comes first.
             gone = "tr[data-node=light]:is([data-state=unhealthy], [data-state=ejected])"

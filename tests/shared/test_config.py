@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from promptlb.shared import ConfigError, parse_duration
 
@@ -107,7 +107,9 @@ def test_config_error_is_a_value_error() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(st.text(max_size=12), st.floats(), st.integers(-(10**6), 10**6), st.none()))
+@given(st.one_of(st.text(max_size=12), st.floats(), st.integers(-(10**400), 10**400), st.none()))
+@example(10**400)  # past a float: an OverflowError, once
+@example(-(10**400))
 def test_any_value_parses_or_raises_config_error(value: object) -> None:
     error: ConfigError | None = None
     try:
