@@ -68,11 +68,11 @@ class Evidence:
         self._table = table
         self._session = session
         self._metrics = metrics
-        key = config.sign_key()
-        self._keys: dict[str, SigningKey] | None = {key.kid: key} if key else None
+        keys = config.sign_keys()
+        self._keys: dict[str, SigningKey] | None = {k.kid: k for k in keys} if keys else None
         window = max(config.stale_after, 1.0)
         self._freshness: FreshnessCheck | None = None
-        if key is not None:
+        if keys:
             # Carried over a reload: a fresh one passed a replay still in its window (one
             # older than the snapshot in force), which was then neither counted nor logged.
             held = previous._freshness if previous is not None else None

@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from promptlb.shared import ConfigError, Redacted, SigningKey, load_key_file, parse_duration
+from promptlb.shared import ConfigError, Redacted, SigningKey, load_keys, parse_duration
 
 from ._classify import CLASSES
 from ._config_base import DURATION, check_redis_url, check_url, positive, whole_number
@@ -419,11 +419,13 @@ class Config:
             if CACHE_HOP in chain.then and self.cache is None:
                 raise ConfigError(f"fallback[{i}].then", list(chain.then), "a [cache] table")
 
-    def sign_key(self) -> SigningKey | None:
+    def sign_keys(self) -> tuple[SigningKey, ...]:
+        """The keys snapshots may be signed with, one a line of ``sign_key_file`` (several
+        while they rotate); none when it is not set."""
         if self.sign_key_file is None:
-            return None
+            return ()
         try:
-            return load_key_file(self.sign_key_file)
+            return load_keys(self.sign_key_file)
         except ValueError as exc:
             raise ConfigError("sign_key_file", self.sign_key_file, str(exc)) from None
 

@@ -44,7 +44,7 @@ def build_live(config: Config, previous: Live | None = None) -> Live:
     option, a classifier that does not import, an unreadable key or token file) before any
     state shared with ``previous`` is touched: a refused reload leaves the running one whole.
     """
-    config.sign_key()  # the files are read here too, so that a bad one refuses the reload
+    config.sign_keys()  # the files are read here too, so that a bad one refuses the reload
     config.sidecar_token()
     token = config.admin_secret()
     balancer = Balancer(config, previous=previous.balancer if previous else None)

@@ -11,7 +11,7 @@ from ._kv import (
     prompt_tokens,
 )
 from ._prompt import prompt_prefix, prompt_turns
-from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file
+from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file, load_keys
 from ._snapshot import MAX_SNAPSHOT_BYTES, SCHEMA_VERSION, EngineSample, GpuSample, Snapshot
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "decode",
     "encode",
     "load_key_file",
+    "load_keys",
     "parse_duration",
     "prompt_bytes",
     "prompt_prefix",

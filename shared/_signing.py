@@ -27,7 +27,7 @@ from ._snapshot import (
     pack,
 )
 
-__all__ = ["FreshnessCheck", "SigningKey", "decode", "encode", "load_key_file"]
+__all__ = ["FreshnessCheck", "SigningKey", "decode", "encode", "load_key_file", "load_keys"]
 
 _SIG_LEN = SIG_BYTES
 _SIG_KEY: bytes = msgpack.packb("sig")
@@ -56,16 +56,33 @@ class SigningKey:
 
 
 def load_key_file(path: str | Path) -> SigningKey:
-    """Read ``KID:SECRET`` (or a bare ``SECRET``, key id ``default``) from the first line."""
+    """Read ``KID:SECRET`` (or a bare ``SECRET``, key id ``default``) from the first line: the
+    key a sidecar signs with."""
+    return load_keys(path)[0]
+
+
+def load_keys(path: str | Path) -> tuple[SigningKey, ...]:
+    """Every key of the file, one ``KID:SECRET`` a line (or a bare ``SECRET`` on the only
+    line, key id ``default``): what a gateway accepts. Rotation without a flag day: add the new
+    key to the gateways' files, move the sidecars to it (their file's first line), then drop
+    the old one; a gateway that held one key refused every sidecar on the other meanwhile."""
     try:
         text = Path(path).read_text(encoding="utf-8").strip().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read signing key file {str(path)!r}: {exc}") from None
-    line = text[0].strip() if text else ""
-    kid, sep, secret = line.partition(":")
-    if not sep:
-        kid, secret = "default", line
-    return SigningKey(kid.strip(), secret.strip().encode())
+    lines = [line.strip() for line in text if line.strip()]
+    keys: dict[str, SigningKey] = {}
+    for line in lines or [""]:
+        kid, sep, secret = line.partition(":")
+        if not sep:
+            if len(lines) > 1:
+                raise ValueError(f"signing key file {str(path)!r}: one KID:SECRET a line")
+            kid, secret = "default", line
+        key = SigningKey(kid.strip(), secret.strip().encode())
+        if key.kid in keys:
+            raise ValueError(f"signing key file {str(path)!r}: key id {key.kid!r} twice")
+        keys[key.kid] = key
+    return tuple(keys.values())
 
 
 def encode(snapshot: Snapshot, key: SigningKey | None = None) -> bytes:

@@ -13,7 +13,7 @@ from aiohttp import web
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
 from promptlb.middleware._background import Evidence
 from promptlb.middleware._balancer import Balancer
-from promptlb.shared import encode, load_key_file
+from promptlb.shared import encode, load_key_file, load_keys
 
 from tests.conftest import Launcher, Serve, sidecar_args
 from tests.middleware.conftest import MakeSnapshot
@@ -318,3 +318,36 @@ def test_a_problem_with_other_numbers_is_logged_once(caplog: pytest.LogCaptureFi
             evidence._problem(node, "snapshot", f"SnapshotError: snapshot from 'a' is {age}s old")
         evidence._problem(node, "snapshot", "SnapshotError: sidecar /snapshot answered 500")
     assert len(caplog.records) == 2
+
+
+async def test_a_gateway_takes_snapshots_signed_with_any_of_its_keys(
+    serve: Serve, snap: MakeSnapshot, tmp_path: Path
+) -> None:
+    # Key rotation: sidecars move to the new key one by one while the gateways hold both.
+    keys = tmp_path / "keys"
+    keys.write_text("new:a-long-enough-new-secret\nold:a-long-enough-old-secret\n")
+    apps = []
+    for name, key in (("a", load_keys(keys)[0]), ("b", load_keys(keys)[1])):
+
+        async def snapshot(request: web.Request, name: str = name, key: Any = key) -> web.Response:
+            wire = dataclasses.replace(snap(name), ts=time.time())
+            return web.Response(body=encode(wire, key))
+
+        app = web.Application()
+        app.router.add_get("/snapshot", snapshot)
+        apps.append(app)
+    async with serve(apps[0]) as url_a, serve(apps[1]) as url_b:
+        nodes = (
+            NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url_a),
+            NodeConfig(name="b", url="http://127.0.0.1:9", sidecar=url_b),
+        )
+        config = Config(nodes=nodes, sign_key_file=str(keys), health=HealthConfig(enabled=False))
+        lb = Balancer(config)
+        await lb.start()
+        try:
+            assert {n.name: n.snapshot is not None for n in lb.table.nodes.values()} == {
+                "a": True,
+                "b": True,
+            }
+        finally:
+            await lb.stop()

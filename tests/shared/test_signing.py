@@ -22,6 +22,7 @@ from promptlb.shared import (
     decode,
     encode,
     load_key_file,
+    load_keys,
 )
 
 SECRET = b"0123456789abcdef"
@@ -423,3 +424,20 @@ def test_bad_window_raises_value_error(window: float) -> None:
 
 def test_freshness_repr() -> None:
     assert repr(FreshnessCheck(2.5)) == "FreshnessCheck(window_s=2.5)"
+
+
+def test_a_key_file_holds_every_key_a_gateway_accepts(tmp_path: Path) -> None:
+    # One key only: rotating it refused every sidecar on the other key until all had moved.
+    path = tmp_path / "keys"
+    path.write_text("new:a-long-enough-new-secret\n\nold:a-long-enough-old-secret\n")
+    assert [k.kid for k in load_keys(path)] == ["new", "old"]
+    assert load_key_file(path).kid == "new"  # what a sidecar signs with: the first
+    path.write_text("a-bare-secret-of-some-length\n")
+    assert [k.kid for k in load_keys(path)] == ["default"]
+    for text, why in (
+        ("k:a-long-enough-secret-1\nk:a-long-enough-secret-2\n", "twice"),
+        ("k:a-long-enough-secret-1\na-bare-secret-of-some-length\n", "one KID:SECRET a line"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            load_keys(path)
