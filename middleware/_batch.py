@@ -64,6 +64,7 @@ class _Member:
     inputs: list[str]
     fetch: Fetch
     future: asyncio.Future[Reply]
+    alone: asyncio.Task[None] | None = None  # its own request, when asked again one by one
 
 
 @dataclass(slots=True, eq=False)
@@ -117,6 +118,10 @@ class Batcher:
                 self._close(batch)
         elif all(m.future.done() for m in batch.members):
             batch.task.cancel()  # nobody is left to answer: let the node see the disconnect
+        elif member.alone is not None:
+            # Asked again on its own: nobody reads that answer now (the node worked on it to
+            # the batch's end).
+            member.alone.cancel()
 
     def _close(self, batch: _Batch) -> None:
         if batch.timer is not None:
@@ -140,7 +145,12 @@ class Batcher:
             if reply.status in _ONE_BY_ONE and len(members) > 1:
                 # One caller's bad input (or the merged body's size) fails the merged request:
                 # ask again one by one, so that only its owner gets the error.
-                await asyncio.gather(*(self._alone(m) for m in members))
+                for m in members:
+                    if not m.future.done():
+                        m.alone = asyncio.ensure_future(self._alone(m))
+                await asyncio.gather(
+                    *(m.alone for m in members if m.alone is not None), return_exceptions=True
+                )
                 return
             for member, own in zip(members, _split(reply, members), strict=True):
                 if not member.future.done():

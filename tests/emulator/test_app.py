@@ -481,18 +481,19 @@ async def test_the_oracle_endpoint_tells_the_true_wait_and_cache(
     start_emulator: StartEmulator,
 ) -> None:
     """What the bench's live oracle asks each node: the wait a newcomer would have (one slot,
-    held for a second by an answer of 100 tokens at 100/s) and what of its prompt is cached."""
+    held for 5 s by an answer of 500 tokens at 100/s: long beside a loaded machine's delays)
+    and what of its prompt is cached."""
     emu = start_emulator(
         *("--slots", "1", "--ttft-ms", "0", "--prefill-tokens-per-s", "20000"),
         *("--tokens-per-s", "100", "--kv-blocks", "1000", "--stream-interval-ms", "20"),
     )
     history = [{"role": "system", "content": "You are terse. " * 140}]  # ~500 tokens
-    first = {"messages": [*history, {"role": "user", "content": "q1"}], "max_tokens": 100}
+    first = {"messages": [*history, {"role": "user", "content": "q1"}], "max_tokens": 500}
     oracle = f"{emu.url}/_emulator/oracle"
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         status, idle = await _post(http, oracle, first)
         assert status == 200 and idle["wait_s"] == 0 and idle["cached_tokens"] == 0
-        assert idle["service_s"] == pytest.approx(idle["prompt_tokens"] / 20000 + 1.0, rel=0.01)
+        assert idle["service_s"] == pytest.approx(idle["prompt_tokens"] / 20000 + 5.0, rel=0.01)
         async with http.post(f"{emu.url}/v1/chat/completions", json={**first, "stream": True}) as r:
             await r.content.readline()  # streaming: its slot is held until the last token
             nxt = {"messages": [*history, {"role": "user", "content": "q2"}], "max_tokens": 10}
@@ -500,9 +501,9 @@ async def test_the_oracle_endpoint_tells_the_true_wait_and_cache(
             _, other = await _post(http, oracle, {"messages": [{"role": "user", "content": "x"}]})
             await r.read()
         _, after = await _post(http, oracle, nxt)
-    assert 0.5 < busy["wait_s"] <= 1.0
+    assert 2.5 < busy["wait_s"] <= 5.0
     assert busy["cached_tokens"] >= 480  # the history, held by the running request
-    assert other["cached_tokens"] == 0 and other["wait_s"] == pytest.approx(busy["wait_s"], abs=0.1)
+    assert other["cached_tokens"] == 0 and other["wait_s"] == pytest.approx(busy["wait_s"], abs=1.0)
     assert after["wait_s"] == 0 and after["cached_tokens"] == busy["cached_tokens"]
 
 
@@ -511,8 +512,9 @@ async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
 ) -> None:
     """Prefill costs the prompt tokens the KV cache lacks: a second turn that resends the
     history pays for its new tail only, and vLLM's prefix-cache counters follow."""
+    # 500 prompt tokens at 200/s: a cold prefill of 2.5 s, far beside a loaded machine's jitter.
     emu = start_emulator(
-        *("--ttft-ms", "0", "--prefill-tokens-per-s", "2000", "--kv-blocks", "1000"),
+        *("--ttft-ms", "0", "--prefill-tokens-per-s", "200", "--kv-blocks", "1000"),
         *("--tokens-per-s", "1000", "--stream-interval-ms", "5"),
     )
     history = [{"role": "system", "content": "You are terse. " * 140}]  # ~2,000 bytes, 500 tok
@@ -535,8 +537,8 @@ async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
             text = await response.text()
         async with http.get(f"{emu.url}/_emulator/stats") as response:
             stats = await response.json()
-    assert cold >= 0.2  # ~500 tokens at 2,000/s
-    assert warm < cold / 2  # loose: the machine is shared
+    assert cold >= 2.0  # ~500 tokens at 200/s
+    assert warm < cold / 2  # its new tail only: ~0.1 s
     metrics = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     queried = metrics["vllm:prefix_cache_queries_total"]
     hits = metrics["vllm:prefix_cache_hits_total"]

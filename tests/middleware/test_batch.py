@@ -482,3 +482,37 @@ async def test_callers_with_other_keys_are_never_merged(serve: Serve) -> None:
         )
     assert [r.status_code for r in replies] == [200] * 3
     assert sorted(seen) == [("key-a", ["a1", "a2"]), ("key-b", ["b1"])]
+
+
+async def test_a_caller_that_leaves_while_asked_alone_has_its_own_request_cancelled() -> None:
+    # Asked again one by one after a 400, a caller that left kept its own upstream request
+    # running (the node worked on an answer nobody read) until the whole batch ended.
+    hold = asyncio.Event()
+    cancelled: list[str] = []
+
+    def fetch_of(name: str) -> Fetch:
+        async def fetch(body: dict[str, Any]) -> Reply:
+            if len(body["input"]) > 1:
+                return Reply(400, None, "bad input", "invalid_request_error")
+            try:
+                await hold.wait()
+            except asyncio.CancelledError:
+                cancelled.append(name)
+                raise
+            return Reply(200, {"object": "list", "data": [{"index": 0, "embedding": [1.0]}]})
+
+        return fetch
+
+    batcher = Batcher(0.01, 64)
+    calls = {}
+    for name in ("a", "b"):
+        b = body(name)
+        calls[name] = asyncio.ensure_future(
+            batcher.submit(batch_key(PATH, b), b, [name], fetch_of(name))
+        )
+    await asyncio.sleep(0.1)  # sent, refused whole, each asked alone: held there
+    calls["a"].cancel()
+    await asyncio.sleep(0.05)
+    assert cancelled == ["a"]
+    hold.set()
+    assert (await calls["b"]).status == 200
