@@ -134,7 +134,7 @@ class FreshnessCheck:
     otherwise make a snapshot immortal).
     """
 
-    __slots__ = ("_last", "window_s")
+    __slots__ = ("_gone", "_last", "window_s")
 
     def __init__(self, window_s: float = 10.0) -> None:
         if (
@@ -147,6 +147,9 @@ class FreshnessCheck:
             )
         self.window_s = window_s
         self._last: dict[str, tuple[str, int, float]] = {}
+        # Nodes forgotten while their last snapshot was inside the window: a node that leaves
+        # and comes back (a DNS answer that left it out once) took one replay of it again.
+        self._gone: dict[str, tuple[str, int, float]] = {}
 
     def __repr__(self) -> str:
         return f"FreshnessCheck(window_s={self.window_s!r})"
@@ -159,6 +162,8 @@ class FreshnessCheck:
         if age < -self.window_s:
             raise SnapshotError(f"snapshot from {snapshot.node!r} is {-age:.1f}s in the future")
         last = self._last.get(snapshot.node)
+        if last is None:
+            last = self._gone.pop(snapshot.node, None)
         if last is not None:
             if last[0] == snapshot.boot and snapshot.seq <= last[1]:
                 raise SnapshotError(
@@ -172,5 +177,12 @@ class FreshnessCheck:
                 )
         self._last[snapshot.node] = (snapshot.boot, snapshot.seq, snapshot.ts)
 
-    def forget(self, node: str) -> None:
-        self._last.pop(node, None)
+    def forget(self, node: str, now: float | None = None) -> None:
+        """``node`` left: what it sent goes once nothing of it could pass the window."""
+        now = time.time() if now is None else now
+        oldest = now - self.window_s
+        last = self._last.pop(node, None)
+        if last is not None and last[2] > oldest:
+            self._gone[node] = last
+        for name in [n for n, held in self._gone.items() if held[2] <= oldest]:
+            del self._gone[name]

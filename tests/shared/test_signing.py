@@ -408,12 +408,19 @@ def test_a_rejected_snapshot_is_not_remembered() -> None:
     check.check(snap(seq=6), now=NOW)
 
 
-def test_forget_resets_a_node() -> None:
-    check = FreshnessCheck()
+def test_forget_resets_a_node_once_its_last_snapshot_is_past_the_window() -> None:
+    # A node that left and came back at once (a DNS answer that left it out) took a replay of
+    # its last snapshot again: it is remembered until that could no longer pass.
+    check = FreshnessCheck(10.0)
     check.check(snap(seq=5), now=NOW)
-    check.forget("node-a")
-    check.forget("never-seen")
-    check.check(snap(seq=5), now=NOW)
+    check.forget("node-a", now=NOW + 1)
+    check.forget("never-seen", now=NOW + 1)
+    with pytest.raises(SnapshotError, match="not newer than 5"):
+        check.check(snap(seq=5), now=NOW + 2)
+    check.check(snap(seq=6, ts=NOW + 2), now=NOW + 2)
+    check.forget("node-a", now=NOW + 30)  # past the window: nothing of it is kept
+    assert not check._gone and not check._last
+    check.check(snap(seq=5, ts=NOW + 30), now=NOW + 30)
 
 
 @pytest.mark.parametrize("window", [0.0, 0, -1.0, math.nan, math.inf, -math.inf])
