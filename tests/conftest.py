@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -16,6 +19,34 @@ Launcher = Callable[..., Service]
 Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
 
 __all__ = ["Launcher", "RedisServer", "Serve", "Service", "sidecar_args"]
+
+
+# Far past the slowest test (a cluster run, about a minute on a loaded machine): a test that
+# hangs (code that stops cancelling what it should) ends the run with every thread's stack
+# instead of holding CI until its own timeout. faulthandler is the standard library's: no
+# plugin needed.
+HANG_S = 600
+
+
+@pytest.fixture(autouse=True)
+def _no_hang(request: pytest.FixtureRequest) -> Iterator[None]:
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_terminal(request))
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+_TERMINAL: list[Any] = []  # opened once per run
+
+
+def _terminal(request: pytest.FixtureRequest) -> Any:
+    """The terminal's stderr, not the capture's file (lost when the process exits)."""
+    if not _TERMINAL:
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        capturing = getattr(capman, "_global_capturing", None)
+        saved = getattr(getattr(capturing, "err", None), "targetfd_save", None)
+        out = os.fdopen(os.dup(saved), "w") if isinstance(saved, int) else sys.__stderr__
+        _TERMINAL.append(out)
+    return _TERMINAL[0]
 
 
 def sidecar_args(model_url: str, name: str, *extra: str) -> tuple[str, ...]:
