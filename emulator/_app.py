@@ -13,7 +13,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,9 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
 
 def _asked_tokens(body: dict[str, Any]) -> int | None:
     """The answer's length the request asks for, when it asks a usable one."""
-    asked = body.get("max_tokens", body.get("max_completion_tokens"))
+    asked = body.get("max_tokens")
+    if asked is None:  # an explicit null must not hide max_completion_tokens, as the router reads
+        asked = body.get("max_completion_tokens")
     if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
         return asked
     return None
@@ -118,10 +120,23 @@ class _Handlers:
         return max(1, round(self.state.rng.lognormvariate(mu, cfg.output_spread)))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._counted(self._generate(request, chat=True))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._counted(self._generate(request, chat=False))
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._counted(self._embed(request))
+
+    async def _counted(self, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """``work``, and a client that leaves counted ``cancelled`` wherever it waited: in a
+        slot, in the queue for one, or held by a hang (only the first was counted, and a
+        hedge's loser that queued went unseen)."""
+        try:
+            return await work
+        except asyncio.CancelledError:  # handler_cancellation: the client left
+            self.state.stats.cancelled += 1
+            raise
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._admit(request)
@@ -162,10 +177,6 @@ class _Handlers:
                         async for _ in self._decode(n_out, rate):
                             pass  # counted as they decode: a sidecar reads tokens/s off it
                         response = web.json_response(reply.whole())
-                except asyncio.CancelledError:
-                    # handler_cancellation: the client left (a hedge's loser, a gone caller)
-                    state.stats.cancelled += 1
-                    raise
                 finally:
                     state.kv.finish(lease)
         except QueueFull:
@@ -248,7 +259,7 @@ class _Handlers:
             sent += count
             self.state.stats.generation_tokens += count
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+    async def _embed(self, request: web.Request) -> web.StreamResponse:
         body = await self._admit(request)
         if isinstance(body, web.Response):
             return body
@@ -318,7 +329,10 @@ class _Handlers:
         faults = self.state.faults
         faults.update(body)
         if body.get("free_leaked"):
-            self.state.stats.leaked.clear()
+            leaked = self.state.stats.leaked
+            for leak in leaked:
+                leak.close()  # unmapped: the RSS goes at once
+            leaked.clear()
         log.warning("faults now %s", faults.as_dict())
         return web.json_response(faults.as_dict())
 

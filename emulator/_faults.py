@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +48,15 @@ class Faults:
             "poison": self.poison,
         }
 
-    def leak(self, into: list[bytearray]) -> None:
-        """A request's share of the leak, kept in ``into`` until ``free_leaked``."""
+    def leak(self, into: list[mmap.mmap]) -> None:
+        """A request's share of the leak, kept in ``into`` until ``free_leaked``. Mapped pages
+        of its own: a freed heap buffer raised glibc's mmap threshold, and after the first
+        ``free_leaked`` later leaks came from the heap and freeing them gave no RSS back."""
         if self.leak_mb_per_req:
-            leak = bytearray(int(self.leak_mb_per_req * _MiB))
-            leak[::4096] = b"\x01" * len(range(0, len(leak), 4096))  # touch pages: real RSS
+            size = int(self.leak_mb_per_req * _MiB)
+            leak = mmap.mmap(-1, size)
+            for offset in range(0, size, mmap.PAGESIZE):  # touch every page: real RSS
+                leak[offset] = 1
             into.append(leak)
 
     def update(self, body: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ middleware read an emulated node exactly as they read a real vLLM engine."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ class Stats:
     prefix_hits: int = 0  # ... and found some of it cached
     prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
     prefix_hit_tokens: int = 0
-    leaked: list[bytearray] = field(default_factory=list)
+    leaked: list[mmap.mmap] = field(default_factory=list)
 
     def looked_up(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries += 1

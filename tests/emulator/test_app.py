@@ -12,6 +12,8 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from promptlb.emulator._app import _asked_tokens
+from promptlb.emulator._prompt import prompt_blocks
 from promptlb.sidecar import parse_engine_metrics
 
 if TYPE_CHECKING:
@@ -576,3 +578,42 @@ async def test_the_first_token_comes_with_the_end_of_prefill(
         whole = time.monotonic() - started
     assert first is not None and first < 0.3, first  # 50 ms of prefill, not 50 + 400
     assert whole >= 9 / 20 - 0.05, whole  # the rest at 20 tokens/s, the last where it was
+
+
+async def test_a_client_that_leaves_while_queued_is_counted_cancelled(
+    start_emulator: StartEmulator,
+) -> None:
+    # Only a client that left while in a slot was counted: a hedge's loser that queued, or one
+    # held by a hang, went unseen, and requests no longer added up.
+    emu = start_emulator("--slots", "1", "--ttft-ms", "0", "--tokens-per-s", "10")
+    url = f"{emu.url}/v1/chat/completions"
+    long = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 50}  # 5 s in the slot
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        holder = asyncio.create_task(_post(session, url, long))
+        await _wait_for_load(session, emu.url, running=1, waiting=0)
+        queued = asyncio.create_task(_post(session, url, long))
+        await _wait_for_load(session, emu.url, running=1, waiting=1)
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        deadline = time.monotonic() + 5
+        while True:
+            async with session.get(f"{emu.url}/_emulator/stats") as response:
+                stats = await response.json()
+            if stats["cancelled"] == 1 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
+    assert stats["cancelled"] == 1
+
+
+def test_a_token_id_prompt_takes_a_block_per_16_ids() -> None:
+    # Their JSON text stood for them (about seven bytes an id): twice the blocks pinned.
+    n, blocks = prompt_blocks(list(range(1000, 1032)), chat=False)
+    assert (n, len(blocks)) == (32, 2)
+    assert prompt_blocks(list(range(1000, 1032)), chat=False) == (n, blocks)  # equal ids alike
+
+
+def test_an_explicit_null_max_tokens_does_not_hide_max_completion_tokens() -> None:
+    assert _asked_tokens({"max_tokens": None, "max_completion_tokens": 5}) == 5
+    assert _asked_tokens({"max_tokens": 7, "max_completion_tokens": 5}) == 7

@@ -100,16 +100,20 @@ async def test_leak_and_free_leaked_move_the_rss(start_emulator: StartEmulator) 
     proc = psutil.Process(emu.pid)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         await _chat_s(session, emu.url)
-        before = proc.memory_info().rss
-        await _faults(session, emu.url, {"leak_mb_per_req": 8})
-        for _ in range(5):
-            await _chat_s(session, emu.url)
-        leaked = proc.memory_info().rss
-        status, state = await _faults(session, emu.url, {"leak_mb_per_req": 0, "free_leaked": True})
-        assert status == 200 and state["leak_mb_per_req"] == 0.0
-        freed = proc.memory_info().rss
-    assert leaked - before >= 30 * MiB  # 5 x 8 MiB, pages touched
-    assert leaked - freed >= 20 * MiB  # large blocks go back to the OS when dropped
+        # Three cycles: after the first free, glibc took later leaks from its heap (its mmap
+        # threshold raised by the freed block), and freeing them gave no RSS back (49 -> 49 MB).
+        for _ in range(3):
+            before = proc.memory_info().rss
+            await _faults(session, emu.url, {"leak_mb_per_req": 8})
+            for _ in range(5):
+                await _chat_s(session, emu.url)
+            leaked = proc.memory_info().rss
+            off = {"leak_mb_per_req": 0, "free_leaked": True}
+            status, state = await _faults(session, emu.url, off)
+            assert status == 200 and state["leak_mb_per_req"] == 0.0
+            freed = proc.memory_info().rss
+            assert leaked - before >= 30 * MiB  # 5 x 8 MiB, pages touched
+            assert leaked - freed >= 30 * MiB  # given back, every time
 
 
 async def test_error_rate_can_be_switched_on(start_emulator: StartEmulator) -> None:
