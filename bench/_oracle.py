@@ -40,7 +40,12 @@ def create_app(nodes: Mapping[str, str], seed: int = 1) -> web.Application:
     rng = random.Random(seed)
 
     async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[SESSION] = aiohttp.ClientSession(auto_decompress=False)
+        # No pool limit, as the gateway's and the load generator's: at aiohttp's default 100,
+        # streams queued on the emulators held every connection, and the cost probes timed
+        # out waiting for one (nodes read as down).
+        app[SESSION] = aiohttp.ClientSession(
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+        )
         yield
         await app[SESSION].close()
 

@@ -254,8 +254,9 @@ def main() -> None:
         f"{'ok' if cached['meets_goal'] else 'MISSED'}); index {cached['index_bytes_per_entry']}"
         f" bytes an entry, {cached['index_mb_at_1000_nodes_full']} MB at 1,000 nodes full"
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "pick.json"
+    # A quick run goes under quick/, as every other bench's: it overwrote the committed file.
+    out = RESULTS / "quick" / "pick.json" if args.quick else RESULTS / "pick.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} ({report['seconds']:.1f} s)")
 
