@@ -196,6 +196,7 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
             # Seen within 15 s, however long the hold: a loaded machine (CI) is slower to tell.
             detect = await until(fault.detect, 15.0) if fault.detect else None
             await asyncio.sleep(max(0.0, hold - (time.monotonic() - started)))
+            held_s = time.monotonic() - started  # a fault never seen is held the 15 s
             await fault.revert()
             recover = await until(fault.recover, 30.0)
             await asyncio.sleep(1.0)  # what the recovery's last requests saw
@@ -203,10 +204,11 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
             rows.append(
                 {
                     "fault": fault.name,
+                    "held_s": round(held_s, 1),
                     "sent": seen.sent,
                     "failed": seen.failed,
                     "broken_streams": seen.broken_streams,
-                    "statuses": seen.statuses,
+                    "statuses": dict(seen.statuses),  # a copy: late answers still come
                     "detect_s": None if detect is None else round(detect, 2),
                     "recover_s": None if recover is None else round(recover, 2),
                     "states": list(seen_states),
@@ -223,8 +225,24 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
                 held.append(rss_mb(gateway.pid))
 
             seconds = 5.0 if quick else 600.0
-            rows.append(await _streams(url, 200 if quick else 1000, seconds, sample))
+            rows.append({**await _streams(url, 200 if quick else 1000, seconds, sample)})
+            rows[-1].setdefault("held_s", seconds)
             soak_after = rss_mb(cluster.gateway.pid)
+            steady = tallies[-1]
+            # The steady load beside the streams, reported too: it went uncounted.
+            rows.append(
+                {
+                    "fault": f"{SOAK}: steady load",
+                    "held_s": seconds,
+                    "sent": steady.sent,
+                    "failed": steady.failed,
+                    "broken_streams": steady.broken_streams,
+                    "statuses": dict(steady.statuses),
+                    "detect_s": None,
+                    "recover_s": None,
+                    "states": [],
+                }
+            )
     finally:
         stop.set()
         await loading
