@@ -43,6 +43,28 @@ def selected(name: str, only: Sequence[str] | None) -> bool:
     return only is None or any(part.lower() in name.lower() for part in only)
 
 
+def _row(
+    name: str,
+    held_s: float,
+    seen: Tally,
+    detect: float | None,
+    recover: float | None,
+    states: Sequence[str],
+) -> dict[str, Any]:
+    """One row of the report: what the load saw while ``name`` was held ``held_s`` seconds."""
+    return {
+        "fault": name,
+        "held_s": round(held_s, 1),
+        "sent": seen.sent,
+        "failed": seen.failed,
+        "broken_streams": seen.broken_streams,
+        "statuses": dict(seen.statuses),  # a copy: late answers still come
+        "detect_s": None if detect is None else round(detect, 2),
+        "recover_s": None if recover is None else round(recover, 2),
+        "states": list(states),
+    }
+
+
 async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> dict[str, Any]:
     hold = 5.0 if quick else 10.0
     rate = 20.0 if quick else 40.0
@@ -200,20 +222,7 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
             await fault.revert()
             recover = await until(fault.recover, 30.0)
             await asyncio.sleep(1.0)  # what the recovery's last requests saw
-            seen = tallies[-1]
-            rows.append(
-                {
-                    "fault": fault.name,
-                    "held_s": round(held_s, 1),
-                    "sent": seen.sent,
-                    "failed": seen.failed,
-                    "broken_streams": seen.broken_streams,
-                    "statuses": dict(seen.statuses),  # a copy: late answers still come
-                    "detect_s": None if detect is None else round(detect, 2),
-                    "recover_s": None if recover is None else round(recover, 2),
-                    "states": list(seen_states),
-                }
-            )
+            rows.append(_row(fault.name, held_s, tallies[-1], detect, recover, seen_states))
         soak_before = soak_after = rss_mb(cluster.gateway.pid)
         held: list[float] = []  # the gateway's RSS with every stream open, early and late
         if selected(SOAK, only):
@@ -228,21 +237,8 @@ async def _suite(cluster: Cluster, quick: bool, only: Sequence[str] | None) -> d
             rows.append({**await _streams(url, 200 if quick else 1000, seconds, sample)})
             rows[-1].setdefault("held_s", seconds)
             soak_after = rss_mb(cluster.gateway.pid)
-            steady = tallies[-1]
             # The steady load beside the streams, reported too: it went uncounted.
-            rows.append(
-                {
-                    "fault": f"{SOAK}: steady load",
-                    "held_s": seconds,
-                    "sent": steady.sent,
-                    "failed": steady.failed,
-                    "broken_streams": steady.broken_streams,
-                    "statuses": dict(steady.statuses),
-                    "detect_s": None,
-                    "recover_s": None,
-                    "states": [],
-                }
-            )
+            rows.append(_row(f"{SOAK}: steady load", seconds, tallies[-1], None, None, []))
     finally:
         stop.set()
         await loading
