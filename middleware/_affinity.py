@@ -26,7 +26,7 @@ from promptlb.shared import ConfigError, prompt_prefix
 
 from ._config import AffinityConfig
 from ._prefix import PrefixIndex
-from ._strategy import NoNodeAvailable, Scoring, Strategy
+from ._strategy import NoNodeAvailable, Scoring, Strategy, tell_placed
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Affinity", "KeyMaker", "key_hash", "prompt_head"]
@@ -91,9 +91,6 @@ class Affinity:
         self._rings: dict[int, tuple[Sequence[NodeView], _Ring]] = {}
         self._by_names: dict[tuple[str, ...], _Ring] = {}
         # Looked up once: the Strategy protocol may or may not have the hook.
-        self._inner_placed: Callable[[RouteRequest, NodeView], None] | None = getattr(
-            inner, "placed", None
-        )
         self._narrow: Callable[[RouteRequest, Sequence[NodeView]], Sequence[NodeView]] | None = (
             getattr(inner, "narrow", None)
         )
@@ -157,13 +154,7 @@ class Affinity:
         # Placed here, not by the inner strategy: it learns where the request went, its prefix
         # index does (and the other replicas, which the balancer tells of every try's end, of
         # its start).
-        hook = self._inner_placed
-        if hook is not None:
-            hook(request, node)
-        else:
-            index = self._inner.prefix_index
-            if index is not None:
-                index.placed(node, request.blocks)
+        tell_placed(self._inner, request, node)
         return node
 
     def observe(

@@ -230,13 +230,12 @@ class Balancer:
         async with self._starting:
             if self._session is not None:
                 return
-            retry = self.config.retry
             session = aiohttp.ClientSession(
                 # Bytes pass through as the node sent them: no decompression, no added headers.
                 auto_decompress=False,
                 request_class=_PassThrough,
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=30),
-                timeout=aiohttp.ClientTimeout(total=None, connect=retry.connect_timeout),
+                timeout=self._timeout,
             )
             try:
                 # Built here too: it reads the key and token files, which may fail.

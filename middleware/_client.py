@@ -122,16 +122,12 @@ class PromptLBClient:
             else:
                 # Into the cache as the proxy keeps it: an app that only called in-app never
                 # filled it, and had no fresh hits and no answer to stand in for an outage.
-                recorder = recorder_for(answer, path, False, self._entry_limit())
+                recorder = recorder_for(answer, path, False, self._dispatch.entry_limit)
                 if recorder is not None:
                     recorder.feed(data)
                 keep(self._dispatch.store, answer, recorder)
                 return parsed
         raise error
-
-    def _entry_limit(self) -> int:
-        cache = self._dispatch.cache_config
-        return cache.max_entry_bytes if cache is not None else 0
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async with self._open(path, body) as answer:
@@ -143,7 +139,7 @@ class PromptLBClient:
                 return
             status = up.response.status
             if status < 400 and up.response.content_type != "application/json":
-                recorder = recorder_for(answer, path, True, self._entry_limit())
+                recorder = recorder_for(answer, path, True, self._dispatch.entry_limit)
                 chunks = _chunks(answer.first, up)
                 async for event in _aevents(_fed(chunks, recorder), up):
                     yield event
@@ -205,10 +201,14 @@ async def _fed(
 
 
 def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
+    """A cached answer's replay, read as a node's stream is (`_event`)."""
     for chunk in chunks:
         for line in chunk.splitlines():
-            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                yield json.loads(line[5:])
+            event = _event(line, "cache")
+            if event is _DONE:
+                return
+            if event is not None:
+                yield event
 
 
 async def _aevents(chunks: AsyncIterator[bytes], up: Upstream) -> AsyncIterator[dict[str, Any]]:

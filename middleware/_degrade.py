@@ -47,6 +47,9 @@ class Dispatcher:
         self._chains: dict[str, FallbackConfig] = {c.model: c for c in config.fallback}
         cache_cfg = config.cache
         self.cache_config = cache_cfg
+        # The most of an answer kept for the cache, for the proxy's and the in-app client's
+        # recorders alike.
+        self.entry_limit = cache_cfg.max_entry_bytes if cache_cfg is not None else 0
         self.cache: ResponseCache | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self.retired: list[ResponseCache] = []  # replaced, not closed yet

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from promptlb.shared import ConfigError
 
 from ._prefix import PrefixIndex
-from ._strategy import Scoring, Strategy
+from ._strategy import Scoring, Strategy, tell_placed
 from ._view import NodeView, RouteRequest
 
 __all__ = ["ModelAware"]
@@ -55,13 +55,8 @@ class ModelAware:
         return self.inner.pick(request, self.narrow(request, candidates), rng)
 
     def placed(self, request: RouteRequest, node: NodeView) -> None:
-        """A wrapper placed ``request`` itself: told on to the inner strategy, which learns
-        from it as from a pick of its own (``predictive``), else to its prefix index."""
-        hook = getattr(self.inner, "placed", None)
-        if hook is not None:
-            hook(request, node)
-        elif (index := self.inner.prefix_index) is not None:
-            index.placed(node, request.blocks)
+        """A wrapper placed ``request`` itself: told on to the inner strategy."""
+        tell_placed(self.inner, request, node)
 
     def narrow(self, request: RouteRequest, candidates: Sequence[NodeView]) -> Sequence[NodeView]:
         """The candidates of ``request``'s class: its route's nodes, else the default's, else

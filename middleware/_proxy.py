@@ -45,8 +45,7 @@ class Proxy:
         self._retry_after = dispatcher.retry_after
         self._alarms = dispatcher.balancer.alarms
         self._body_timeout = config.requests.body_timeout
-        cache = config.cache
-        self._entry_limit = cache.max_entry_bytes if cache is not None else 0
+        self._entry_limit = dispatcher.entry_limit
         batching = config.batching
         self._batcher: Batcher | None = None
         if batching.enabled:

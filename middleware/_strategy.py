@@ -43,6 +43,7 @@ __all__ = [
     "at_random",
     "real",
     "sample_of",
+    "tell_placed",
 ]
 
 # Per-node state is forgotten once a node has not been a candidate for between one and two spans
@@ -91,6 +92,17 @@ class Strategy(Protocol):
     def forget_node(self, name: str) -> None:
         """Node ``name`` left the table (removed, or its name now another server's): what was
         learnt of it goes, or a server that takes the name later would inherit it."""
+
+
+def tell_placed(strategy: Strategy, request: RouteRequest, node: NodeView) -> None:
+    """A wrapper placed ``request`` on ``node`` itself (``[affinity]``'s ring): ``strategy``
+    learns of it as of a pick of its own when it can (``placed``: ``predictive``, or a wrapper
+    passing it on), else its prefix index records where the prompt went."""
+    hook = getattr(strategy, "placed", None)
+    if hook is not None:
+        hook(request, node)
+    elif (index := strategy.prefix_index) is not None:
+        index.placed(node, request.blocks)
 
 
 class Static:
