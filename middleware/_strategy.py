@@ -149,7 +149,16 @@ def sample_of(
     if n <= 4 * sample:
         # Without replacement near the threshold: 64 draws from 65 with replacement would look
         # at only ~41 distinct nodes, a worse view than the exact scan one node earlier.
-        return rng.sample(candidates, sample)
+        # A partial Fisher-Yates on floats: random.sample's integer draws cost twice as much
+        # (16 of 64: 8 us -> 4.7 us), and a float's bias over at most 4 * sample is nil.
+        pool = list(candidates)
+        rand = rng.random
+        looked: list[NodeView] = []
+        for i in range(n - 1, n - 1 - sample, -1):
+            j = int(rand() * (i + 1))
+            looked.append(pool[j])
+            pool[j] = pool[i]
+        return looked
     # With replacement: choices is 2-3x cheaper than sample at 64 of 1,000, and a node drawn
     # twice (one draw in ~16 at that size) only weighs double in a tie.
     return rng.choices(candidates, k=sample)

@@ -18,6 +18,7 @@ from promptlb.middleware._strategy import FORGET_SPAN as _FORGET_SPAN
 from promptlb.middleware._strategy import (
     ResourceWeights,
     Strategy,
+    sample_of,
 )
 from promptlb.middleware._view import NodeView, RouteRequest
 
@@ -634,3 +635,16 @@ def test_make_strategy_rejects_an_unknown_option() -> None:
         make_strategy("least_conn", dynamic_weights=True)
     with pytest.raises(ValueError, match=r"queue_scale.*dynamic_weights, min_factor"):
         make_strategy("weighted", queue_scale=4.0)
+
+
+def test_a_sample_without_replacement_is_distinct_and_uniform(node: MakeNode) -> None:
+    nodes = [node(f"n{i}") for i in range(40)]
+    rng = random.Random(3)
+    seen: Counter[str] = Counter()
+    for _ in range(4_000):
+        looked = sample_of(nodes, 16, rng)
+        names = [view.name for view in looked]
+        assert len(names) == 16 == len(set(names))
+        seen.update(names)
+    # Each node is drawn 16/40 of the time: 1,600 of 4,000, within five standard deviations.
+    assert all(1_450 < seen[f"n{i}"] < 1_750 for i in range(40)), seen
