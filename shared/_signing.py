@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -36,6 +37,8 @@ _SIG_PREFIX = _SIG_KEY + b"\xc4" + bytes([_SIG_LEN])
 _SIG_ENTRY_LEN = len(_SIG_PREFIX) + _SIG_LEN
 _PLACEHOLDER = bytes(_SIG_LEN)
 _MIN_SECRET = 16
+# A key id travels in the clear in every snapshot: a token, never a piece of a secret.
+_KID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +49,8 @@ class SigningKey:
     secret: bytes
 
     def __post_init__(self) -> None:
-        if not self.kid or len(self.kid) > 128:
-            raise ValueError("signing key id must be 1..128 characters")
+        if not _KID.fullmatch(self.kid):
+            raise ValueError("signing key id must be 1..128 letters, digits, '.', '_' or '-'")
         if len(self.secret) < _MIN_SECRET:
             raise ValueError(f"signing key {self.kid!r} must be at least {_MIN_SECRET} bytes")
 
@@ -72,12 +75,19 @@ def load_keys(path: str | Path) -> tuple[SigningKey, ...]:
         raise ValueError(f"cannot read signing key file {str(path)!r}: {exc}") from None
     lines = [line.strip() for line in text if line.strip()]
     keys: dict[str, SigningKey] = {}
-    for line in lines or [""]:
+    for number, line in enumerate(lines or [""], 1):
         kid, sep, secret = line.partition(":")
         if not sep:
             if len(lines) > 1:
                 raise ValueError(f"signing key file {str(path)!r}: one KID:SECRET a line")
             kid, secret = "default", line
+        elif not _KID.fullmatch(kid.strip()):
+            # Not echoed: a bare secret holding ':' would be cut in two, its head sent in the
+            # clear as the key id of every snapshot.
+            raise ValueError(
+                f"signing key file {str(path)!r}, line {number}: not KID:SECRET (a key id is"
+                " 1..128 letters, digits, '.', '_' or '-'; a bare secret cannot hold ':')"
+            )
         key = SigningKey(kid.strip(), secret.strip().encode())
         if key.kid in keys:
             raise ValueError(f"signing key file {str(path)!r}: key id {key.kid!r} twice")

@@ -313,6 +313,17 @@ def test_key_file_errors_do_not_leak_the_secret(tmp_path: Path) -> None:
     assert "tiny-secret" not in str(info.value)
 
 
+@pytest.mark.parametrize("head", ["my pass", "aGVsbG8+/w==", "kid!"])
+def test_a_bare_secret_holding_a_colon_is_refused_unechoed(tmp_path: Path, head: str) -> None:
+    # Read as KID:SECRET, its head would travel in the clear as every snapshot's key id.
+    path = tmp_path / "key"
+    path.write_text(f"{head}:phrase long enough to sign with\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1: not KID:SECRET") as info:
+        load_keys(path)
+    assert head not in str(info.value)
+    assert "phrase" not in str(info.value)
+
+
 # --- freshness ---------------------------------------------------------------------------------
 
 
