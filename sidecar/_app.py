@@ -170,6 +170,7 @@ class _Collectors:
         self.server_problem = Problem(log, "model server")
         self._last_tokens: tuple[float, float] | None = None
         self._failed_probes = 0  # in a row
+        self._failed_scrapes = 0  # of /metrics, in a row
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -240,7 +241,15 @@ class _Collectors:
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.engine_problem.report(f"/metrics unreachable: {type(exc).__name__}: {exc}")
         if engine is None:
+            self._failed_scrapes += 1
+            if self._failed_scrapes < cfg.unhealthy_after:
+                # The last reading stands through fewer failures in a row than the probe
+                # tolerates: a loaded engine answers /metrics late exactly when it is busiest,
+                # and a snapshot without its queue made the busiest node look idle.
+                return
             self._last_tokens = None
+        else:
+            self._failed_scrapes = 0
         self.live.engine = engine
         self.live.changed()
 

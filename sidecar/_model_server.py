@@ -30,7 +30,11 @@ async def probe(session: aiohttp.ClientSession, base: str, timeout: float) -> Pr
                     return ProbeResult(True)
                 return ProbeResult(False, f"model server {path} answered {response.status}")
         except aiohttp.ClientConnectorError as exc:
-            return ProbeResult(False, f"model server unreachable: {exc.os_error}", gone=True)
+            # Gone only when refused: nothing listens, so its warm state is lost. A failed DNS
+            # lookup or an unreachable route says nothing of the server, and waits out
+            # `unhealthy_after` like a timeout (a CoreDNS blip made the node cold at once).
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return ProbeResult(False, f"model server unreachable: {exc.os_error}", gone=refused)
         except TimeoutError:
             return ProbeResult(False, f"model server {path} timed out after {timeout:g}s")
         except aiohttp.ClientError as exc:

@@ -341,6 +341,32 @@ async def test_an_out_of_range_engine_count_drops_the_engine_and_logs_once(
     assert not tracebacks(caplog)
 
 
+async def test_an_engine_reading_stands_through_fewer_failed_scrapes_than_unhealthy_after(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    hang = {"left": 0}  # scrapes still to hang past the timeout
+
+    async def metrics(request: web.Request) -> web.Response:
+        if hang["left"] > 0:
+            hang["left"] -= 1
+            await asyncio.sleep(1.0)
+        return web.Response(text=GOOD)
+
+    routes: dict[str, Reply] = {"/health": text("ok"), "/metrics": metrics}
+    async with sidecar_beside(routes, probe_timeout_s=0.1, unhealthy_after=3) as (_, live):
+        await until(lambda: live.engine is not None)
+        hang["left"] = 2  # under unhealthy_after: a busy engine late twice keeps its queue
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            assert live.engine is not None and live.engine.running == 3
+            await asyncio.sleep(0.01)
+        assert hang["left"] == 0  # both late scrapes happened meanwhile
+        hang["left"] = 1_000  # late for good: unknown after unhealthy_after, as before
+        await until(lambda: live.engine is None)
+        hang["left"] = 0
+        await until(lambda: live.engine is not None)
+
+
 async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
     caplog: pytest.LogCaptureFixture,
     sidecar_beside: SidecarBeside,
