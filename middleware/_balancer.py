@@ -573,6 +573,11 @@ class Try:
                         _log.debug("try on node %s failed: %r", node.name, exc)
                         if not isinstance(exc, TimeoutError):
                             status, last = 502, "could not reach a node"
+                        elif not expiry.fired:
+                            # aiohttp's own timeout, the connect's (the only one the session
+                            # sets): the node's doing, whatever the request asks (a 504, as
+                            # nginx answers a connect timeout).
+                            status, last = 504, "timed out connecting to a node"
                         elif not route.stream and lb._needs_longer(node, route, given):
                             # A non-streamed answer comes whole: at the node's speed this one
                             # could not have come in time, and would not elsewhere either.

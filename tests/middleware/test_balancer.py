@@ -236,6 +236,53 @@ async def test_a_stop_during_a_start_waits_for_it_and_leaves_nothing_running(
     assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
 
 
+async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
+    serve: Serve,
+) -> None:
+    # aiohttp's connect timeout is a TimeoutError too: taken for the try's own timer, a long
+    # non-streamed max_tokens read as "takes longer than a try", answered 504 with no retry
+    # and nothing counted against the node that never took the connection.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    waiting = []  # its one-place backlog full: a new connect is never answered
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            sock.connect(("127.0.0.1", port))
+        waiting.append(sock)
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    async with serve(chat_node(chat)) as url:
+        config = Config(
+            nodes=(
+                NodeConfig(name="dead", url=f"http://127.0.0.1:{port}", models=("m",)),
+                NodeConfig(name="ok", url=url, models=("m",)),
+            ),
+            health=HealthConfig(enabled=False),
+            strategy="round_robin",
+            retry=RetryConfig(attempts=2, connect_timeout=0.2, per_try_timeout=30.0),
+        )
+        lb = Balancer(config)
+        reader = RequestReader(config, lb.admission)
+        body = {"model": "m", "messages": [], "max_tokens": 2_000}  # 100 s at 20 tokens/s
+        try:
+            for _ in range(4):  # round robin: the dead node is tried first at least once
+                request = reader.build("/v1/chat/completions", body)
+                async with lb.open(request) as up:
+                    assert up.node.name == "ok" and up.response.status == 200
+            assert lb.table.nodes["dead"].view.error_rate > 0  # charged to the node
+        finally:
+            await lb.stop()
+            listener.close()
+            for sock in waiting:
+                sock.close()
+
+
 async def test_a_reloaded_connect_timeout_is_the_one_tries_use() -> None:
     # The session, with the first config's connect timeout, passes to the new balancer: the
     # new timeout was logged as changed and never used.
