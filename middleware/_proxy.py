@@ -34,6 +34,9 @@ _DROPPED = frozenset(
     name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
 ) | frozenset(ANSWER_HEADERS)
 _log = logging.getLogger("promptlb.middleware")
+# A broken stream's closing error event waits this long for a client to take it: one that has
+# stopped reading would otherwise hold the request open for as long as it stays connected.
+_TRAILER_S = 5.0
 
 
 class Proxy:
@@ -189,26 +192,36 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             # After the first byte nothing is retried: end the stream, say why (not how: the
             # exception may name the node's address, which is for the log).
-            _, why = up.broke(exc)
+            code, why = up.broke(exc)
             if up.overran and sending is not None:
                 now = clock()
                 up.client_slow = blocked + (now - sending) > (now - begun) / 2
             _log.debug("stream from node %s broke: %r", up.node.name, exc)
-            if not sse:
-                # A body cut short must not end as if whole (a short JSON, or a length the
-                # server refuses to close): the connection closes on it instead.
+            if answer.held is not None:
+                # Settled before anything more is written: a client that has stopped reading
+                # holds the sends below, and the node's slot and connection with them.
+                answer.held.close(exc)
+            if not sse or response.content_length is not None:
+                # A body cut short must not end as if whole (a short JSON, a length the server
+                # would refuse): the connection closes on it instead.
                 return
             event = {
                 "error": {
                     "message": f"upstream stream {why}",
                     "type": "upstream_error",
-                    "code": 502,
+                    "code": code,
                 }
             }
             data = b"data: " + json.dumps(event).encode() + b"\n\n"
             if not last.endswith((b"\n\n", b"\r\n\r\n")):
                 data = b"\n\n" + data  # the node stopped inside an event: the error its own
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            try:
+                async with asyncio.timeout(_TRAILER_S):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except TimeoutError:
+                return  # the client takes nothing: the connection closes on it
+            return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

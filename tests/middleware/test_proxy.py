@@ -17,6 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware import _proxy as proxy
 
 from tests.conftest import Launcher, Serve
 from tests.middleware.conftest import chat_node
@@ -548,3 +549,113 @@ async def test_a_query_string_reaches_the_node_as_the_client_encoded_it(serve: S
         b"/v1/chat/completions?q=%C3%A9",
         b"/v1/chat/completions?a=%01b",
     ]
+
+
+def _endless_sse(*, sized: bool = False) -> web.Application:
+    """A node whose answer streams an event every 20 ms, for good (``sized``: under a declared
+    length it never reaches)."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if sized:
+            response.content_length = 1_000_000
+        await response.prepare(request)
+        while True:
+            await response.write(b'data: {"choices": []}\n\n')
+            await asyncio.sleep(0.02)
+
+    return chat_node(chat)
+
+
+async def raw_stream_call(
+    app: PromptLBMiddleware, *, stall_after: int | None = None, limit: float = 4.0
+) -> list[dict[str, Any]]:
+    """A streamed chat through the app's raw ASGI interface: the messages it sent, the client
+    reading nothing after ``stall_after`` of them (still connected). Fails past ``limit``."""
+    body = json.dumps({**CHAT_BODY, "stream": True}).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    stalled = asyncio.Event()  # never set: a stalled client never reads again
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await stalled.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+        if stall_after is not None and len(sent) > stall_after:
+            await stalled.wait()
+
+    call = asyncio.create_task(app(scope, receive, send))
+    try:
+        done, _ = await asyncio.wait({call}, timeout=limit)
+        assert done, "the request never ended"
+        call.result()
+    finally:
+        call.cancel()
+    return sent
+
+
+async def test_a_client_that_stops_reading_a_broken_stream_does_not_hold_its_node(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stream runs out of time while the client takes nothing (connected, its window shut):
+    # the closing error event waited on that client for as long as it stayed, the try open,
+    # the node counted busy and still generating.
+    async with serve(_endless_sse()) as url:
+        app = PromptLBMiddleware(
+            noop,
+            config={
+                "nodes": [{"name": "a", "url": url, "models": ["m"]}],
+                "retry": {"total_timeout": 0.5},
+            },
+        )
+        monkeypatch.setattr(proxy, "_TRAILER_S", 0.3)  # the closing event's wait on the client
+        try:
+            await raw_stream_call(app, stall_after=2)
+            assert app.balancer.table.nodes["a"].view.in_flight == 0
+        finally:
+            await app.balancer.stop()
+
+
+async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_length_was_set(
+    serve: Serve,
+) -> None:
+    for sized in (False, True):
+        async with serve(_endless_sse(sized=sized)) as url:
+            app = PromptLBMiddleware(
+                noop,
+                config={
+                    "nodes": [{"name": "a", "url": url, "models": ["m"]}],
+                    "retry": {"total_timeout": 0.3},
+                },
+            )
+            try:
+                sent = await raw_stream_call(app)
+            finally:
+                await app.balancer.stop()
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+        if sized:
+            # A declared length the event would overrun: the body is cut, the connection to
+            # close on it (no event, no end of body).
+            assert last == b'data: {"choices": []}' and sent[-1]["more_body"]
+        else:
+            error = json.loads(last.removeprefix(b"data: "))["error"]
+            assert (error["code"], error["message"]) == (
+                504,
+                "upstream stream ran past its deadline",
+            )
+            assert not sent[-1]["more_body"]
