@@ -325,6 +325,7 @@ class Balancer:
         total: float | None = None,
         avoid: set[str] | None = None,
         admit: Callable[[NodeView], bool] | None = None,
+        tried: list[str] | None = None,
     ) -> Try:
         """``async with balancer.open(request) as upstream``: route and send, retrying on
         another node (never the same twice) on connect errors, 5xx, 429 and per-try timeouts.
@@ -334,8 +335,10 @@ class Balancer:
         ``first_deadline`` (loop time) bounds the tries, ``total`` (seconds) the whole answer.
         ``avoid`` is shared between attempts racing for one request (a hedge): no two of them
         use the same node. ``admit`` narrows the candidates (load shedding), unless it would
-        leave none."""
-        return Try(self, request, first_deadline, total, avoid, admit)
+        leave none. ``tried``, when given, is the request's tries so far, appended to: a caller
+        that opens again after an answer broke off before its first byte has them count
+        against the attempts and the retry budget."""
+        return Try(self, request, first_deadline, total, avoid, admit, tried)
 
     def _let_go(self, node: Node) -> None:
         """A try on ``node`` is over, whatever its outcome: it holds no place there any more,
@@ -447,7 +450,17 @@ class Try:
     plain class, not a generator context manager, since it is on every request. Entering runs
     the retry loop (`Balancer.open` says what it does); leaving settles the try that answered."""
 
-    __slots__ = ("_admit", "_avoid", "_first", "_lb", "_request", "_total", "_upstream", "_whole")
+    __slots__ = (
+        "_admit",
+        "_avoid",
+        "_first",
+        "_lb",
+        "_request",
+        "_total",
+        "_tried",
+        "_upstream",
+        "_whole",
+    )
 
     def __init__(
         self,
@@ -457,8 +470,10 @@ class Try:
         total: float | None,
         avoid: set[str] | None,
         admit: Callable[[NodeView], bool] | None,
+        tried: list[str] | None = None,
     ) -> None:
         self._lb = lb
+        self._tried = tried
         self._request = request
         self._first = first_deadline
         self._total = total
@@ -491,7 +506,9 @@ class Try:
             route = request.route
             admit = self._admit
             table, metrics = lb.table, lb.metrics
-            tried: list[str] = []
+            tried = self._tried
+            if tried is None:
+                tried = []
             avoid = self._avoid
             if avoid is None:
                 avoid = set()

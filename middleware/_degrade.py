@@ -19,7 +19,7 @@ from types import TracebackType
 import aiohttp
 
 from ._answer import Answer
-from ._balancer import Balancer
+from ._balancer import Balancer, Upstream
 from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
 from ._config import Config
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig
@@ -350,38 +350,67 @@ class Dispatcher:
         lb = self._lb
         critical = request.route.priority == "critical"
         admit = lb.admission.open if lb.admission.enabled and not critical else None
-        # Entered here and left by `answer` once the caller has passed the answer on.
-        held = lb.open(
-            request, first_deadline=first_deadline, total=total, avoid=avoid, admit=admit
-        )
-        up = await held.__aenter__()
-        try:
-            status = up.response.status
-            if onward and (status >= 500 or status == 429):
-                raise UpstreamError(status, f"a node answered {status}", up.attempts)
-            by = up.deadline if first_deadline is None else min(up.deadline, first_deadline)
-            content = up.response.content
+        tried: list[str] = []
+        while True:
+            # Entered here and left by `answer` once the caller has passed the answer on.
+            held = lb.open(
+                request,
+                first_deadline=first_deadline,
+                total=total,
+                avoid=avoid,
+                admit=admit,
+                tried=tried,
+            )
+            up = await held.__aenter__()
             try:
-                # A small answer is often in with its headers: then no timer is needed.
-                first = content.read_nowait()
-                if not first and not content.at_eof():
-                    async with asyncio.timeout_at(by):
-                        first = await content.readany()
-            except TimeoutError:
-                up.timed_out = True
-                raise UpstreamError(504, "no first byte in time", up.attempts) from None
-            except (aiohttp.ClientError, OSError, ValueError) as exc:
-                # A node that breaks off before its first byte (ClientPayloadError, a server
-                # disconnect) is that try's failure, not a 500 of ours.
-                up.failed = True
-                # The detail may name the node's address: for the log, not the client.
-                _log.debug("answer of node %s broke: %r", up.node.name, exc)
-                raise UpstreamError(502, "the answer broke off", up.attempts) from None
-            up.first_byte_at = time.monotonic()
-            return Answer(request.model, upstream=up, first=first, attempts=up.attempts, held=held)
-        except BaseException as exc:
-            held.close(exc)
-            raise
+                status = up.response.status
+                if onward and (status >= 500 or status == 429):
+                    raise UpstreamError(status, f"a node answered {status}", up.attempts)
+                by = up.deadline if first_deadline is None else min(up.deadline, first_deadline)
+                content = up.response.content
+                try:
+                    # A small answer is often in with its headers: then no timer is needed.
+                    first = content.read_nowait()
+                    if not first and not content.at_eof():
+                        async with asyncio.timeout_at(by):
+                            first = await content.readany()
+                except TimeoutError:
+                    up.timed_out = True
+                    raise UpstreamError(504, "no first byte in time", up.attempts) from None
+                except (aiohttp.ClientError, OSError, ValueError) as exc:
+                    # A node that breaks off before its first byte (ClientPayloadError, a
+                    # server disconnect: a stream's headers go out before its prefill) is that
+                    # try's failure, not a 500 of ours.
+                    up.failed = True
+                    # The detail may name the node's address: for the log, not the client.
+                    _log.debug("answer of node %s broke: %r", up.node.name, exc)
+                    raise UpstreamError(502, "the answer broke off", up.attempts) from None
+                up.first_byte_at = time.monotonic()
+                return Answer(
+                    request.model, upstream=up, first=first, attempts=up.attempts, held=held
+                )
+            except BaseException as exc:
+                held.close(exc)
+                if not (isinstance(exc, UpstreamError) and up.failed):
+                    raise
+                if not self._retry(request.model, up, avoid):
+                    raise
+            # Nothing has reached the client: tried again elsewhere, as a reset before the
+            # headers is, within the same attempts, retry budget and deadline.
+            total = up.deadline - asyncio.get_running_loop().time()
+
+    def _retry(self, model: str, up: Upstream, avoid: set[str]) -> bool:
+        """Whether an answer that broke off before its first byte may be tried again: the
+        checks the balancer makes before a retry, so that a refusal says why it failed."""
+        lb = self._lb
+        if up.attempts >= lb.config.retry.attempts or not lb._more(model, avoid):
+            return False
+        if up.deadline <= asyncio.get_running_loop().time():
+            return False
+        if not lb._budget.allow():
+            lb.metrics.retry_budget_exhausted.inc()
+            return False
+        return True
 
 
 async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asyncio.Task[Answer]:
