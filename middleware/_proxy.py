@@ -151,7 +151,19 @@ class Proxy:
             if named:
                 headers = [h for h in headers if h[0] not in named]
         headers += answer_headers(answer)
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        try:
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+        except OSError:
+            raise  # the client's connection
+        except Exception:
+            # The server refused the node's headers (uvicorn: a control character in a value),
+            # having marked the response started: nothing more can be sent, and the node's
+            # answer is at fault. Charged to it, outlier ejection moves traffic off a node that
+            # answers so; checking every value here instead cost each request a microsecond.
+            up.failed = True
+            raise
         sse = response.headers.get("content-type", "").encode().startswith(SSE)
         recorder = recorder_for(answer, path, sse, self._entry_limit)
         if recorder is not None and answer.first:

@@ -659,3 +659,60 @@ async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_lengt
                 "upstream stream ran past its deadline",
             )
             assert not sent[-1]["more_body"]
+
+
+async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
+    # uvicorn refuses a header value with a control character after marking the response
+    # started: the client's connection closes. The try was settled as the client's doing
+    # ("aborted"), so the node was never charged and kept every request it broke.
+    answer = b'{"choices": []}'
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Raw bytes: aiohttp's own server refuses to send such a header.
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        length = head.partition(b"content-length:")[2].partition(b"\r\n")[0]
+        await reader.readexactly(int(length or 0))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Odd: a\x01b\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(node, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        url = f"http://127.0.0.1:{port}"
+        app = PromptLBMiddleware(
+            noop, config={"nodes": [{"name": "a", "url": url}], "health": {"enabled": False}}
+        )
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+        }
+        given = [{"type": "http.request", "body": json.dumps(CHAT_BODY).encode()}]
+
+        async def receive() -> dict[str, Any]:
+            if given:
+                return given.pop()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            # What uvicorn's httptools protocol does with such a value.
+            if message["type"] == "http.response.start" and any(
+                b"\x01" in value for _, value in message["headers"]
+            ):
+                raise RuntimeError("Invalid HTTP header value.")
+
+        try:
+            with pytest.raises(RuntimeError):
+                await app(scope, receive, send)
+            node = app.balancer.table.nodes["a"]
+            assert node.failures == 1 and node.view.in_flight == 0
+        finally:
+            await app.balancer.stop()
