@@ -667,7 +667,7 @@ async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
     # ("aborted"), so the node was never charged and kept every request it broke.
     answer = b'{"choices": []}'
 
-    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def raw_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Raw bytes: aiohttp's own server refuses to send such a header.
         head = (await reader.readuntil(b"\r\n\r\n")).lower()
         length = head.partition(b"content-length:")[2].partition(b"\r\n")[0]
@@ -679,7 +679,7 @@ async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(node, "127.0.0.1", 0)
+    server = await asyncio.start_server(raw_node, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
         url = f"http://127.0.0.1:{port}"
