@@ -97,6 +97,20 @@ def test_a_growing_process_has_a_positive_slope() -> None:
         child.wait(timeout=5)
 
 
+def test_a_long_window_fits_a_bounded_number_of_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A day's window at 4 samples a second held 345,600 and refitted them all each time.
+    collector = ProcessCollector(pid=os.getpid(), port=None, window_s=86_400)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(collector, "_tree_rss", lambda proc: int(1e9 + 1_000 * clock["now"]))
+    slope = None
+    for step in range(40_000):  # 10,000 s at 250 ms
+        clock["now"] = step * 0.25
+        rss, slope = collector.sample(now=clock["now"])
+        assert rss == int(1e9 + 1_000 * clock["now"])  # the reading itself is every sample's
+    assert len(collector._history) <= 1_025
+    assert slope == pytest.approx(1_000, rel=1e-6)
+
+
 def test_the_window_forgets_old_samples_and_a_new_process_starts_over() -> None:
     collector = ProcessCollector(pid=os.getpid(), port=None, window_s=5)
     for t in range(0, 20, 2):
@@ -179,6 +193,28 @@ def test_a_process_replaced_on_the_port_is_flagged_once_as_restarted() -> None:
         assert rss is not None and slope is None and collector.restarted
         collector.sample()
         assert not collector.restarted  # only the sample that found the new process says so
+    finally:
+        _kill_tree(first)
+        if second is not None:
+            _kill_tree(second)
+
+
+def test_a_restart_is_said_when_the_process_goes_not_again_when_its_successor_is_found() -> None:
+    # The lookup by port backs off while nobody listens; the probe sees the new server first
+    # and warms it. Said on finding the successor, the restart took the warm node out again.
+    first, port = _listener()
+    clock = {"now": 0.0}
+    collector = ProcessCollector(pid=None, port=port, clock=lambda: clock["now"])
+    second = None
+    try:
+        assert collector.sample()[0] is not None and not collector.restarted
+        first.kill()
+        first.wait(timeout=5)
+        assert collector.sample() == (None, None) and collector.restarted  # seen gone
+        assert collector.sample() == (None, None) and not collector.restarted
+        second, _ = _listener(port)
+        clock["now"] += LOOKUP_BACKOFF_S  # the lookup's next turn
+        assert collector.sample()[0] is not None and not collector.restarted
     finally:
         _kill_tree(first)
         if second is not None:
