@@ -31,6 +31,7 @@ from ._process import ProcessCollector, is_local_host, memory_free
 __all__ = ["LIVE", "create_app"]
 
 log = logging.getLogger("promptlb.sidecar")
+STALE_HINT_S = 2.5  # sample intervals above this are warned of: half the gateways' stale_after
 
 LIVE = web.AppKey("promptlb_sidecar_live", Live)
 _SESSION = web.AppKey("promptlb_sidecar_session", aiohttp.ClientSession)
@@ -351,6 +352,13 @@ async def run_warmup(app: web.Application) -> WarmupReport:
 async def _background(app: web.Application) -> AsyncIterator[None]:
     collectors = _Collectors(app)
     config = collectors.config
+    if config.sample_interval_s > STALE_HINT_S:
+        # A snapshot is as old as its last sample: past the gateways' default stale_after (5 s)
+        # between two, they drop it and read the node's load as unknown, now and then.
+        log.warning(
+            "--sample-interval %gs: the gateways' stale_after must exceed it (5 s by default)",
+            config.sample_interval_s,
+        )
     # One session for every call to the model server; a small pool, as there are only a few.
     app[_SESSION] = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=8),

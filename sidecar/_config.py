@@ -8,12 +8,22 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 from urllib.parse import urlsplit
 
-from promptlb.shared import ConfigError, SigningKey
-from promptlb.shared._snapshot import MAX_COUNT, MAX_NAME_CHARS, MAX_NAMES
+from promptlb.shared import ConfigError, SigningKey, SnapshotError
+from promptlb.shared._snapshot import (
+    MAX_COUNT,
+    MAX_NAME_CHARS,
+    MAX_NAMES,
+    MAX_SNAPSHOT_BYTES,
+    Snapshot,
+    encode_unsigned,
+)
 
 __all__ = ["MIN_TOKEN_CHARS", "EngineChoice", "SidecarConfig"]
 
 MIN_TOKEN_CHARS = 8
+# What a snapshot holds besides the configured names, at most: 64 GPUs, the engine, memory
+# and the signature.
+_SNAPSHOT_ROOM = 8 * 1024
 
 EngineChoice = Literal["auto", "vllm", "tgi", "llamacpp", "sglang", "none"]
 _ENGINES = ("auto", "vllm", "tgi", "llamacpp", "sglang", "none")
@@ -105,6 +115,7 @@ class SidecarConfig:
                 raise ConfigError(key, values, f"names of 1..{MAX_NAME_CHARS} characters")
         if len(self.tier) > 128:
             raise ConfigError("tier", self.tier, "at most 128 characters")
+        self._check_snapshot()
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
             raise ConfigError(
                 "token", "<hidden>", f"a token of at least {MIN_TOKEN_CHARS} characters"
@@ -132,6 +143,36 @@ class SidecarConfig:
             _whole("memory_limit", self.memory_limit, 1, MAX_COUNT, expected)
         if self.model_pid is not None:
             _whole("model_pid", self.model_pid, 1, None, "a process id >= 1")
+
+    def _check_snapshot(self) -> None:
+        """The names as every snapshot will carry them: text that encodes as UTF-8 (argv's
+        undecodable bytes do not) and that leaves room for the load in the size limit, checked
+        here, where each made every /snapshot a 500."""
+        for key in ("node_name", "tier", "models", "tags"):
+            value = getattr(self, key)
+            for text in value if isinstance(value, tuple) else (value,):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(key, ascii(value), "UTF-8 text") from None
+        trial = Snapshot(
+            node=self.node_name,
+            boot="0" * 16,
+            seq=1,
+            ts=0.0,
+            models=self.models,
+            tags=self.tags,
+            tier=self.tier,
+        )
+        try:
+            size = len(encode_unsigned(trial))
+        except SnapshotError:
+            size = MAX_SNAPSHOT_BYTES
+        if size + _SNAPSHOT_ROOM > MAX_SNAPSHOT_BYTES:
+            limit = MAX_SNAPSHOT_BYTES - _SNAPSHOT_ROOM
+            raise ConfigError(
+                "models", f"{size} bytes of names", f"names within {limit} bytes, with the tags"
+            )
 
     @property
     def model_host(self) -> str | None:

@@ -509,3 +509,17 @@ async def test_rss_grown_while_loading_and_warming_is_left_out_of_the_slope(
     assert snap.rss_slope == pytest.approx(100 * 2**20)
     left = snap.seconds_to_oom()
     assert left is not None and left < 300.0  # the gateway drains it
+
+
+async def test_a_sample_interval_near_the_gateways_staleness_is_warned_of(
+    caplog: pytest.LogCaptureFixture, sidecar_beside: SidecarBeside
+) -> None:
+    routes: dict[str, Reply] = {"/health": text("ok")}
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
+        async with sidecar_beside(routes, engine="none"):
+            pass
+        assert not [r for r in caplog.records if "stale_after" in r.getMessage()]
+        async with sidecar_beside(routes, engine="none", sample_interval_s=3.0):
+            pass
+    (warning,) = [r.getMessage() for r in caplog.records if "stale_after" in r.getMessage()]
+    assert "--sample-interval 3s" in warning

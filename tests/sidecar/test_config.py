@@ -47,6 +47,31 @@ def test_models_and_tags_at_the_limits_fit_in_a_snapshot() -> None:
     assert decode(encode(snap)).models == models
 
 
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"tags": ("gpu\udcff",)}, "tags"),  # argv's undecodable bytes, as Python reads them
+        ({"models": ("m\ud800",)}, "models"),
+        ({"node_name": "n\udcff"}, "node_name"),
+        ({"tier": "t\udcff"}, "tier"),
+        # Within each count and length, but 64 KiB of UTF-8 together: no room for the load.
+        (
+            {
+                "models": tuple(f"{i:02}" + "é" * 250 for i in range(64)),
+                "tags": tuple(f"{i:02}" + "é" * 250 for i in range(64)),
+            },
+            "models",
+        ),
+    ],
+    ids=["tag", "model", "node name", "tier", "64 KiB of names"],
+)
+def test_names_no_snapshot_can_carry_are_config_errors(fields: dict[str, Any], key: str) -> None:
+    # Each passed the checks and made every /snapshot a 500.
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(**{"node_name": "n", **fields})
+    assert error.value.key == key
+
+
 def test_a_short_token_names_the_token() -> None:
     with pytest.raises(ConfigError) as error:
         SidecarConfig(node_name="n", token="short")
