@@ -209,12 +209,16 @@ class _Collectors:
             self.process_problem.clear()
         if self.process.restarted:
             self.app[_NAMES].expire()  # the new process may serve another model
-            if self.live.warm:
+            if live.server_ok and self.process.pid is None:
+                # Seen gone before the probe saw it: said so, until the probe says otherwise.
+                live.server_ok = False
+                live.server_reason = "model-server process exited"
+            if live.warm:
                 # A restart quicker than one probe never looks "gone" to the probe, but the new
                 # process has lost its caches all the same.
-                self.live.warm = False
-                log.warning("model-server process was replaced: warmup will run again")
-        self.live.changed()
+                live.warm = False
+                log.warning("model-server process exited: warmup will run again")
+        live.changed()
 
     async def sample_engine(self) -> None:
         cfg = self.config
