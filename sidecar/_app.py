@@ -21,8 +21,8 @@ from promptlb.shared._snapshot import MAX_TPS
 
 from ._config import SidecarConfig
 from ._engine import EngineMetricsError, parse_engine_metrics
-from ._gpu import GpuCollector
-from ._host import HostCollector, HostSample
+from ._gpu import GpuCollector, in_daemon_thread
+from ._host import HostCollector
 from ._live import Live, Problem
 from ._model_server import WarmupReport, probe, warmup
 from ._names import ModelNames
@@ -32,6 +32,7 @@ __all__ = ["LIVE", "create_app"]
 
 log = logging.getLogger("promptlb.sidecar")
 STALE_HINT_S = 2.5  # sample intervals above this are warned of: half the gateways' stale_after
+GPU_SAMPLE_S = 2.0  # an NVML sample taking longer is hung: the GPUs are left out meanwhile
 
 LIVE = web.AppKey("promptlb_sidecar_live", Live)
 _SESSION = web.AppKey("promptlb_sidecar_session", aiohttp.ClientSession)
@@ -169,6 +170,8 @@ class _Collectors:
         self.engine_problem = Problem(log, "engine metrics")
         self.process_problem = Problem(log, "model-server process")
         self.server_problem = Problem(log, "model server")
+        self.gpu_problem = Problem(log, "GPU sampling")
+        self._gpu_pending: asyncio.Future[tuple[GpuSample, ...]] | None = None
         self._last_tokens: tuple[float, float] | None = None
         self._failed_probes = 0  # in a row
         self._failed_scrapes = 0  # of /metrics, in a row
@@ -177,13 +180,29 @@ class _Collectors:
     def session(self) -> aiohttp.ClientSession:
         return self.app[_SESSION]
 
-    def _host_and_gpus(self) -> tuple[HostSample, tuple[GpuSample, ...]]:
-        return self.host.sample(), self.gpu.sample()
-
     async def sample_host(self) -> None:
-        # NVML calls can block for milliseconds (more on a sick GPU): keep them off the loop.
-        self.live.host, self.live.gpus = await asyncio.to_thread(self._host_and_gpus)
-        self.live.changed()
+        live = self.live
+        live.host = await asyncio.to_thread(self.host.sample)
+        live.gpus = await self._sample_gpus()
+        live.changed()
+
+    async def _sample_gpus(self) -> tuple[GpuSample, ...]:
+        """The GPUs, off the loop, within `GPU_SAMPLE_S`: NVML calls take milliseconds, but a
+        GPU that fell off the bus can block one for good. Sampled with the host in one call,
+        such a hang froze the CPU and memory readings too, served as fresh; now the GPUs are
+        left out (unknown) until the call returns, and no second one is started meanwhile."""
+        pending = self._gpu_pending
+        if pending is not None and not pending.done():
+            return ()  # still hung: reported when it began
+        pending = self._gpu_pending = in_daemon_thread(self.gpu.sample)
+        # asyncio.wait, not wait_for: on 3.11 wait_for swallows a cancel that comes as the
+        # sample ends, and the collector then outlived the app's shutdown.
+        await asyncio.wait((pending,), timeout=GPU_SAMPLE_S)
+        if not pending.done():
+            self.gpu_problem.report(f"NVML has not answered in {GPU_SAMPLE_S:g}s: GPUs left out")
+            return ()
+        self.gpu_problem.clear()
+        return pending.result()
 
     def _process_and_memory(self, serving: bool) -> tuple[int | None, float | None, int | None]:
         rss, slope = self.process.sample()

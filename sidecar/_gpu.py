@@ -10,23 +10,28 @@ milliseconds): the sidecar runs it in a worker thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from promptlb.shared import GpuSample
 
 from ._live import Problem
 
-__all__ = ["RETRY_S", "GpuCollector"]
+__all__ = ["RETRY_S", "GpuCollector", "in_daemon_thread"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("promptlb.sidecar.gpu")
 _MiB = 1024 * 1024
 _TEMP_C = (-100, 200)  # what a snapshot may carry (`shared._snapshot`)
 _POWER_W = (0, 100_000)
 RETRY_S = 30.0
+CLOSE_WAIT_S = 2.0  # close waits this long for a sample under way
 
 
 def _import_nvml() -> Any:
@@ -109,7 +114,12 @@ class GpuCollector:
             log.log(level, "no GPU metrics: %s", reason)
 
     def close(self) -> None:
-        with self._lock:
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
+            # A sample hung in NVML holds the lock: shutting NVML down under it is no safer
+            # than leaving it to the process's exit, which must not wait on it.
+            log.warning("NVML hung in a sample: not shut down")
+            return
+        try:
             self._closed = True
             if self._open:
                 self._open = False
@@ -118,6 +128,8 @@ class GpuCollector:
                     self._nvml.nvmlShutdown()
                 except Exception as exc:
                     log.warning("NVML shutdown failed: %s", exc)
+        finally:
+            self._lock.release()
 
     def _problem(self, i: int) -> Problem:
         problem = self._problems.get(i)
@@ -176,3 +188,26 @@ class GpuCollector:
                 )
             )
         return tuple(out)
+
+
+def in_daemon_thread(call: Callable[[], _T]) -> asyncio.Future[_T]:
+    """``call`` in a thread of its own that exit does not wait for (a hung NVML call must not
+    hold the sidecar's shutdown; the default executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            result: Any = call()
+            ok = True
+        except Exception as exc:
+            result, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, ok, result)
+
+    threading.Thread(target=run, name="promptlb-sidecar-sample", daemon=True).start()
+    return future

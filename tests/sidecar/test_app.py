@@ -20,6 +20,7 @@ from promptlb.sidecar import _app as sidecar_app
 from promptlb.sidecar import _names as sidecar_names
 from promptlb.sidecar._app import LIVE, _Collectors
 from promptlb.sidecar._gpu import GpuCollector
+from promptlb.sidecar._host import HostCollector
 from promptlb.sidecar._live import Live
 
 from tests.conftest import Serve
@@ -436,6 +437,67 @@ async def test_gpus_are_sampled_off_the_event_loop(
         assert [g.i for g in decode(live.encoded()).gpus] == [0, 1]
     assert threads and threading.get_ident() not in threads
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
+
+
+async def test_a_hung_gpu_leaves_the_gpus_out_and_the_host_readings_going(
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    nvml: FakeNvml,
+    sidecar_beside: SidecarBeside,
+) -> None:
+    # A GPU fallen off the bus can block an NVML call for good: sampled with the host in one
+    # call, the CPU and memory readings froze too, served as fresh.
+    released = threading.Event()
+    hung = {"on": False}
+    utilisation = nvml.nvmlDeviceGetUtilizationRates
+
+    def maybe_hang(h: int) -> Any:
+        if hung["on"]:
+            released.wait(10)
+        return utilisation(h)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", maybe_hang)
+    monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", 0.2)
+    monkeypatch.setattr(
+        sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
+    )
+    hosts: list[object] = []
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
+        async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
+            try:
+                await until(lambda: live.gpus)
+                hung["on"] = True
+                await until(lambda: not live.gpus)
+                monkeypatch.setattr(HostCollector, "sample", lambda self: (len(hosts) / 100, 0.5))
+                for _ in range(5):
+                    hosts.append(live.host)
+                    await asyncio.sleep(0.1)
+                assert len(set(hosts)) > 1  # the host is still read while the GPU hangs
+                assert decode(live.encoded()).gpus == ()
+            finally:
+                hung["on"] = False
+                released.set()
+            await until(lambda: live.gpus)
+    assert any("NVML has not answered" in r.getMessage() for r in caplog.records)
+
+
+def test_closing_does_not_wait_for_good_on_a_hung_sample(
+    monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml
+) -> None:
+    from promptlb.sidecar import _gpu
+
+    monkeypatch.setattr(_gpu, "CLOSE_WAIT_S", 0.1)
+    collector = GpuCollector(nvml, enabled=True)
+    collector.open()
+    collector._lock.acquire()  # as a sample stuck in NVML holds it
+    try:
+        started = time.monotonic()
+        collector.close()
+        assert time.monotonic() - started < 2
+    finally:
+        collector._lock.release()
+    collector.close()
+    assert nvml.shutdowns == 1
 
 
 # --- the model-server process ---------------------------------------------------------------------
