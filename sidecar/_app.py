@@ -383,9 +383,12 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             config.sample_interval_s,
         )
     # One session for every call to the model server; a small pool, as there are only a few.
+    key = config.model_api_key
     app[_SESSION] = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=8),
         timeout=aiohttp.ClientTimeout(total=config.warmup_timeout_s),
+        # The session calls the model server alone: its key goes on every call.
+        headers={"Authorization": f"Bearer {key}"} if key else None,
     )
     await asyncio.to_thread(collectors.gpu.open)
     tasks = collectors.tasks()

@@ -14,11 +14,12 @@ from promptlb.shared._serve import config_or_exit, serve
 from promptlb.shared._snapshot import MAX_COUNT
 
 from ._app import create_app
-from ._config import _ENGINES, MIN_TOKEN_CHARS, SidecarConfig
+from ._config import _ENGINES, MIN_TOKEN_CHARS, MODEL_KEY_RULE, SidecarConfig, valid_model_key
 
 __all__ = ["main"]
 
 TOKEN_ENV = "PROMPTLB_SIDECAR_TOKEN"
+MODEL_KEY_ENV = "PROMPTLB_MODEL_API_KEY"
 DEFAULT_WARMUP = SidecarConfig(node_name="-").warmup_prompts
 
 
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--protect-reads", action="store_true", help="require the token for the GET endpoints too"
+    )
+    p.add_argument(
+        "--model-api-key-file",
+        type=Path,
+        default=None,
+        help=f"the key the model server asks for (vLLM's --api-key); or set {MODEL_KEY_ENV}",
     )
     p.add_argument(
         "--sign-key-file",
@@ -160,6 +167,25 @@ def _read_token(parser: argparse.ArgumentParser, path: Path | None) -> str | Non
     return token
 
 
+def _read_model_key(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
+    """The model server's API key, from the file or else the environment (stripped: a
+    Secret made from a file carries its trailing newline); a bad one names where it came
+    from, never what it holds."""
+    if path is None:
+        raw = os.environ.get(MODEL_KEY_ENV) or None
+        key = None if raw is None else raw.strip()
+        if key is not None and not valid_model_key(key):
+            parser.error(f"{MODEL_KEY_ENV}: expected {MODEL_KEY_RULE}")
+        return key
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("model_api_key_file", str(path), f"a readable file ({exc})") from None
+    if not valid_model_key(key):
+        raise ConfigError("model_api_key_file", str(path), f"a file holding {MODEL_KEY_RULE}")
+    return key
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -182,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             tags=args.tags,
             tier=args.tier,
             token=_read_token(parser, args.token_file),
+            model_api_key=_read_model_key(parser, args.model_api_key_file),
             protect_reads=args.protect_reads,
             sign_key=sign_key,
             warmup_prompts=tuple(args.warmup_prompt or DEFAULT_WARMUP),

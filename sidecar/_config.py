@@ -18,7 +18,13 @@ from promptlb.shared._snapshot import (
     encode_unsigned,
 )
 
-__all__ = ["MIN_TOKEN_CHARS", "EngineChoice", "SidecarConfig"]
+__all__ = [
+    "MIN_TOKEN_CHARS",
+    "MODEL_KEY_RULE",
+    "EngineChoice",
+    "SidecarConfig",
+    "valid_model_key",
+]
 
 MIN_TOKEN_CHARS = 8
 # What a snapshot holds besides the configured names, at most: 64 GPUs, the engine, memory
@@ -27,6 +33,14 @@ _SNAPSHOT_ROOM = 8 * 1024
 
 EngineChoice = Literal["auto", "vllm", "tgi", "llamacpp", "sglang", "none"]
 _ENGINES = ("auto", "vllm", "tgi", "llamacpp", "sglang", "none")
+
+
+MODEL_KEY_RULE = "a key of printable characters on one line"
+
+
+def valid_model_key(key: str) -> bool:
+    """Whether ``key`` can go in an Authorization header as it is."""
+    return bool(key) and key == key.strip() and key.isprintable()
 
 
 def _whole(key: str, value: object, lo: int, hi: int | None, expected: str) -> None:
@@ -65,6 +79,9 @@ class SidecarConfig:
     tags: tuple[str, ...] = ()
     tier: str = ""
     token: str | None = field(default=None, repr=False)
+    # What the model server asks of its callers (vLLM's --api-key): sent on every call to it,
+    # or its /v1/models and the warmup answer 401 and the node never becomes ready.
+    model_api_key: str | None = field(default=None, repr=False)
     sign_key: SigningKey | None = None
     protect_reads: bool = False
     warmup_prompts: tuple[str, ...] = ("Hello! Reply with one word.",)
@@ -120,6 +137,8 @@ class SidecarConfig:
             raise ConfigError(
                 "token", "<hidden>", f"a token of at least {MIN_TOKEN_CHARS} characters"
             )
+        if self.model_api_key is not None and not valid_model_key(self.model_api_key):
+            raise ConfigError("model_api_key", "<hidden>", MODEL_KEY_RULE)
         if self.protect_reads and self.token is None:
             raise ConfigError(
                 "protect_reads",
@@ -185,4 +204,6 @@ class SidecarConfig:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
-        return f"SidecarConfig({shown}, token={'<set>' if self.token else None})"
+        token = "<set>" if self.token else None
+        key = "<set>" if self.model_api_key else None
+        return f"SidecarConfig({shown}, token={token}, model_api_key={key})"

@@ -146,6 +146,38 @@ def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.exc_info]
 
 
+async def test_a_model_server_that_asks_for_a_key_is_sent_it_on_every_call(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    # vLLM with --api-key: its /v1 routes answer 401 without it, and the node never warmed.
+    key = "sk-model-server-key"
+    seen: list[str | None] = []
+
+    def guarded(reply: Reply) -> Reply:
+        def answer(request: web.Request) -> web.StreamResponse | Awaitable[web.StreamResponse]:
+            seen.append(request.headers.get("Authorization"))
+            if request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": "unauthorised"}, status=401)
+            return reply(request)
+
+        return answer
+
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/v1/models": guarded(models_reply("m")),
+        "/v1/chat/completions": guarded(lambda request: web.json_response({"choices": []})),
+    }
+    settings = {"warmup_at_start": True, "warmup_required": True, "engine": "none"}
+    async with sidecar_beside(routes, **settings) as (_, live):
+        await until(lambda: live.warmup is not None)
+        assert not live.ready and live.warmup is not None and "401" in live.warmup.error
+    seen.clear()
+    async with sidecar_beside(routes, model_api_key=key, **settings) as (_, live):
+        await until(lambda: live.ready)
+        assert decode(live.encoded()).models == ("m",)
+    assert seen and set(seen) == {f"Bearer {key}"}
+
+
 # --- learnt model names ---------------------------------------------------------------------------
 
 

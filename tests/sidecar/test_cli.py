@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from promptlb.sidecar import _cli
-from promptlb.sidecar._cli import _read_token, main
+from promptlb.sidecar._cli import _read_model_key, _read_token, main
 
 
 @pytest.fixture(autouse=True)
@@ -122,3 +122,27 @@ def test_a_token_from_the_environment_is_stripped_as_one_from_a_file_is(
     with pytest.raises(SystemExit):
         _read_token(parser, None)
     assert "at least 8 characters" in capsys.readouterr().err
+
+
+def test_the_model_servers_key_is_read_stripped_and_a_bad_one_named_not_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    key = tmp_path / "model-key"
+    key.write_text("sk-abc123\n")  # a Secret made from a file keeps its newline
+    assert _read_model_key(parser, key) == "sk-abc123"
+    monkeypatch.setenv("PROMPTLB_MODEL_API_KEY", "sk-from-env\n")
+    assert _read_model_key(parser, None) == "sk-from-env"
+    monkeypatch.delenv("PROMPTLB_MODEL_API_KEY")
+    assert _read_model_key(parser, None) is None
+    key.write_text("sk-two\nlines-here\n")  # a header cannot hold it
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-api-key-file", str(key)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --model-api-key-file" in err and "sk-two" not in err
+    monkeypatch.setenv("PROMPTLB_MODEL_API_KEY", "sk\tsecret-part")
+    with pytest.raises(SystemExit):
+        _read_model_key(parser, None)
+    err = capsys.readouterr().err
+    assert "PROMPTLB_MODEL_API_KEY" in err and "secret-part" not in err
