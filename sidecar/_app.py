@@ -161,7 +161,7 @@ class _Collectors:
         self.live = app[LIVE]
         self.config = self.live.config
         self.host = HostCollector()
-        self.gpu = GpuCollector(enabled=self.config.gpu)
+        self.gpu = GpuCollector(enabled=self.config.gpu, devices=self.config.gpu_devices)
         self.process = ProcessCollector(
             pid=self.config.model_pid,
             port=self.config.model_port if is_local_host(self.config.model_host) else None,

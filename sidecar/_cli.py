@@ -132,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the model server's memory limit; default: its cgroup's, else the host's free memory",
     )
     p.add_argument("--no-gpu", action="store_true", help="do not read NVML")
+    p.add_argument(
+        "--gpu-devices",
+        type=_names,
+        default=(),
+        help="comma-separated GPU indices or UUIDs this model server uses; default: every GPU",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -223,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             rss_window_s=parse_duration("rss_window", args.rss_window),
             memory_limit=_memory_limit(args.memory_limit_mb),
             gpu=not args.no_gpu,
+            gpu_devices=args.gpu_devices,
             **extra,
         )
 

@@ -101,6 +101,7 @@ class SidecarConfig:
     # None: its cgroup's limit when it has one, else the host's available memory.
     memory_limit: int | None = None
     gpu: bool = True
+    gpu_devices: tuple[str, ...] = ()  # by NVML index or UUID; empty: every GPU NVML sees
 
     def __post_init__(self) -> None:
         url_expected = "an http(s) URL such as http://127.0.0.1:8000"
@@ -130,6 +131,10 @@ class SidecarConfig:
                 raise ConfigError(key, values, f"at most {MAX_NAMES} names")
             if not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS for v in values):
                 raise ConfigError(key, values, f"names of 1..{MAX_NAME_CHARS} characters")
+        if len(self.gpu_devices) > 64 or not all(
+            isinstance(d, str) and 0 < len(d) <= 96 and d.isprintable() for d in self.gpu_devices
+        ):
+            raise ConfigError("gpu_devices", self.gpu_devices, "up to 64 GPU indices or UUIDs")
         if len(self.tier) > 128:
             raise ConfigError("tier", self.tier, "at most 128 characters")
         self._check_snapshot()

@@ -55,13 +55,18 @@ class GpuCollector:
         nvml: Any = ...,
         *,
         enabled: bool = True,
+        devices: tuple[str, ...] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # nvml is injectable so that the mapping from NVML to GpuSample is testable without a GPU.
         self._nvml: Any = _import_nvml() if nvml is ... else nvml
         self._enabled = enabled
+        # Which GPUs, by index or UUID (empty: every one NVML sees): several model servers on
+        # one host each have a sidecar, and a sidecar reading all the host's GPUs reported
+        # their average as its server's.
+        self._devices = devices
         self._clock = clock
-        self._handles: list[Any] = []
+        self._handles: list[tuple[int, Any]] = []  # (NVML index, handle)
         self._open = False
         self._closed = False
         self._retry_at = 0.0
@@ -96,17 +101,29 @@ class GpuCollector:
             self._open = True
         try:
             count = nvml.nvmlDeviceGetCount()
-            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+            if self._devices:
+                handles = [(i, h) for i, h in handles if self._chosen(i, h)]
         except Exception as exc:
             self._handles = []
             self._no_gpu(f"NVML cannot list GPUs: {exc}", before, logging.WARNING)
             return
-        if not self._handles:
-            self._no_gpu("NVML reports no GPU", before)
+        self._handles = handles
+        if not handles:
+            reason = "NVML reports no GPU"
+            if self._devices:
+                reason = f"none of the GPUs {', '.join(self._devices)} among {count}"
+            self._no_gpu(reason, before, logging.WARNING if self._devices else logging.INFO)
             return
         self.reason = ""
         if before:
             log.info("GPU metrics: %d GPUs, after %s", len(self._handles), before)
+
+    def _chosen(self, index: int, handle: Any) -> bool:
+        if str(index) in self._devices:
+            return True
+        uuid = self._nvml.nvmlDeviceGetUUID(handle)
+        return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)) in self._devices
 
     def _no_gpu(self, reason: str, before: str, level: int = logging.INFO) -> None:
         self.reason = reason
@@ -146,7 +163,7 @@ class GpuCollector:
         if not self._handles and not self._closed and self._clock() >= self._retry_at:
             self._start()
         out: list[GpuSample] = []
-        for i, handle in enumerate(self._handles):
+        for i, handle in self._handles:
             problem = self._problem(i)
             try:
                 util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu

@@ -42,6 +42,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-{h}1c2d3e4-0000-0000-0000-00000000000{h}"
+
     def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
         if h in self.broken:
             raise NVMLError("GPU is lost")

@@ -461,9 +461,7 @@ async def test_gpus_are_sampled_off_the_event_loop(
         return utilisation(h)
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", traced)
-    monkeypatch.setattr(
-        sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
-    )
+    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
     async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
         await until(lambda: live.gpus)
         assert [g.i for g in decode(live.encoded()).gpus] == [0, 1]
@@ -490,9 +488,7 @@ async def test_a_hung_gpu_leaves_the_gpus_out_and_the_host_readings_going(
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", maybe_hang)
     monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", 0.2)
-    monkeypatch.setattr(
-        sidecar_app, "GpuCollector", lambda enabled: GpuCollector(nvml, enabled=enabled)
-    )
+    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
     hosts: list[object] = []
     with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
         async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):

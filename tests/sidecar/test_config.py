@@ -86,3 +86,10 @@ def test_a_memory_limit_beyond_what_a_snapshot_can_carry_is_a_config_error() -> 
     largest = SidecarConfig(node_name="n", memory_limit=2**53)
     snap = Snapshot(node="n", boot="b", seq=1, ts=1.0, mem_free=largest.memory_limit)
     assert decode(encode(snap)).mem_free == 2**53
+
+
+@pytest.mark.parametrize("devices", [("",), ("0\n1",), tuple(str(i) for i in range(65))])
+def test_bad_gpu_device_lists_are_config_errors(devices: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(node_name="n", gpu_devices=devices)
+    assert error.value.key == "gpu_devices"

@@ -27,6 +27,28 @@ def test_every_gpu_is_reported_with_what_it_has(nvml: FakeNvml) -> None:
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
 
 
+def test_only_the_chosen_gpus_are_read_by_index_or_uuid(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    # Two model servers on one host: each sidecar reads its own server's GPUs, not the average
+    # of the host's.
+    uuid = nvml.nvmlDeviceGetUUID(1)
+    for devices, indices in ((("1",), [1]), ((uuid,), [1]), (("0", uuid), [0, 1])):
+        gpus = GpuCollector(nvml, devices=devices)
+        gpus.open()
+        assert [g.i for g in gpus.sample()] == indices  # NVML's index, as nvidia-smi shows it
+        gpus.close()
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar.gpu"):
+        gpus = GpuCollector(nvml, devices=("7",))
+        gpus.open()
+        assert gpus.sample() == ()
+        assert "none of the GPUs 7 among 2" in gpus.reason
+        gpus.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "no GPU metrics: none of the GPUs 7 among 2"
+    ]
+
+
 def test_a_lost_gpu_is_left_out_and_logged_once(
     caplog: pytest.LogCaptureFixture, nvml: FakeNvml
 ) -> None:
