@@ -70,6 +70,7 @@ class GpuCollector:
         self._open = False
         self._closed = False
         self._retry_at = 0.0
+        self._failing_since: float | None = None  # since when every GPU fails, if it does
         self._problems: dict[int, Problem] = {}
         # close() runs on the event loop while a sample may still run in its worker thread.
         self._lock = threading.Lock()
@@ -204,7 +205,30 @@ class GpuCollector:
                     power,
                 )
             )
+        if self._handles and not out:
+            self._all_failing()
+        else:
+            self._failing_since = None
         return tuple(out)
+
+    def _all_failing(self) -> None:
+        """Every GPU failed this sample: past `RETRY_S` of that, NVML is started again, its
+        GPUs listed afresh (handles of a GPU that was lost and came back, or a driver reloaded,
+        never read again until the sidecar restarted)."""
+        now = self._clock()
+        if self._failing_since is None:
+            self._failing_since = now
+            return
+        if now - self._failing_since < RETRY_S:
+            return
+        self._failing_since = None
+        self._handles = []
+        self._open = False
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception as exc:
+            log.warning("NVML shutdown failed: %s", exc)
+        self._retry_at = now  # the next sample starts it again
 
 
 def in_daemon_thread(call: Callable[[], _T]) -> asyncio.Future[_T]:

@@ -49,6 +49,21 @@ def test_only_the_chosen_gpus_are_read_by_index_or_uuid(
     ]
 
 
+def test_gpus_that_all_fail_for_a_while_are_listed_afresh(nvml: FakeNvml) -> None:
+    clock = {"now": 0.0}
+    gpus = GpuCollector(nvml, clock=lambda: clock["now"])
+    gpus.open()
+    nvml.broken |= {0, 1}  # the driver lost them
+    assert gpus.sample() == ()
+    clock["now"] += RETRY_S / 2
+    assert gpus.sample() == () and nvml.inits == 1  # not yet: a blip is waited out
+    clock["now"] += RETRY_S
+    assert gpus.sample() == () and nvml.shutdowns == 1
+    nvml.broken.clear()  # back
+    assert [g.i for g in gpus.sample()] == [0, 1] and nvml.inits == 2
+    gpus.close()
+
+
 def test_a_lost_gpu_is_left_out_and_logged_once(
     caplog: pytest.LogCaptureFixture, nvml: FakeNvml
 ) -> None:
