@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,42 +91,68 @@ def stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def cluster(
-    cache: str, serve_fresh: bool = False
-) -> tuple[list[Service], Service, dict[str, Service]]:
+@contextlib.contextmanager
+def cluster(cache: str, serve_fresh: bool = False) -> Iterator[tuple[Service, dict[str, Service]]]:
+    """The gateway and its nodes, every process stopped on the way out: a service that failed
+    to start left the ones started before it running."""
     started: list[Service] = []
     nodes: dict[str, Service] = {}
     tables = []
-    for name, flags in {
-        "big": ("--model", "big", "--slots", "16", "--ttft-ms", "150", "--tokens-per-s", "60"),
-        "small": ("--model", "small", "--slots", "16", "--ttft-ms", "20", "--tokens-per-s", "300"),
-    }.items():
-        model = start_service("emulator", *flags)
-        side = start_service("sidecar", "--model-url", model.url, "--node-name", name, *SIDECAR)
-        started += [model, side]
-        nodes[name] = model
-        tables.append(
-            f"[[nodes]]\nname = '{name}'\nurl = '{model.url}'\nsidecar = '{side.url}'\n"
-            f"models = ['{name}']\n"
-        )
-    config = Path(tempfile.mkdtemp(prefix="promptlb-degrade-")) / "promptlb.toml"
-    config.write_text(
-        HEALTH
-        + f"[cache]\nbackend = '{cache}'\nserve_fresh = {str(serve_fresh).lower()}\n"
-        + "[[fallback]]\nmodel = 'big'\nthen = ['small', 'cache']\nttft = '1s'\n"
-        + "\n".join(tables)
-    )
-    gateway = start_service("middleware", "--config", str(config), "--log-level", "warning")
-    started.append(gateway)
-    return started, gateway, nodes
+    with tempfile.TemporaryDirectory(prefix="promptlb-degrade-") as workdir:
+        try:
+            for name, flags in {
+                "big": (
+                    "--model",
+                    "big",
+                    "--slots",
+                    "16",
+                    "--ttft-ms",
+                    "150",
+                    "--tokens-per-s",
+                    "60",
+                ),
+                "small": (
+                    "--model",
+                    "small",
+                    "--slots",
+                    "16",
+                    "--ttft-ms",
+                    "20",
+                    "--tokens-per-s",
+                    "300",
+                ),
+            }.items():
+                model = start_service("emulator", *flags)
+                started.append(model)
+                side = start_service(
+                    "sidecar", "--model-url", model.url, "--node-name", name, *SIDECAR
+                )
+                started.append(side)
+                nodes[name] = model
+                tables.append(
+                    f"[[nodes]]\nname = '{name}'\nurl = '{model.url}'\nsidecar = '{side.url}'\n"
+                    f"models = ['{name}']\n"
+                )
+            config = Path(workdir) / "promptlb.toml"
+            config.write_text(
+                HEALTH
+                + f"[cache]\nbackend = '{cache}'\nserve_fresh = {str(serve_fresh).lower()}\n"
+                + "[[fallback]]\nmodel = 'big'\nthen = ['small', 'cache']\nttft = '1s'\n"
+                + "\n".join(tables)
+            )
+            gateway = start_service("middleware", "--config", str(config), "--log-level", "warning")
+            started.append(gateway)
+            yield gateway, nodes
+        finally:
+            for service in reversed(started):
+                service.stop()
 
 
 async def outage(args: argparse.Namespace) -> dict[str, Any]:
-    started, gateway, nodes = cluster("memory")
-    url = gateway.url + "/v1/chat/completions"
     rng = random.Random(args.seed)
     prompts = list(range(args.prompts))
-    try:
+    with cluster("memory") as (gateway, nodes):
+        url = gateway.url + "/v1/chat/completions"
         await asyncio.sleep(1.5)  # snapshots and health in
         warm = await open_loop(url, args.rate, args.warm, prompts, rng)
         # The light model asked for itself (prompts it never saw): what a fallback adds is
@@ -167,16 +195,12 @@ async def outage(args: argparse.Namespace) -> dict[str, Any]:
             report["outage"]["p99_ms"] - report["warm"]["p99_ms"], 2
         )
         return report
-    finally:
-        for service in reversed(started):
-            service.stop()
 
 
 async def hit_latency(backend: str, count: int) -> dict[str, Any]:
     """Sequential requests for one cached answer (``serve_fresh``) and the node's first one."""
-    started, gateway, _ = cluster(backend, serve_fresh=True)
-    url = gateway.url + "/v1/chat/completions"
-    try:
+    with cluster(backend, serve_fresh=True) as (gateway, _):
+        url = gateway.url + "/v1/chat/completions"
         async with aiohttp.ClientSession() as http:
             first = await one(http, url, body(0, "small"))
             assert first["status"] == 200, first
@@ -194,9 +218,6 @@ async def hit_latency(backend: str, count: int) -> dict[str, Any]:
             "p99_ms": round(percentile(hits, 99) or 0, 3),
             "node_answer_ms": round(first["s"] * 1000, 2),
         }
-    finally:
-        for service in reversed(started):
-            service.stop()
 
 
 async def cache_hits(count: int) -> dict[str, Any]:
