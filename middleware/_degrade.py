@@ -403,7 +403,9 @@ class Dispatcher:
         """Whether an answer that broke off before its first byte may be tried again: the
         checks the balancer makes before a retry, so that a refusal says why it failed."""
         lb = self._lb
-        if up.attempts >= lb.config.retry.attempts or not lb._more(model, avoid):
+        if up.request_fault or up.attempts >= lb.config.retry.attempts:
+            return False  # (a request two nodes failed alike gets no third try)
+        if not lb._more(model, avoid):
             return False
         if up.deadline <= asyncio.get_running_loop().time():
             return False

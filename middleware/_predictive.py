@@ -55,7 +55,7 @@ from promptlb.shared import ConfigError, Snapshot
 from ._config_base import whole_number
 from ._prefix import INDEX_TOKENS, PrefixIndex, Reading, first_choice
 from ._simple import LeastConn
-from ._strategy import FORGET_SPAN, Scoring, Strategy, sample_of
+from ._strategy import FORGET_SPAN, Scoring, Strategy, distinct_sample
 from ._view import NodeView, RouteRequest
 
 __all__ = ["Predictive", "ServiceModel"]
@@ -450,7 +450,8 @@ class Predictive:
             if n:
                 self._model(candidates[0].name)  # alive: kept through the next forgetting
             return self.inner.pick(request, candidates, rng)  # raises NoNodeAvailable on none
-        looked = sample_of(candidates, self.sample, rng)
+        # Without replacement at any size: a best node drawn twice was its own runner-up.
+        looked = candidates if n <= self.sample else distinct_sample(candidates, self.sample, rng)
         out = self.expected_output(request)
         mean_out = self._mean_out
         # Probes are requests of no more than the usual length: a long one sent blind to a slow

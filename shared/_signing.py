@@ -37,8 +37,9 @@ _SIG_PREFIX = _SIG_KEY + b"\xc4" + bytes([_SIG_LEN])
 _SIG_ENTRY_LEN = len(_SIG_PREFIX) + _SIG_LEN
 _PLACEHOLDER = bytes(_SIG_LEN)
 _MIN_SECRET = 16
-# A key id travels in the clear in every snapshot: a token, never a piece of a secret.
-_KID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# A key id travels in the clear in every snapshot: a token (visible ASCII, no ':'), so that a
+# bare secret holding ':' and a space or a non-ASCII letter before it is refused, not cut in two.
+_KID = re.compile(r"[!-9;-~]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class SigningKey:
 
     def __post_init__(self) -> None:
         if not _KID.fullmatch(self.kid):
-            raise ValueError("signing key id must be 1..128 letters, digits, '.', '_' or '-'")
+            raise ValueError("signing key id must be 1..128 visible ASCII characters, no ':'")
         if len(self.secret) < _MIN_SECRET:
             raise ValueError(f"signing key {self.kid!r} must be at least {_MIN_SECRET} bytes")
 
@@ -86,7 +87,7 @@ def load_keys(path: str | Path) -> tuple[SigningKey, ...]:
             # clear as the key id of every snapshot.
             raise ValueError(
                 f"signing key file {str(path)!r}, line {number}: not KID:SECRET (a key id is"
-                " 1..128 letters, digits, '.', '_' or '-'; a bare secret cannot hold ':')"
+                " 1..128 visible ASCII characters; a bare secret cannot hold ':')"
             )
         key = SigningKey(kid.strip(), secret.strip().encode())
         if key.kid in keys:

@@ -179,24 +179,34 @@ class SidecarConfig:
                     text.encode("utf-8")
                 except UnicodeEncodeError:
                     raise ConfigError(key, ascii(value), "UTF-8 text") from None
-        trial = Snapshot(
-            node=self.node_name,
-            boot="0" * 16,
-            seq=1,
-            ts=0.0,
-            models=self.models,
-            tags=self.tags,
-            tier=self.tier,
-        )
-        try:
-            size = len(encode_unsigned(trial))
-        except SnapshotError:
-            size = MAX_SNAPSHOT_BYTES
+        size = self._names_size(self.models)
         if size + _SNAPSHOT_ROOM > MAX_SNAPSHOT_BYTES:
             limit = MAX_SNAPSHOT_BYTES - _SNAPSHOT_ROOM
             raise ConfigError(
                 "models", f"{size} bytes of names", f"names within {limit} bytes, with the tags"
             )
+
+    def _names_size(self, models: tuple[str, ...]) -> int:
+        """Bytes of a snapshot carrying ``models`` and the configured names, and no load."""
+        trial = Snapshot(
+            node=self.node_name,
+            boot="0" * 16,
+            seq=1,
+            ts=0.0,
+            models=models,
+            tags=self.tags,
+            tier=self.tier,
+        )
+        try:
+            return len(encode_unsigned(trial))
+        except SnapshotError:
+            return MAX_SNAPSHOT_BYTES
+
+    @property
+    def learnt_names_room(self) -> int:
+        """UTF-8 bytes of model names learnt from the server that a snapshot has room for,
+        beside the configured tags (each name costs its bytes and a 3-byte header at most)."""
+        return max(0, MAX_SNAPSHOT_BYTES - _SNAPSHOT_ROOM - self._names_size(()))
 
     @property
     def model_host(self) -> str | None:

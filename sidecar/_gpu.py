@@ -123,7 +123,12 @@ class GpuCollector:
     def _chosen(self, index: int, handle: Any) -> bool:
         if str(index) in self._devices:
             return True
-        uuid = self._nvml.nvmlDeviceGetUUID(handle)
+        if all(d.isdigit() for d in self._devices):
+            return False  # by index alone: no NVML call for another server's GPU
+        try:
+            uuid = self._nvml.nvmlDeviceGetUUID(handle)
+        except Exception:
+            return False  # one lost GPU, perhaps another's, must not hide this server's
         return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)) in self._devices
 
     def _no_gpu(self, reason: str, before: str, level: int = logging.INFO) -> None:

@@ -37,6 +37,7 @@ class ModelNames:
         self._retry_s = self._first_retry_s
         self._due_at = 0.0  # loop time; 0: at once
         self.problem = Problem(log, "model names from /v1/models")
+        self._room = live.config.learnt_names_room
 
     def due(self) -> bool:
         return asyncio.get_running_loop().time() >= self._due_at
@@ -86,6 +87,17 @@ class ModelNames:
         if len(kept) > MAX_NAMES:
             problems.append(f"{len(kept) - MAX_NAMES} beyond the first {MAX_NAMES}")
             kept = kept[:MAX_NAMES]
+        # In bytes too: beside configured tags, 64 long non-ASCII names overran the snapshot's
+        # size and every /snapshot was a 500.
+        room, fitting = self._room, 0
+        for name in kept:
+            room -= len(name.encode()) + 3
+            if room < 0:
+                break
+            fitting += 1
+        if fitting < len(kept):
+            problems.append(f"{len(kept) - fitting} beyond the snapshot's room")
+            kept = kept[:fitting]
         if problems:
             self.problem.report("left out " + "; ".join(problems))
         else:

@@ -206,6 +206,9 @@ class ProcessCollector:
         except psutil.Error as exc:
             self.reason = f"model-server process {proc.pid}: {exc}"
             self._proc = None
+            if isinstance(exc, psutil.NoSuchProcess):  # gone between the check and the read
+                self.restarted = True
+                self._previous = None
             return (None, None)
         now = time.monotonic() if now is None else now
         history = self._history

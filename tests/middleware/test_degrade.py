@@ -12,7 +12,7 @@ from typing import Any, cast
 import aiohttp
 import httpx
 import pytest
-from promptlb.middleware import Config, NodeConfig
+from promptlb.middleware import Config, HealthConfig, NodeConfig
 from promptlb.middleware._answer import Answer
 from promptlb.middleware._balancer import Balancer, Try
 from promptlb.middleware._config import load_config
@@ -698,3 +698,25 @@ def test_a_reload_that_changes_only_how_answers_are_served_keeps_the_stored_ones
     third = live({"serve_fresh": True, "ttl": "10m", "max_bytes": 2**20}, second)
     assert third.dispatcher.cache is not second.dispatcher.cache
     assert third.dispatcher.retired == [second.dispatcher.cache]
+
+
+async def test_an_answer_judged_the_requests_fault_is_not_opened_again_when_it_breaks() -> None:
+    # Two nodes failed the request alike (a poison prompt): no third try. Its answer breaking
+    # off before the first byte must not bring one back.
+    from promptlb.middleware._degrade import Dispatcher
+
+    nodes = tuple(NodeConfig(name=n, url="http://127.0.0.1:1", models=("m",)) for n in "abc")
+    lb = Balancer(Config(nodes=nodes, health=HealthConfig(enabled=False)))
+    dispatcher = Dispatcher(lb)
+    loop = asyncio.get_running_loop()
+    up = SimpleNamespace(attempts=2, request_fault=False, deadline=loop.time() + 30)
+    try:
+        assert dispatcher._retry("m", cast(Any, up), {"a", "b"})  # c is left, tries too
+        up.request_fault = True
+        assert not dispatcher._retry("m", cast(Any, up), {"a", "b"})
+        up.request_fault, up.attempts = False, 3
+        assert not dispatcher._retry("m", cast(Any, up), {"a", "b"})  # attempts spent
+        up.attempts, up.deadline = 1, loop.time() - 1
+        assert not dispatcher._retry("m", cast(Any, up), {"a"})  # no time left
+    finally:
+        await lb.stop()

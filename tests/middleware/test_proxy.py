@@ -622,11 +622,19 @@ async def test_a_client_that_stops_reading_a_broken_stream_does_not_hold_its_nod
                 "retry": {"total_timeout": 0.5},
             },
         )
-        monkeypatch.setattr(proxy, "_TRAILER_S", 0.3)  # the closing event's wait on the client
+        monkeypatch.setattr(proxy, "_TRAILER_S", 30.0)  # the closing event's wait on the client
+        view = app.balancer.table.nodes["a"].view
+        call = asyncio.create_task(raw_stream_call(app, stall_after=2, limit=60.0))
         try:
-            await raw_stream_call(app, stall_after=2)
-            assert app.balancer.table.nodes["a"].view.in_flight == 0
+            for busy in (1, 0):  # the stream under way, then past its deadline (0.5 s)
+                for _ in range(300):
+                    if view.in_flight == busy:
+                        break
+                    await asyncio.sleep(0.01)
+                assert view.in_flight == busy
+            assert not call.done()  # the try let go while the event still waits on the client
         finally:
+            call.cancel()
             await app.balancer.stop()
 
 

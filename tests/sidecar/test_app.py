@@ -203,6 +203,22 @@ async def test_learnt_model_names_that_break_the_limits_are_left_out_and_logged_
     assert not tracebacks(caplog)
 
 
+async def test_learnt_names_are_kept_within_the_room_the_configured_tags_leave(
+    caplog: pytest.LogCaptureFixture, sidecar_beside: SidecarBeside
+) -> None:
+    # Tags of ~30 KiB (accepted) and 64 learnt names of 256 two-byte characters: together over
+    # the snapshot's 64 KiB, and every /snapshot was a 500.
+    tags = tuple(f"{i:02}" + "é" * 254 for i in range(60))
+    names = tuple(f"{i:02}" + "é" * 254 for i in range(64))
+    routes = {"/health": text("ok"), "/v1/models": models_reply(*names)}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes, tags=tags, engine="none") as (_, live):
+            await until(lambda: live.models)
+            snap = decode(live.encoded())  # encodes: no SnapshotError
+    assert 0 < len(snap.models) < 64 and snap.models == names[: len(snap.models)]
+    assert any("beyond the snapshot's room" in r.getMessage() for r in caplog.records)
+
+
 async def test_configured_models_override_the_learnt_ones(sidecar_beside: SidecarBeside) -> None:
     routes = {"/health": text("ok"), "/v1/models": models_reply("learnt")}
     async with sidecar_beside(routes, models=("a", "b")) as (_, live):
@@ -553,6 +569,25 @@ async def test_a_replaced_model_server_process_makes_the_node_cold(
         await collectors.sample_process()
     assert not live.warm
     assert "warmup will run again" in caplog.text
+
+
+async def test_a_model_server_process_seen_gone_is_not_ok_until_the_probe_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = create_app(SidecarConfig(model_url="http://127.0.0.1:9", node_name="n", gpu=False))
+    collectors = _Collectors(app)
+    live = collectors.live
+    process = collectors.process
+
+    def gone(now: float | None = None) -> tuple[int | None, float | None]:
+        process.reason, process.restarted = "no process listens on port 9", True
+        return (None, None)
+
+    monkeypatch.setattr(process, "sample", gone)
+    live.server_ok, live.warm = True, True
+    await collectors.sample_process()
+    assert not live.server_ok and live.server_reason == "model-server process exited"
+    assert not live.ready and "model-server process exited" in live.reasons()
 
 
 async def test_rss_grown_while_loading_and_warming_is_left_out_of_the_slope(

@@ -49,6 +49,27 @@ def test_only_the_chosen_gpus_are_read_by_index_or_uuid(
     ]
 
 
+def test_another_servers_lost_gpu_does_not_hide_the_chosen_ones(
+    monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml
+) -> None:
+    uuid_of = nvml.nvmlDeviceGetUUID
+    asked: list[int] = []
+
+    def uuid(h: int) -> str:
+        asked.append(h)
+        if h == 0:
+            raise RuntimeError("GPU is lost")  # GPU 0, another server's, fell off the bus
+        return uuid_of(h)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", uuid)
+    for devices in (("1",), (uuid_of(1),)):
+        gpus = GpuCollector(nvml, devices=devices)
+        gpus.open()
+        assert [g.i for g in gpus.sample()] == [1]
+        gpus.close()
+    assert 1 in asked and asked.count(0) == 1  # by index alone, no UUID is asked for
+
+
 def test_gpus_that_all_fail_for_a_while_are_listed_afresh(nvml: FakeNvml) -> None:
     clock = {"now": 0.0}
     gpus = GpuCollector(nvml, clock=lambda: clock["now"])

@@ -97,6 +97,22 @@ def test_a_growing_process_has_a_positive_slope() -> None:
         child.wait(timeout=5)
 
 
+def test_a_process_gone_between_the_check_and_the_read_is_a_restart_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    collector = ProcessCollector(pid=os.getpid(), port=None)
+    assert collector.sample()[0] is not None and not collector.restarted
+
+    def gone(proc: psutil.Process) -> int:
+        raise psutil.NoSuchProcess(proc.pid)
+
+    monkeypatch.setattr(collector, "_tree_rss", gone)
+    assert collector.sample() == (None, None) and collector.restarted
+    monkeypatch.undo()
+    collector.sample()  # found again (the same pid here): no second restart
+    assert not collector.restarted
+
+
 def test_a_long_window_fits_a_bounded_number_of_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     # A day's window at 4 samples a second held 345,600 and refitted them all each time.
     collector = ProcessCollector(pid=os.getpid(), port=None, window_s=86_400)
