@@ -127,8 +127,10 @@ class NodeTable:
         self._dirty = True
         return node
 
-    def make(self, node_config: NodeConfig) -> Node:
-        """A node for this table, not in it yet (a reload checks newcomers before they join)."""
+    def make(self, node_config: NodeConfig, config: Config | None = None) -> Node:
+        """A node for this table, not in it yet (a reload checks newcomers before they join),
+        under ``config`` (a reload's, before the table takes it) or the table's own."""
+        config = self._config if config is None else config
         view = NodeView(
             name=node_config.name,
             url=node_config.url,
@@ -137,11 +139,11 @@ class NodeTable:
             tags=frozenset(node_config.tags),
         )
         node = Node(node_config, view)
-        if not self._config.health.enabled:
+        if not config.health.enabled:
             node.health_ok = True
             now = self._clock()
             # As the health path does: the starting cluster is not slowed, a joiner ramps.
-            node.ready_since = now if self.settled else now - self._config.slow_start
+            node.ready_since = now if self.settled else now - config.slow_start
         return node
 
     def remove(self, name: str) -> None:
@@ -167,8 +169,11 @@ class NodeTable:
         a name: another server), built but not joined, so that they can be checked first."""
         if config.discovery.mode == "dns":
             return []
+        # Under the reload's health setting: built under the old one, a newcomer joined as
+        # "unknown" for good when the reload also turned health checks off, or as ready
+        # unchecked when it turned them on.
         return [
-            self.make(n)
+            self.make(n, config)
             for n in config.nodes
             if n.name not in self.nodes
             or (self.nodes[n.name].config.url, self.nodes[n.name].config.sidecar)

@@ -499,3 +499,26 @@ def test_an_ejected_node_stays_out_while_its_model_has_another() -> None:
     for _ in range(2):
         t.record_result(n0, False, None, None, 1.0)
     assert names(t, 2.0) == {"n1"}
+
+
+def test_a_node_a_reload_brings_in_follows_the_reloads_health_setting() -> None:
+    # Built under the old config: a reload that turned health checks off left its newcomer
+    # "unknown" for good (nothing checks it), and one that turned them on let a newcomer in
+    # as ready, unchecked.
+    t = table(2)  # health checks on
+    off = Config(
+        nodes=(
+            *t._config.nodes,
+            NodeConfig(name="new", url="http://127.0.0.1:9100", models=("m",)),
+        ),
+        health=HealthConfig(enabled=False),
+    )
+    (joiner,) = t.newcomers(off)
+    assert joiner.health_ok is True
+    t.reconfigure(off, [joiner])
+    assert [n.name for n in t.candidates("m") or ()] == ["n0", "n1", "new"]
+    on = Config(
+        nodes=(*off.nodes, NodeConfig(name="other", url="http://127.0.0.1:9101", models=("m",)))
+    )
+    (checked,) = t.newcomers(on)
+    assert checked.health_ok is None  # for the reload's health round to decide
