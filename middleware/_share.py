@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +56,7 @@ log = logging.getLogger("promptlb.middleware")
 
 _READ_COUNT = 512  # entries per XREAD; a round reads at most a few of those
 _READS_PER_ROUND = 8
+_DOWN_PAUSE_S = 5.0  # the longest pause between rounds while Redis is away
 _MAX_BLOCKS = 4096  # per record: a 1M-token prompt in 256-token blocks
 _MAX_READING = 1e9  # tokens or seconds: beyond, a reading is garbage, not a slow node
 _MAX_ENDED = 1_000_000  # tries ended on one node in one round
@@ -206,13 +208,22 @@ class IndexShare:
         await self._client.aclose()
 
     async def _run(self) -> None:
+        every = self._config.every
+        pause = every
         while True:
-            await asyncio.sleep(self._config.every)
+            await asyncio.sleep(pause)
             try:
                 await self.exchange()
             except Exception:  # a bug in one round must not end sharing for good, unseen
                 self._metrics.index_share_errors.labels("bug").inc()
                 log.exception("promptlb: an index share round failed; the next one runs")
+            if self._down:
+                # Redis away: the rounds back off, doubling to `_DOWN_PAUSE_S`, jittered. Each
+                # failed round opens a connection: 50 a second per replica, a hundred replicas
+                # a storm of SYNs at a Redis that is restarting or failing over.
+                pause = min(_DOWN_PAUSE_S, 2 * pause) * random.uniform(0.8, 1.2)
+            else:
+                pause = every
 
     async def exchange(self) -> None:
         """One round: write what was recorded since the last and read the others', in one

@@ -293,6 +293,32 @@ async def test_redis_down_costs_the_batch_never_an_error(
         await replica.stop()
 
 
+async def test_rounds_back_off_while_redis_is_away(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every 20 ms whatever happened: each failed round a new connection, 50 a second per
+    # replica at a Redis that is restarting.
+    metrics = Metrics(lambda: None)
+    replica = share(redis_server.url, PrefixIndex(), metrics, every=0.02, timeout=0.1)
+    rounds: list[float] = []
+    exchange = replica.exchange
+
+    async def counted() -> None:
+        rounds.append(time.monotonic())
+        await exchange()
+
+    monkeypatch.setattr(replica, "exchange", counted)
+    redis_server.kill()
+    replica.start()
+    try:
+        await asyncio.sleep(1.5)
+        # Backing off: 20, 40, 80 ... ms (jittered), a handful of rounds, not ~75.
+        assert 3 <= len(rounds) <= 12, len(rounds)
+        assert rounds[-1] - rounds[-2] > 0.2
+    finally:
+        await replica.stop()
+
+
 async def test_a_write_redis_refuses_still_reads_the_others_entries(
     redis_server: RedisServer, node: MakeNode
 ) -> None:
