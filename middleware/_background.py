@@ -81,6 +81,10 @@ class Evidence:
         token = config.sidecar_token()
         self._sidecar_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._gate = asyncio.Semaphore(config.gossip_concurrency)
+        # Health probes have a gate of their own: an unreachable node holds a slot for up to
+        # two probe timeouts (its sidecar's, then the server's), and in a partition of a
+        # hundred nodes the snapshots of the healthy ones queued behind them and went stale.
+        self._health_gate = asyncio.Semaphore(config.gossip_concurrency)
         self._tasks: list[asyncio.Task[None]] = []
         self._problems: dict[tuple[str, str], str] = {}
 
@@ -237,7 +241,7 @@ class Evidence:
         health = self._config.health
         try:
             async with (
-                self._gate,
+                self._health_gate,
                 self._session.get(
                     url, timeout=aiohttp.ClientTimeout(total=health.timeout), headers=headers
                 ) as response,

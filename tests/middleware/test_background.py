@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
@@ -351,3 +352,39 @@ async def test_a_gateway_takes_snapshots_signed_with_any_of_its_keys(
             }
         finally:
             await lb.stop()
+
+
+async def test_health_probes_that_hang_do_not_hold_back_the_snapshots(
+    serve: Serve, snap: MakeSnapshot
+) -> None:
+    # One gate for both: in a partition, probes of unreachable nodes (two timeouts each) held
+    # every slot, and the healthy nodes' snapshots went stale behind them.
+    held = asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        await held.wait()
+        return web.json_response({"status": "ok"})
+
+    async def snapshot(request: web.Request) -> web.Response:
+        return web.Response(body=encode(dataclasses.replace(snap("a"), ts=time.time())))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url:
+        config = Config(
+            nodes=(NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url),),
+            health=HealthConfig(timeout=5.0),
+            gossip_concurrency=1,
+        )
+        lb = Balancer(config)
+        async with aiohttp.ClientSession() as session:
+            evidence = Evidence(config, lb.table, session, lb.metrics)
+            probing = asyncio.create_task(evidence.health_round())
+            try:
+                await asyncio.sleep(0.1)  # the probe holds its slot
+                await asyncio.wait_for(evidence.gossip_round(), 2.0)
+                assert lb.table.nodes["a"].snapshot is not None
+            finally:
+                held.set()
+                await probing
