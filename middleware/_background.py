@@ -106,11 +106,11 @@ class Evidence:
         if self._config.health.enabled:
             health = self._config.health
             loops.append(("health", health.interval, health.interval_jitter, self.health_round))
-        if self._config.discovery.mode == "dns":
-            loops.append(("dns", self._config.discovery.interval, 0.0, self.discover))
         self._tasks = [
             asyncio.create_task(self._every(*loop), name=f"promptlb-{loop[0]}") for loop in loops
         ]
+        if self._config.discovery.mode == "dns":
+            self._tasks.append(asyncio.create_task(self._discovering(), name="promptlb-dns"))
 
     async def check(self, nodes: list[Node]) -> None:
         """One health check and one gossip of each of ``nodes`` (joining, or about to)."""
@@ -141,6 +141,21 @@ class Evidence:
             except Exception:  # a bug in one loop must not take the others, or requests, down
                 log.exception("promptlb %s loop failed", name)
             self._table.tick(time.monotonic())
+
+    async def _discovering(self) -> None:
+        """`discover` every `discovery.interval`; while it has found no node, sooner (1 s,
+        doubling up to the interval): a gateway that started before its Service had ready
+        endpoints, or on a DNS hiccup, refused every request for a whole interval."""
+        interval = self._config.discovery.interval
+        pause = interval if self._table.nodes else min(interval, 1.0)
+        while True:
+            await asyncio.sleep(pause)
+            try:
+                await self.discover()
+            except Exception:  # a bug in one loop must not take the others, or requests, down
+                log.exception("promptlb dns loop failed")
+            self._table.tick(time.monotonic())
+            pause = interval if self._table.nodes else min(interval, 2 * pause)
 
     def _problem(self, node: Node, kind: str, message: str | None) -> None:
         """Log a node's problem once when it starts or changes, and once when it clears."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,39 @@ async def test_a_dns_lookup_that_never_answers_is_cut_at_its_timeout(
         assert time.monotonic() - started < 2.0
         assert "127.0.0.1:8000" in lb.table.nodes
         assert any("no answer in 0.2s" in r.message for r in caplog.records)
+    finally:
+        await lb.stop()
+
+
+async def test_discovery_that_found_no_node_asks_again_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A gateway started before its Service had ready endpoints (NXDOMAIN) refused every
+    # request for the whole discovery interval (30 s).
+    loop = asyncio.get_running_loop()
+    lookup = loop.getaddrinfo
+    failing = {"on": True}
+
+    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        if failing["on"]:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return await lookup(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    config = Config(
+        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8000, interval=30.0),
+        health=HealthConfig(enabled=False),
+    )
+    lb = Balancer(config)
+    await lb.start()
+    try:
+        assert not lb.table.nodes
+        failing["on"] = False
+        for _ in range(500):  # 1 s, then 2 s: well within the interval
+            if lb.table.nodes:
+                break
+            await asyncio.sleep(0.01)
+        assert "127.0.0.1:8000" in lb.table.nodes
     finally:
         await lb.stop()
 
