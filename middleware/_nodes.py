@@ -94,7 +94,9 @@ class Node:
             return "draining"
         if snap is not None and not (snap.ready and snap.warm):
             return "warming"
-        if snap is not None and self.leak_mark is not None:
+        if snap is not None and self.leak_mark is not None and oom_within > 0:
+            # (A mark made before a reload turned the projection off drains no more: it would
+            # have held the node until its model server restarted.)
             return "leaking"
         return "ready"
 

@@ -522,3 +522,19 @@ def test_a_node_a_reload_brings_in_follows_the_reloads_health_setting() -> None:
     )
     (checked,) = t.newcomers(on)
     assert checked.health_ok is None  # for the reload's health round to decide
+
+
+def test_a_node_drained_for_a_leak_is_back_once_a_reload_turns_the_projection_off(
+    snap: MakeSnapshot,
+) -> None:
+    # An operator who saw a false positive and set drain_before_oom = 0: the node stayed
+    # "leaking" until its model server restarted.
+    from dataclasses import replace
+
+    t = table(outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
+    t.record_snapshot(n0, growing, 1.0)
+    assert t.state_of(n0) == "leaking"
+    t.reconfigure(replace(t._config, outlier=OutlierConfig(drain_before_oom=0.0)))
+    assert t.state_of(n0) == "ready" and "n0" in names(t, 1.0)
