@@ -121,9 +121,12 @@ class Evidence:
         )
 
     def forget(self, name: str) -> None:
-        """Node ``name`` left the table: under discovery, names come and go for good."""
+        """Node ``name`` left the table: under discovery, names come and go for good (and an
+        address a new pod reuses must have its problems logged afresh)."""
         if self._freshness is not None:
             self._freshness.forget(name)
+        for key in [k for k in self._problems if k[0] == name]:
+            del self._problems[key]
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -422,3 +422,18 @@ async def test_health_probes_that_hang_do_not_hold_back_the_snapshots(
             finally:
                 held.set()
                 await probing
+
+
+def test_a_node_that_leaves_takes_its_logged_problems_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Under discovery a pod's address comes back with a new pod: its problem, still held
+    # for the old one, was never logged again.
+    lb = Balancer(Config(nodes=(NodeConfig(name="10.0.0.7:8000", url="http://10.0.0.7:8000"),)))
+    evidence = Evidence(lb.config, lb.table, None, lb.metrics)  # type: ignore[arg-type]
+    node = lb.table.nodes["10.0.0.7:8000"]
+    with caplog.at_level("WARNING", "promptlb.middleware"):
+        evidence._problem(node, "snapshot", "ClientConnectorError: refused")
+        evidence.forget(node.name)
+        evidence._problem(node, "snapshot", "ClientConnectorError: refused")
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 2
