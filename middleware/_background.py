@@ -307,9 +307,13 @@ class Evidence:
         if not wanted:
             return  # an empty answer is more likely a DNS hiccup than a cluster of none
         before = set(self._table.nodes)
-        self._table.replace_members(wanted)
+        # Newcomers (and nodes a reload's sidecar port or scheme replaced) are checked before
+        # they join, as a static reload's are: joined unchecked they were no candidates until
+        # the next health round, and a replaced node took its model's traffic with it.
+        incoming = self._table.incoming(wanted)
+        if incoming:
+            await self.check(incoming)
+        self._table.replace_members(wanted, incoming)
         after = set(self._table.nodes)
         if before != after:
             log.info("dns discovery: +%s -%s", sorted(after - before), sorted(before - after))
-            # Newcomers are checked at once rather than waiting a health interval to serve.
-            await self.check([self._table.nodes[n] for n in after - before])

@@ -154,17 +154,29 @@ class NodeTable:
             if self.on_remove is not None:
                 self.on_remove(name)
 
-    def replace_members(self, wanted: Iterable[NodeConfig]) -> None:
+    def replace_members(self, wanted: Iterable[NodeConfig], ready: Iterable[Node] = ()) -> None:
         """Discovery's answer: add the new nodes, drop the gone ones, keep the rest with what
         is known of them, their config as discovery now builds it (a reload that changed
         `discovery.models`, the sidecar's port or scheme left every current node on the old
-        one until its pod went away)."""
+        one until its pod went away). ``ready``: the `incoming` nodes, already checked."""
         wanted_by_name = {n.name: n for n in wanted}
+        checked = {n.name: n for n in ready}
         for name in list(self.nodes):
             if name not in wanted_by_name:
                 self.remove(name)
         for node_config in wanted_by_name.values():
-            self._apply(node_config, {})
+            self._apply(node_config, checked)
+
+    def incoming(self, wanted: Iterable[NodeConfig]) -> list[Node]:
+        """The nodes `replace_members` would add or replace (a new name, or another URL or
+        sidecar for one), built but not joined, so that they can be checked first."""
+        return [
+            self.make(n)
+            for n in wanted
+            if n.name not in self.nodes
+            or (self.nodes[n.name].config.url, self.nodes[n.name].config.sidecar)
+            != (n.url, n.sidecar)
+        ]
 
     def newcomers(self, config: Config) -> list[Node]:
         """The nodes a reload to ``config`` brings in (new names, or a new URL or sidecar for

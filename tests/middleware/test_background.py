@@ -201,6 +201,32 @@ async def test_dns_discovery_turns_addresses_into_nodes(launch: Launcher) -> Non
         await lb.stop()
 
 
+async def test_nodes_discovery_replaces_are_checked_before_they_join(launch: Launcher) -> None:
+    # A reload that changes the sidecars' port replaces every node: joined unchecked, none was
+    # a candidate until the next health round.
+    model = launch("emulator", "--ttft-ms", "5", "--model", "m")
+    discovery = DiscoveryConfig(
+        mode="dns", name="127.0.0.1", port=model.port, sidecar_port=None, models=("m",)
+    )
+    lb = Balancer(Config(discovery=discovery))
+    await lb.start()
+    try:
+        name = f"127.0.0.1:{model.port}"
+        assert lb.table.state_of(lb.table.nodes[name]) == "ready"
+        # The sidecars now on a port where none listens: the model server answers for them.
+        moved = dataclasses.replace(
+            lb.config, discovery=dataclasses.replace(discovery, sidecar_port=1)
+        )
+        assert lb._session is not None
+        evidence = Evidence(moved, lb.table, lb._session, lb.metrics)
+        await evidence.discover()
+        node = lb.table.nodes[name]
+        assert node.config.sidecar == "http://127.0.0.1:1"  # replaced ...
+        assert lb.table.state_of(node) == "ready"  # ... and checked before it joined
+    finally:
+        await lb.stop()
+
+
 async def test_a_dns_lookup_that_never_answers_is_cut_at_its_timeout(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
