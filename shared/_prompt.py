@@ -2,14 +2,19 @@
 middleware's affinity keys and classifier, and the emulator's prefix cache. One walker, so that
 the emulator caches the same prefix the middleware routes by.
 
-Chat ``messages`` give one turn per message that has text: its role and its text, the string
-content or the non-empty text parts of list content (images and the like carry none). A
-completion's ``prompt`` gives one turn per string, with no role: a batch's prompts run as
-separate sequences. Token ids give nothing: there is no text to read.
+Chat ``messages`` give one turn per message that has content or tool calls: its role and its
+pieces, the string content or the parts of list content (text as it is; an image, audio or file
+part as a stand-in naming its type and a digest of its payload, so that two prompts that differ
+only in an image are two prefixes), then each tool call as ``name(arguments)`` (an agent's
+histories that differ only in the calls made were one prefix). A completion's ``prompt`` gives
+one turn per string, with no role: a batch's prompts run as separate sequences. Token ids give
+nothing: there is no text to read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -26,16 +31,17 @@ def prompt_turns(body: Mapping[str, Any]) -> Iterator[tuple[str | None, list[str
             if not isinstance(message, dict):
                 continue
             content = message.get("content")
+            calls = message.get("tool_calls")
             if isinstance(content, str):
                 pieces = [content]
             elif isinstance(content, list):
-                pieces = [
-                    text
-                    for part in content
-                    if isinstance(part, dict) and isinstance(text := part.get("text"), str) and text
-                ]
+                pieces = [piece for part in content if (piece := _part(part))]
+            elif isinstance(calls, list) and calls:
+                pieces = []
             else:
                 continue
+            if isinstance(calls, list):
+                pieces.extend(piece for call in calls if (piece := _call(call)))
             role = message.get("role")
             yield (role if isinstance(role, str) else ""), pieces
         return
@@ -65,3 +71,34 @@ def prompt_prefix(body: Mapping[str, Any], limit: int) -> str:
         if size >= limit:
             break
     return "".join(parts)[:limit]
+
+
+def _part(part: object) -> str:
+    """A content part's piece: its text, or a stand-in for a part that carries none."""
+    if not isinstance(part, dict):
+        return ""
+    text = part.get("text")
+    if isinstance(text, str):
+        return text
+    kind = part.get("type")
+    if not isinstance(kind, str) or kind == "text":
+        return ""
+    payload = part.get(kind)
+    try:
+        raw = json.dumps(payload, sort_keys=True, ensure_ascii=False).encode("utf-8", "replace")
+    except (TypeError, ValueError):  # not JSON-shaped: the type alone
+        raw = b""
+    return f"<{kind[:32]}:{hashlib.blake2b(raw, digest_size=8).hexdigest()}>"
+
+
+def _call(call: object) -> str:
+    """A tool call's piece, ``name(arguments)``, as a chat template renders it."""
+    if not isinstance(call, dict):
+        return ""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return ""
+    name, arguments = function.get("name"), function.get("arguments")
+    name = name if isinstance(name, str) else ""
+    arguments = arguments if isinstance(arguments, str) else ""
+    return f"{name}({arguments})" if name or arguments else ""

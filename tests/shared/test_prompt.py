@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from promptlb.emulator._prompt import prompt_blocks
 from promptlb.middleware._affinity import prompt_head as affinity_head
 from promptlb.shared import (
@@ -18,8 +20,8 @@ def test_turns_read_text_content_and_text_parts_in_order() -> None:
     body = {
         "messages": [
             {"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
-            {"role": "assistant", "content": None},  # a tool call: no text
+            {"role": "user", "content": [{"type": "text", "text": "a"}, "junk part"]},
+            {"role": "assistant", "content": None},  # neither content nor calls: nothing
             "junk",
             {"role": 3, "content": "odd role"},
         ]
@@ -53,3 +55,33 @@ def test_the_emulator_blocks_the_prompt_the_middleware_reads() -> None:
     assert prompt_blocks("y" * 600, chat=False) == prompt_blocks(["y" * 600, "z"], chat=False)
     ids_tokens, ids_blocks = prompt_blocks([1, 2, 3], chat=False)  # token ids: their JSON
     assert ids_tokens == 3 and ids_blocks == []
+
+
+def test_tool_calls_and_non_text_parts_are_part_of_the_prompt() -> None:
+    # Two agent histories that differ only in the call made were one prefix (assistant turns
+    # with content null were skipped, role and calls), and so were two prompts that differ
+    # only in an image: the emulator's cache hit where an engine's would miss.
+    def history(name: str, arguments: str) -> dict[str, object]:
+        call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+        return {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "result"},
+            ]
+        }
+
+    f, g = prompt_bytes(history("f", "{}")), prompt_bytes(history("g", '{"x": 1}'))
+    assert f == b"user\nq\nassistant\nf({})\ntool\nresult\n" and f != g
+
+    def with_image(url: str) -> dict[str, object]:
+        image = {"type": "image_url", "image_url": {"url": url}}
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+
+    one, other = prompt_bytes(with_image("data:,1")), prompt_bytes(with_image("data:,2"))
+    assert one.startswith(b"user\nhi<image_url:") and one != other
+    assert one == prompt_bytes(with_image("data:,1"))  # the same image, the same prefix
+    # The stand-ins are shorter than the JSON that carries them: a body under one coarse
+    # block still has none (`middleware._prefix.body_blocks`).
+    for body in (history("f", "{}"), with_image("data:,1")):
+        assert len(prompt_bytes(body)) < len(json.dumps(body))
