@@ -44,27 +44,27 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# make bench: quick (a few minutes on 2 cores). The short cluster run writes under
-# bench/results/quick/ so that it never replaces the full runs' committed numbers.
+# make bench: quick (a few minutes on 2 cores). Every run writes under bench/results/quick/ so
+# that it never replaces the full runs' committed numbers.
 bench: $(STAMP)
-	$(BIN)/python bench/snapshot_bench.py
-	$(BIN)/python bench/pick_bench.py
+	$(BIN)/python bench/snapshot_bench.py --quick
+	$(BIN)/python bench/pick_bench.py --quick
 	$(BIN)/python bench/proxy_bench.py --quick
 	$(BIN)/python bench/affinity_bench.py --quick
 	$(BIN)/python bench/degrade_bench.py --warm 5 --outage 10 --hits 200 --out bench/results/quick/degrade.json
-	$(BIN)/promptlb-bench sim seed-3am
-	$(BIN)/promptlb-bench sim hetero-8
-	$(BIN)/promptlb-bench sim uniform-4
-	$(BIN)/promptlb-bench sim burst
-	$(BIN)/promptlb-bench sim mixed-class
-	$(BIN)/promptlb-bench sim multi-tenant-chat
-	$(BIN)/promptlb-bench sim shared-system-prompt
-	$(BIN)/promptlb-bench sim rag
+	$(BIN)/promptlb-bench sim seed-3am --out bench/results/quick
+	$(BIN)/promptlb-bench sim hetero-8 --out bench/results/quick
+	$(BIN)/promptlb-bench sim uniform-4 --out bench/results/quick
+	$(BIN)/promptlb-bench sim burst --out bench/results/quick
+	$(BIN)/promptlb-bench sim mixed-class --out bench/results/quick
+	$(BIN)/promptlb-bench sim multi-tenant-chat --out bench/results/quick
+	$(BIN)/promptlb-bench sim shared-system-prompt --out bench/results/quick
+	$(BIN)/promptlb-bench sim rag --out bench/results/quick
 	$(BIN)/promptlb-bench cluster uniform-4 --duration 15s --peers none --out bench/results/quick
 	$(BIN)/promptlb-bench faults --quick
 
 # make bench-full: everything, the live cluster runs with the peers (nginx, LiteLLM) that are
-# installed; a missing peer is reported as missing and the rest still runs. About an hour.
+# installed; a missing peer is reported as missing and the rest still runs. About 90 minutes.
 bench-full: $(STAMP)
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/pick_bench.py

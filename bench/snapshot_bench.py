@@ -188,8 +188,9 @@ def main() -> None:
         f"sidecar /snapshot: {s['requests_per_s']:.0f} req/s over {s['requests']} requests "
         f"(p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, {s['concurrency']} concurrent)"
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "snapshot.json"
+    # A quick run goes under quick/, as every other bench's: it overwrote the committed file.
+    out = RESULTS / "quick" / "snapshot.json" if args.quick else RESULTS / "snapshot.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
