@@ -6,6 +6,7 @@ import math
 from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError
+from promptlb.shared._config import redact_url
 
 __all__ = ["DURATION", "check_redis_url", "check_url", "positive", "redact_url", "whole_number"]
 
@@ -41,27 +42,6 @@ def check_url(key: str, value: str) -> str:
             key, value, "a base URL such as http://10.0.0.1:8000 (no path like /v1, no query)"
         )
     return value.rstrip("/")
-
-
-def redact_url(value: str) -> str:
-    """``value`` with its password out: ``user:pw@`` and a ``password=`` query parameter
-    (redis-py takes either)."""
-    scheme, sep, rest = value.partition("://")
-    if not sep:
-        return value
-    authority, q, query = rest.partition("?")
-    if "@" in authority:
-        # The last @ ends the user part, as urllib and redis-py read it: a password may hold @.
-        rest = "***@" + authority.rpartition("@")[2] + q + query
-    head, q, query = rest.partition("?")
-    if q:
-        parts = query.split("&")
-        shown = [
-            f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
-            for p in parts
-        ]
-        rest = f"{head}?{'&'.join(shown)}"
-    return f"{scheme}://{rest}"
 
 
 def check_redis_url(key: str, value: str, expected: str) -> None:

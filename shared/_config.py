@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["ConfigError", "Redacted", "parse_duration"]
+__all__ = ["ConfigError", "Redacted", "parse_duration", "redact_url"]
 
 
 class Redacted:
@@ -25,6 +25,9 @@ class ConfigError(ValueError):
     """A config value is wrong. ``key`` names it the way the user wrote it."""
 
     def __init__(self, key: str, value: object, expected: str) -> None:
+        if isinstance(value, str) and "://" in value:
+            # A URL's password never reaches an error (the sidecar's --model-url printed one).
+            value = redact_url(value)
         self.key = key
         self.value = value
         self.expected = expected
@@ -60,3 +63,24 @@ def parse_duration(key: str, value: object) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(key, value, "a non-negative duration")
     return seconds
+
+
+def redact_url(value: str) -> str:
+    """``value`` with its password out: ``user:pw@`` and a ``password=`` query parameter
+    (redis-py takes either)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return value
+    authority, q, query = rest.partition("?")
+    if "@" in authority:
+        # The last @ ends the user part, as urllib and redis-py read it: a password may hold @.
+        rest = "***@" + authority.rpartition("@")[2] + q + query
+    head, q, query = rest.partition("?")
+    if q:
+        parts = query.split("&")
+        shown = [
+            f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
+            for p in parts
+        ]
+        rest = f"{head}?{'&'.join(shown)}"
+    return f"{scheme}://{rest}"

@@ -139,3 +139,12 @@ def test_a_huge_int_raises_config_error() -> None:
     # float(10**400) raises OverflowError, which callers catching ConfigError do not handle.
     with pytest.raises(ConfigError, match="timeout"):
         parse_duration("timeout", 10**400)
+
+
+def test_a_urls_password_never_reaches_a_config_error() -> None:
+    # The sidecar's --model-url with user:pw@ printed the password in its usage error.
+    error = ConfigError("model_url", "http://admin:s3cret@10.0.0.1:99999", "a URL")
+    assert "s3cret" not in str(error) and "s3cret" not in repr(error.value)
+    assert "10.0.0.1:99999" in str(error)
+    error = ConfigError("backend", "redis://h:6379/0?password=s3cret&db=1", "a URL")
+    assert "s3cret" not in str(error) and "db=1" in str(error)
