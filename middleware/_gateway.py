@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -130,7 +131,14 @@ def serve(
     config = server_config(
         app, host, port, log_level, forwarded_allow_ips, header_timeout, graceful_shutdown
     )
-    uvloop.run(_serve(config, name, on_hangup))
+    # SIGHUP's default is to end the process: until `_serve` takes it over, one that comes
+    # (a config tool reloading right after a restart) is ignored, not the gateway's end.
+    if on_hangup is not None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # uvicorn raises the SIGINT it caught again once it has shut down cleanly: a Ctrl-C ended
+    # in a traceback (uvicorn's own `run` takes it the same way).
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_serve(config, name, on_hangup))
 
 
 def server_config(

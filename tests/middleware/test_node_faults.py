@@ -426,6 +426,46 @@ async def test_sigterm_lets_a_long_stream_finish_within_the_graceful_shutdown(
     assert gateway.proc.wait(timeout=5) in (0, -signal.SIGTERM)
 
 
+def test_ctrl_c_and_an_early_sighup_end_no_gateway_in_a_traceback(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # uvicorn raises the SIGINT it caught again after its clean shutdown: a Ctrl-C printed a
+    # KeyboardInterrupt traceback. And a SIGHUP before the reload handler was in place ended
+    # the gateway (the signal's default), where it means "read your config again".
+    model = launch("emulator", "--model", "m", "--ttft-ms", "5")
+    gateway = launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
+    gateway.proc.send_signal(signal.SIGINT)
+    assert gateway.proc.wait(timeout=15) == 0
+    assert "Traceback" not in gateway.log()
+
+
+def test_a_sighup_before_the_reload_handler_is_in_place_is_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import uvloop
+    from promptlb.middleware import _gateway
+
+    seen: dict[str, object] = {}
+
+    def run(main: Any) -> None:  # what the loop would start with: the signal's disposition
+        main.close()
+        seen["sighup"] = signal.getsignal(signal.SIGHUP)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not served")
+
+    async def reload() -> None:
+        pass
+
+    monkeypatch.setattr(uvloop, "run", run)
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        _gateway.serve(app, "127.0.0.1", 0, on_hangup=reload)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert seen["sighup"] == signal.SIG_IGN
+
+
 def test_the_gateway_refuses_a_bad_graceful_shutdown(capsys: pytest.CaptureFixture[str]) -> None:
     from promptlb.middleware._gateway import main
 
