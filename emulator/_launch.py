@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 __all__ = ["Service", "start_command", "start_redis", "start_service"]
@@ -20,7 +22,7 @@ __all__ = ["Service", "start_command", "start_redis", "start_service"]
 _LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: kept in a weak set until stopped
 class Service:
     """A running promptlb executable: its process, its base URL and its port."""
 
@@ -58,6 +60,19 @@ class Service:
             self.proc.stdout.close()
         with contextlib.suppress(OSError):
             os.unlink(self.log_path)
+        _LIVE.discard(self)
+
+
+# Every service started and not stopped yet, stopped at the interpreter's exit: a script that
+# ends on an exception before its own stop() left its emulators and gateways running.
+_LIVE: weakref.WeakSet[Service] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for service in list(_LIVE):
+        with contextlib.suppress(Exception):
+            service.stop()
 
 
 def start_service(module: str, *args: str, timeout: float = 20.0) -> Service:
@@ -103,12 +118,17 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
             if line is None:
                 raise RuntimeError(f"{name} exited before listening:\n{_read(log.name)}")
             if match := _LISTENING.search(line):
-                return Service(
+                service = Service(
                     name, proc, match.group(1), int(match.group(2)), log.name, started_at
                 )
+                _LIVE.add(service)
+                return service
     except BaseException:
         proc.kill()
-        proc.wait(timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # not in place of the real error
+            proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
         with contextlib.suppress(OSError):
             os.unlink(log.name)
         raise
@@ -118,9 +138,9 @@ def start_redis(
     binary: str, workdir: str, timeout: float = 5.0, *, port: int | None = None
 ) -> Service:
     """A throwaway ``redis-server`` (no persistence) on a free loopback port, once it answers
-    PING; its `Service.url` is ``redis://127.0.0.1:PORT/0``. Redis has no port 0 of its own,
-    so the port is one the kernel just handed out, unless ``port`` is given (a Redis brought
-    back where its clients were told to find it)."""
+    with its own pid; its `Service.url` is ``redis://127.0.0.1:PORT/0``. Redis has no port 0
+    of its own, so the port is one the kernel just handed out, unless ``port`` is given (a
+    Redis brought back where its clients were told to find it)."""
     if port is None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -138,21 +158,36 @@ def start_redis(
         )
     service = Service("redis", proc, f"redis://127.0.0.1:{port}/0", port, log.name, started_at)
     deadline = time.monotonic() + timeout
-    while not _pong(port):
+    while True:
+        # Ours must be the one answering: with ``port`` given, another Redis may hold it, and
+        # ours dies on "Address already in use" while the stranger answers PING.
+        if _redis_pid(port) == proc.pid:
+            break
         if proc.poll() is not None or time.monotonic() > deadline:
+            why = _read(log.name)  # before stop() removes the log
             service.stop()
-            raise RuntimeError(f"redis-server did not start on port {port}")
+            raise RuntimeError(f"redis-server did not start on port {port}:\n{why}")
         time.sleep(0.02)
+    _LIVE.add(service)
     return service
 
 
-def _pong(port: int) -> bool:
+def _redis_pid(port: int) -> int | None:
+    """The pid of the Redis answering on ``port`` (its ``INFO server``), or None."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            conn.sendall(b"INFO server\r\n")
+            reply = b""
+            # Read until the pid's line is whole (the reply comes in one or a few chunks).
+            while not re.search(rb"process_id:\d+\r\n", reply) and len(reply) < 65536:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
     except OSError:
-        return False
+        return None
+    match = re.search(rb"process_id:(\d+)", reply)
+    return int(match.group(1)) if match else None
 
 
 def _read(path: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import redis
 from promptlb.emulator import start_redis
 
@@ -40,3 +41,16 @@ def test_a_redis_killed_comes_back_on_the_port_its_clients_know(tmp_path: Path) 
     finally:
         again.stop()
     assert not os.path.exists(first.log_path) and not os.path.exists(again.log_path)
+
+
+def test_a_port_another_redis_holds_is_refused_with_ours_saying_why(tmp_path: Path) -> None:
+    # The stranger answered PING while ours died on "Address already in use": the caller got
+    # a Redis it did not start, which its stop() never touched.
+    binary = need_binary("redis-server", "redis-server")
+    stranger = start_redis(binary, str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="did not start") as failed:
+            start_redis(binary, str(tmp_path), port=stranger.port)
+        assert "in use" in str(failed.value).lower() or "bind" in str(failed.value).lower()
+    finally:
+        stranger.stop()
