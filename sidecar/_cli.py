@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from promptlb.shared import ConfigError, parse_duration
@@ -153,43 +153,53 @@ def _memory_limit(megabytes: int | None) -> int | None:
 
 
 def _read_token(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
-    """The token, from the file or else the environment; a bad one names where it came from."""
-    if path is None:
-        # Stripped as a file's is: a Secret made from a file carries its trailing newline, and
-        # the token presented (stripped) would never match it.
-        raw = os.environ.get(TOKEN_ENV) or None
-        token = None if raw is None else raw.strip()
-        if token is not None and len(token) < MIN_TOKEN_CHARS:
-            # Not an argument: argparse's "argument --flag" form would blame the wrong thing.
-            parser.error(f"{TOKEN_ENV}: expected a token of at least {MIN_TOKEN_CHARS} characters")
-        return token
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("token_file", str(path), f"a readable file ({exc})") from None
-    if len(token) < MIN_TOKEN_CHARS:
-        expected = f"a file holding a token of at least {MIN_TOKEN_CHARS} characters"
-        raise ConfigError("token_file", str(path), expected)
-    return token
+    """The control endpoints' token, from ``--token-file`` or else the environment."""
+    rule = f"a token of at least {MIN_TOKEN_CHARS} characters"
+
+    def valid(token: str) -> bool:
+        return len(token) >= MIN_TOKEN_CHARS
+
+    return _read_secret(parser, path, env=TOKEN_ENV, key="token_file", valid=valid, rule=rule)
 
 
 def _read_model_key(parser: argparse.ArgumentParser, path: Path | None) -> str | None:
-    """The model server's API key, from the file or else the environment (stripped: a
-    Secret made from a file carries its trailing newline); a bad one names where it came
-    from, never what it holds."""
+    """The model server's API key, from ``--model-api-key-file`` or else the environment."""
+    return _read_secret(
+        parser,
+        path,
+        env=MODEL_KEY_ENV,
+        key="model_api_key_file",
+        valid=valid_model_key,
+        rule=MODEL_KEY_RULE,
+    )
+
+
+def _read_secret(
+    parser: argparse.ArgumentParser,
+    path: Path | None,
+    *,
+    env: str,
+    key: str,
+    valid: Callable[[str], bool],
+    rule: str,
+) -> str | None:
+    """A secret from the file, or else the environment variable ``env``, stripped (a Secret
+    made from a file carries its trailing newline, and a token presented, stripped, never
+    matched it); a bad one names where it came from, never what it holds."""
     if path is None:
-        raw = os.environ.get(MODEL_KEY_ENV) or None
-        key = None if raw is None else raw.strip()
-        if key is not None and not valid_model_key(key):
-            parser.error(f"{MODEL_KEY_ENV}: expected {MODEL_KEY_RULE}")
-        return key
+        raw = os.environ.get(env) or None
+        secret = None if raw is None else raw.strip()
+        if secret is not None and not valid(secret):
+            # Not an argument: argparse's "argument --flag" form would blame the wrong thing.
+            parser.error(f"{env}: expected {rule}")
+        return secret
     try:
-        key = path.read_text(encoding="utf-8").strip()
+        secret = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("model_api_key_file", str(path), f"a readable file ({exc})") from None
-    if not valid_model_key(key):
-        raise ConfigError("model_api_key_file", str(path), f"a file holding {MODEL_KEY_RULE}")
-    return key
+        raise ConfigError(key, str(path), f"a readable file ({exc})") from None
+    if not valid(secret):
+        raise ConfigError(key, str(path), f"a file holding {rule}")
+    return secret
 
 
 def main(argv: Sequence[str] | None = None) -> None:

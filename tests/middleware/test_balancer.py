@@ -7,6 +7,7 @@ import contextlib
 import gc
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -236,23 +237,34 @@ async def test_a_stop_during_a_start_waits_for_it_and_leaves_nothing_running(
     assert not [r for r in caplog.records if "Unclosed client session" in r.getMessage()]
 
 
-async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
-    serve: Serve,
-) -> None:
-    # aiohttp's connect timeout is a TimeoutError too: taken for the try's own timer, a long
-    # non-streamed max_tokens read as "takes longer than a try", answered 504 with no retry
-    # and nothing counted against the node that never took the connection.
+@pytest.fixture
+def unanswered_port() -> Iterator[int]:
+    """A port whose connects are never answered: its one-place backlog is full."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
     port = listener.getsockname()[1]
-    waiting = []  # its one-place backlog full: a new connect is never answered
-    for _ in range(3):
-        sock = socket.socket()
-        sock.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            sock.connect(("127.0.0.1", port))
-        waiting.append(sock)
+    waiting = []
+    try:
+        for _ in range(3):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            waiting.append(sock)
+        yield port
+    finally:
+        for sock in (*waiting, listener):
+            sock.close()
+
+
+async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
+    serve: Serve, unanswered_port: int
+) -> None:
+    # aiohttp's connect timeout is a TimeoutError too: taken for the try's own timer, a long
+    # non-streamed max_tokens read as "takes longer than a try", answered 504 with no retry
+    # and nothing counted against the node that never took the connection.
+    port = unanswered_port
 
     async def chat(request: web.Request) -> web.Response:
         return web.json_response({"choices": []})
@@ -278,25 +290,12 @@ async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
             assert lb.table.nodes["dead"].view.error_rate > 0  # charged to the node
         finally:
             await lb.stop()
-            listener.close()
-            for sock in waiting:
-                sock.close()
 
 
-async def test_a_reloaded_connect_timeout_is_the_one_tries_use() -> None:
+async def test_a_reloaded_connect_timeout_is_the_one_tries_use(unanswered_port: int) -> None:
     # The session, with the first config's connect timeout, passes to the new balancer: the
     # new timeout was logged as changed and never used.
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    waiting = []  # its one-place backlog full: a new connect is never answered
-    for _ in range(3):
-        sock = socket.socket()
-        sock.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            sock.connect(("127.0.0.1", port))
-        waiting.append(sock)
+    port = unanswered_port
 
     def config(connect: float) -> Config:
         return Config(
@@ -320,5 +319,3 @@ async def test_a_reloaded_connect_timeout_is_the_one_tries_use() -> None:
         assert time.monotonic() - started >= 1.0
     finally:
         await lb.stop()
-        for sock in (*waiting, listener):
-            sock.close()

@@ -551,6 +551,17 @@ async def test_a_query_string_reaches_the_node_as_the_client_encoded_it(serve: S
     ]
 
 
+# A chat completion's ASGI scope, for the tests that drive the app's raw interface.
+CHAT_SCOPE: dict[str, Any] = {
+    "type": "http",
+    "method": "POST",
+    "path": "/v1/chat/completions",
+    "raw_path": b"/v1/chat/completions",
+    "query_string": b"",
+    "headers": [(b"content-type", b"application/json")],
+}
+
+
 def _endless_sse(*, sized: bool = False) -> web.Application:
     """A node whose answer streams an event every 20 ms, for good (``sized``: under a declared
     length it never reaches)."""
@@ -573,14 +584,7 @@ async def raw_stream_call(
     """A streamed chat through the app's raw ASGI interface: the messages it sent, the client
     reading nothing after ``stall_after`` of them (still connected). Fails past ``limit``."""
     body = json.dumps({**CHAT_BODY, "stream": True}).encode()
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-    }
+    scope = dict(CHAT_SCOPE)
     stalled = asyncio.Event()  # never set: a stalled client never reads again
     sent: list[dict[str, Any]] = []
     requested = False
@@ -694,14 +698,7 @@ async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
         app = PromptLBMiddleware(
             noop, config={"nodes": [{"name": "a", "url": url}], "health": {"enabled": False}}
         )
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-        }
+        scope = dict(CHAT_SCOPE)
         given = [{"type": "http.request", "body": json.dumps(CHAT_BODY).encode()}]
 
         async def receive() -> dict[str, Any]:
