@@ -127,7 +127,8 @@ def start_command(name: str, argv: list[str], timeout: float = 20.0) -> Service:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):  # not in place of the real error
             proc.wait(timeout=5)
-        if proc.stdout is not None:
+        if proc.stdout is not None and proc.poll() is not None:
+            # (A child still alive keeps the pump's read, and closing under it would block.)
             proc.stdout.close()
         with contextlib.suppress(OSError):
             os.unlink(log.name)

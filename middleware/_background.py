@@ -121,12 +121,9 @@ class Evidence:
         )
 
     def forget(self, name: str) -> None:
-        """Node ``name`` left the table: under discovery, names come and go for good (and an
-        address a new pod reuses must have its problems logged afresh)."""
+        """Node ``name`` left the table: under discovery, names come and go for good."""
         if self._freshness is not None:
             self._freshness.forget(name)
-        for key in [k for k in self._problems if k[0] == name]:
-            del self._problems[key]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -317,3 +314,9 @@ class Evidence:
         after = set(self._table.nodes)
         if before != after:
             log.info("dns discovery: +%s -%s", sorted(after - before), sorted(before - after))
+            # A pod gone takes its logged problems with it: an address a new pod reuses has
+            # its own logged afresh, and the entries do not grow with churn. (Not on `forget`:
+            # a node replaced under its name had its check's problems just logged.)
+            gone = before - after
+            for key in [k for k in self._problems if k[0] in gone]:
+                del self._problems[key]

@@ -59,7 +59,9 @@ def check_redis_url(key: str, value: str, expected: str) -> None:
     try:
         parse_url(value)
     except ValueError as exc:
-        raise ConfigError(key, shown, f"{expected} ({str(exc).rstrip('.')})") from None
+        # Its words may quote a piece of a password ("... as 'pa'"): not with one in the URL.
+        why = "" if "@" in value else f" ({str(exc).rstrip('.')})"
+        raise ConfigError(key, shown, f"{expected}{why}") from None
 
 
 def positive(key: str, value: float, *, zero: bool = False) -> None:

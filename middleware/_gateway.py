@@ -132,7 +132,8 @@ def serve(
         app, host, port, log_level, forwarded_allow_ips, header_timeout, graceful_shutdown
     )
     # SIGHUP's default is to end the process: until `_serve` takes it over, one that comes
-    # (a config tool reloading right after a restart) is ignored, not the gateway's end.
+    # (a config tool reloading right after a restart) is ignored, not the gateway's end (and
+    # `main` ignores it from before the config is read).
     if on_hangup is not None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # uvicorn raises the SIGINT it caught again once it has shut down cleanly: a Ctrl-C ended
@@ -226,6 +227,10 @@ async def _serve(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # SIGHUP's default ends the process: from here (the config read and the middleware built)
+    # until `_serve` takes it over, one is ignored. (One during the imports before this, about
+    # half a second, still ends it.)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = argparse.ArgumentParser(
         prog="promptlb-gateway",
         description=__doc__,

@@ -205,6 +205,11 @@ class NodeTable:
         Requests open on a node that is gone or replaced finish on the `Node` object they hold.
         Returns the names added (or replaced) and removed."""
         ready = {n.name: n for n in newcomers}
+        if config.outlier.drain_before_oom != self._config.outlier.drain_before_oom:
+            # Marks made under the old projection go: fresh snapshots decide again (a drained
+            # node's RSS no longer grows, so an old mark held it out until a restart).
+            for node in self.nodes.values():
+                node.leak_mark = None
         self._config = config
         self._dirty = True
         if not config.health.enabled:

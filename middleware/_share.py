@@ -221,7 +221,8 @@ class IndexShare:
                 # Redis away: the rounds back off, doubling to `_DOWN_PAUSE_S`, jittered. Each
                 # failed round opens a connection: 50 a second per replica, a hundred replicas
                 # a storm of SYNs at a Redis that is restarting or failing over.
-                pause = min(_DOWN_PAUSE_S, 2 * pause) * random.uniform(0.8, 1.2)
+                longest = max(_DOWN_PAUSE_S, every)  # never more often than configured
+                pause = max(every, min(longest, 2 * pause) * random.uniform(0.8, 1.2))
             else:
                 pause = every
 

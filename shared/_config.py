@@ -25,8 +25,10 @@ class ConfigError(ValueError):
     """A config value is wrong. ``key`` names it the way the user wrote it."""
 
     def __init__(self, key: str, value: object, expected: str) -> None:
-        if isinstance(value, str) and "://" in value:
+        if isinstance(value, str) and ("://" in value or ":/" in value) and "@" in value:
             # A URL's password never reaches an error (the sidecar's --model-url printed one).
+            value = redact_url(value)
+        if isinstance(value, str) and "password=" in value.lower():
             value = redact_url(value)
         self.key = key
         self.value = value
@@ -67,14 +69,16 @@ def parse_duration(key: str, value: object) -> float:
 
 def redact_url(value: str) -> str:
     """``value`` with its password out: ``user:pw@`` and a ``password=`` query parameter
-    (redis-py takes either)."""
+    (redis-py takes either). Over-redacts rather than under: everything between the scheme
+    and the last ``@`` goes, wherever that ``@`` is (a password holding ``?``, ``/`` or ``#``
+    unencoded is what makes such a URL fail its checks, and be printed)."""
     scheme, sep, rest = value.partition("://")
     if not sep:
-        return value
-    authority, q, query = rest.partition("?")
-    if "@" in authority:
-        # The last @ ends the user part, as urllib and redis-py read it: a password may hold @.
-        rest = "***@" + authority.rpartition("@")[2] + q + query
+        # Not a URL as written (``http:/user:pw@host``, a typo): cut before its last @ all the
+        # same.
+        return "***@" + value.rpartition("@")[2] if "@" in value else value
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
     head, q, query = rest.partition("?")
     if q:
         parts = query.split("&")

@@ -111,7 +111,9 @@ class SidecarConfig:
             parts = urlsplit(self.model_url)
             _ = parts.port  # a port that is not a number in 0..65535 raises ValueError here
         except ValueError as exc:  # also an unclosed IPv6 bracket: http://[::1
-            raise ConfigError("model_url", self.model_url, f"{url_expected} ({exc})") from None
+            # urllib's words may quote a piece of a password ("... as 'pa'"): not with one.
+            why = "" if "@" in self.model_url else f" ({exc})"
+            raise ConfigError("model_url", self.model_url, f"{url_expected}{why}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("model_url", self.model_url, url_expected)
         object.__setattr__(self, "model_url", self.model_url.rstrip("/"))

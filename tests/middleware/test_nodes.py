@@ -538,3 +538,10 @@ def test_a_node_drained_for_a_leak_is_back_once_a_reload_turns_the_projection_of
     assert t.state_of(n0) == "leaking"
     t.reconfigure(replace(t._config, outlier=OutlierConfig(drain_before_oom=0.0)))
     assert t.state_of(n0) == "ready" and "n0" in names(t, 1.0)
+    # Any change of the projection lets fresh snapshots decide again: a mark made under 300 s
+    # held the node out under 60 s (its RSS, drained, never fell) until a restart.
+    t.reconfigure(replace(t._config, outlier=OutlierConfig(drain_before_oom=300.0)))
+    t.record_snapshot(n0, replace(growing, seq=2), 2.0)
+    assert t.state_of(n0) == "leaking"
+    t.reconfigure(replace(t._config, outlier=OutlierConfig(drain_before_oom=60.0)))
+    assert t.state_of(n0) == "ready"  # 100 s to its limit: not within 60

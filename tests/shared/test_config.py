@@ -148,3 +148,16 @@ def test_a_urls_password_never_reaches_a_config_error() -> None:
     assert "10.0.0.1:99999" in str(error)
     error = ConfigError("backend", "redis://h:6379/0?password=s3cret&db=1", "a URL")
     assert "s3cret" not in str(error) and "db=1" in str(error)
+
+
+def test_a_password_with_characters_that_break_the_url_is_redacted_too() -> None:
+    # A password holding ?, / or # unencoded is what makes a URL fail its checks (and be
+    # printed); and a scheme typo (http:/) is no URL to split at all.
+    for url in (
+        "http://admin:pa?ss@10.0.0.1:8000",
+        "http://admin:pa/ss@10.0.0.1:8000",
+        "redis://:pa#ss@h:6379/0",
+        "http:/admin:pass@10.0.0.1:8000",
+    ):
+        error = ConfigError("url", url, "a URL")
+        assert "pa" not in str(error).replace("parse", ""), str(error)
