@@ -159,11 +159,9 @@ def start_redis(
         )
     service = Service("redis", proc, f"redis://127.0.0.1:{port}/0", port, log.name, started_at)
     deadline = time.monotonic() + timeout
-    while True:
-        # Ours must be the one answering: with ``port`` given, another Redis may hold it, and
-        # ours dies on "Address already in use" while the stranger answers PING.
-        if _redis_pid(port) == proc.pid:
-            break
+    # Ours must be the one answering: with ``port`` given, another Redis may hold it, and ours
+    # dies on "Address already in use" while the stranger answers.
+    while _redis_pid(port) != proc.pid:
         if proc.poll() is not None or time.monotonic() > deadline:
             why = _read(log.name)  # before stop() removes the log
             service.stop()

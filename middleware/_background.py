@@ -95,22 +95,20 @@ class Evidence:
         await asyncio.gather(self.gossip_round(), self.health_round())
         self._table.settled = True
         self._table.tick(time.monotonic())
-        loops: list[tuple[str, float, float, Callable[[], Awaitable[None]]]] = [
-            (
-                "gossip",
-                self._config.gossip_interval,
-                self._config.gossip_interval * GOSSIP_JITTER,
-                self.gossip_round,
-            ),
+        cfg = self._config
+        gossip_jitter = cfg.gossip_interval * GOSSIP_JITTER
+        loops: list[tuple[str, Callable[[], float], Callable[[], Awaitable[None]]]] = [
+            ("gossip", _jittered(cfg.gossip_interval, gossip_jitter), self.gossip_round),
         ]
-        if self._config.health.enabled:
-            health = self._config.health
-            loops.append(("health", health.interval, health.interval_jitter, self.health_round))
+        if cfg.health.enabled:
+            health = cfg.health
+            pause = _jittered(health.interval, health.interval_jitter)
+            loops.append(("health", pause, self.health_round))
+        if cfg.discovery.mode == "dns":
+            loops.append(("dns", self._discovery_pause(), self.discover))
         self._tasks = [
             asyncio.create_task(self._every(*loop), name=f"promptlb-{loop[0]}") for loop in loops
         ]
-        if self._config.discovery.mode == "dns":
-            self._tasks.append(asyncio.create_task(self._discovering(), name="promptlb-dns"))
 
     async def check(self, nodes: list[Node]) -> None:
         """One health check and one gossip of each of ``nodes`` (joining, or about to)."""
@@ -132,30 +130,32 @@ class Evidence:
         self._tasks = []
 
     async def _every(
-        self, name: str, interval: float, jitter: float, step: Callable[[], Awaitable[None]]
+        self, name: str, pause: Callable[[], float], step: Callable[[], Awaitable[None]]
     ) -> None:
         while True:
-            await asyncio.sleep(interval + random.uniform(0, jitter))
+            await asyncio.sleep(pause())
             try:
                 await step()
             except Exception:  # a bug in one loop must not take the others, or requests, down
                 log.exception("promptlb %s loop failed", name)
             self._table.tick(time.monotonic())
 
-    async def _discovering(self) -> None:
-        """`discover` every `discovery.interval`; while it has found no node, sooner (1 s,
-        doubling up to the interval): a gateway that started before its Service had ready
-        endpoints, or on a DNS hiccup, refused every request for a whole interval."""
+    def _discovery_pause(self) -> Callable[[], float]:
+        """The pauses between lookups: `discovery.interval`; while none has found a node,
+        sooner (1 s, doubling up to the interval): a gateway that started before its Service
+        had ready endpoints, or on a DNS hiccup, refused every request for a whole interval."""
         interval = self._config.discovery.interval
-        pause = interval if self._table.nodes else min(interval, 1.0)
-        while True:
-            await asyncio.sleep(pause)
-            try:
-                await self.discover()
-            except Exception:  # a bug in one loop must not take the others, or requests, down
-                log.exception("promptlb dns loop failed")
-            self._table.tick(time.monotonic())
-            pause = interval if self._table.nodes else min(interval, 2 * pause)
+        last: float | None = None  # the last pause while no node is found
+
+        def pause() -> float:
+            nonlocal last
+            if self._table.nodes:
+                last = None
+                return interval
+            last = min(interval, 1.0 if last is None else 2 * last)
+            return last
+
+        return pause
 
     def _problem(self, node: Node, kind: str, message: str | None) -> None:
         """Log a node's problem once when it starts or changes, and once when it clears."""
@@ -320,3 +320,8 @@ class Evidence:
             gone = before - after
             for key in [k for k in self._problems if k[0] in gone]:
                 del self._problems[key]
+
+
+def _jittered(interval: float, jitter: float) -> Callable[[], float]:
+    """Pauses of ``interval`` plus up to ``jitter``, drawn anew each time."""
+    return lambda: interval + random.uniform(0, jitter)

@@ -225,25 +225,26 @@ async def _aevents(chunks: AsyncIterator[bytes], up: Upstream) -> AsyncIterator[
         raise
 
 
-async def _events_of(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The stream's lines, a last one with no newline after it included."""
     pending = b""
-    finished = False  # a choice said why it ended: a server that sends no [DONE] is done
     async for chunk in chunks:
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            event = _event(line, node)
-            if event is _DONE:
-                return
-            if event is not None:
-                finished = _finished(event) or finished
-                yield event
-    event = _event(pending, node)  # a last line with no newline after it
-    if event is _DONE:
-        return
-    if event is not None:
-        finished = _finished(event) or finished
-        yield event
+            yield line
+    yield pending
+
+
+async def _events_of(chunks: AsyncIterator[bytes], node: str) -> AsyncIterator[dict[str, Any]]:
+    finished = False  # a choice said why it ended: a server that sends no [DONE] is done
+    async for line in _lines(chunks):
+        event = _event(line, node)
+        if event is _DONE:
+            return
+        if event is not None:
+            finished = _finished(event) or finished
+            yield event
     if not finished:
         body = error_body(502, "upstream stream ended before its end", "upstream_error")
         raise PromptLBError(502, body, node)

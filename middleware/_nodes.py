@@ -167,16 +167,19 @@ class NodeTable:
         for node_config in wanted_by_name.values():
             self._apply(node_config, checked)
 
-    def incoming(self, wanted: Iterable[NodeConfig]) -> list[Node]:
-        """The nodes `replace_members` would add or replace (a new name, or another URL or
-        sidecar for one), built but not joined, so that they can be checked first."""
-        return [
-            self.make(n)
-            for n in wanted
-            if n.name not in self.nodes
-            or (self.nodes[n.name].config.url, self.nodes[n.name].config.sidecar)
-            != (n.url, n.sidecar)
-        ]
+    def incoming(self, wanted: Iterable[NodeConfig], config: Config | None = None) -> list[Node]:
+        """The nodes `replace_members` (or a reload) would add or replace (a new name, or
+        another server under one), built but not joined, so that they can be checked first."""
+        return [self.make(n, config) for n in wanted if self._another(n)]
+
+    def _another(self, node_config: NodeConfig) -> bool:
+        """Whether ``node_config`` is a server the table does not have: a new name, or a new
+        URL or sidecar for a name."""
+        current = self.nodes.get(node_config.name)
+        return current is None or (current.config.url, current.config.sidecar) != (
+            node_config.url,
+            node_config.sidecar,
+        )
 
     def newcomers(self, config: Config) -> list[Node]:
         """The nodes a reload to ``config`` brings in (new names, or a new URL or sidecar for
@@ -186,13 +189,7 @@ class NodeTable:
         # Under the reload's health setting: built under the old one, a newcomer joined as
         # "unknown" for good when the reload also turned health checks off, or as ready
         # unchecked when it turned them on.
-        return [
-            self.make(n, config)
-            for n in config.nodes
-            if n.name not in self.nodes
-            or (self.nodes[n.name].config.url, self.nodes[n.name].config.sidecar)
-            != (n.url, n.sidecar)
-        ]
+        return self.incoming(config.nodes, config)
 
     def reconfigure(
         self, config: Config, newcomers: Iterable[Node] = ()
@@ -234,10 +231,7 @@ class NodeTable:
         current = self.nodes.get(name)
         if current is not None and current.config == node_config:
             return False
-        if current is None or (current.config.url, current.config.sidecar) != (
-            node_config.url,
-            node_config.sidecar,
-        ):
+        if current is None or self._another(node_config):
             self.remove(name)
             fresh = ready.get(name)
             if fresh is None or fresh.config != node_config:

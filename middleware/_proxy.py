@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -227,12 +228,11 @@ class Proxy:
             data = b"data: " + json.dumps(event).encode() + b"\n\n"
             if not last.endswith((b"\n\n", b"\r\n\r\n")):
                 data = b"\n\n" + data  # the node stopped inside an event: the error its own
-            try:
+            # A client that takes nothing in that time: the connection closes on it.
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_TRAILER_S):
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except TimeoutError:
-                return  # the client takes nothing: the connection closes on it
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

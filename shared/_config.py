@@ -25,10 +25,10 @@ class ConfigError(ValueError):
     """A config value is wrong. ``key`` names it the way the user wrote it."""
 
     def __init__(self, key: str, value: object, expected: str) -> None:
-        if isinstance(value, str) and ("://" in value or ":/" in value) and "@" in value:
+        if isinstance(value, str) and (
+            (":/" in value and "@" in value) or "password=" in value.lower()
+        ):
             # A URL's password never reaches an error (the sidecar's --model-url printed one).
-            value = redact_url(value)
-        if isinstance(value, str) and "password=" in value.lower():
             value = redact_url(value)
         self.key = key
         self.value = value

@@ -145,14 +145,17 @@ class GpuCollector:
         try:
             self._closed = True
             if self._open:
-                self._open = False
-                self._handles = []
-                try:
-                    self._nvml.nvmlShutdown()
-                except Exception as exc:
-                    log.warning("NVML shutdown failed: %s", exc)
+                self._shut_down()
         finally:
             self._lock.release()
+
+    def _shut_down(self) -> None:
+        self._open = False
+        self._handles = []
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception as exc:
+            log.warning("NVML shutdown failed: %s", exc)
 
     def _problem(self, i: int) -> Problem:
         problem = self._problems.get(i)
@@ -227,12 +230,7 @@ class GpuCollector:
         if now - self._failing_since < RETRY_S:
             return
         self._failing_since = None
-        self._handles = []
-        self._open = False
-        try:
-            self._nvml.nvmlShutdown()
-        except Exception as exc:
-            log.warning("NVML shutdown failed: %s", exc)
+        self._shut_down()
         self._retry_at = now  # the next sample starts it again
 
 
