@@ -78,13 +78,16 @@ async def test_signed_snapshots_are_taken(launch: Launcher, tmp_path: Path) -> N
         await lb.stop()
 
 
+def dns_config(**discovery: Any) -> Config:
+    """A gateway's config under DNS discovery, ``discovery`` its settings, no health checks."""
+    return Config(
+        discovery=DiscoveryConfig(mode="dns", **discovery), health=HealthConfig(enabled=False)
+    )
+
+
 async def test_dns_discovered_sidecars_keep_their_own_scheme() -> None:
     """Model servers behind https do not make the sidecars (plain HTTP) https too."""
-    config = Config(
-        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8443, scheme="https"),
-        health=HealthConfig(enabled=False),
-    )
-    lb = Balancer(config)
+    lb = Balancer(dns_config(name="127.0.0.1", port=8443, scheme="https"))
     await lb.start()
     try:
         node = lb.table.nodes["127.0.0.1:8443"]
@@ -232,11 +235,7 @@ async def test_a_dns_lookup_that_never_answers_is_cut_at_its_timeout(
 ) -> None:
     """A DNS server that stops answering must not hold up startup, a reload or the shutdown
     behind it: the lookup is bounded and the current nodes stay."""
-    config = Config(
-        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8000, timeout=0.2),
-        health=HealthConfig(enabled=False),
-    )
-    lb = Balancer(config)
+    lb = Balancer(dns_config(name="127.0.0.1", port=8000, timeout=0.2))
     await lb.start()
     try:
         assert "127.0.0.1:8000" in lb.table.nodes
@@ -272,11 +271,7 @@ async def test_discovery_that_found_no_node_asks_again_soon(
         return await lookup(*args, **kwargs)
 
     monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
-    config = Config(
-        discovery=DiscoveryConfig(mode="dns", name="127.0.0.1", port=8000, interval=30.0),
-        health=HealthConfig(enabled=False),
-    )
-    lb = Balancer(config)
+    lb = Balancer(dns_config(name="127.0.0.1", port=8000, interval=30.0))
     await lb.start()
     try:
         assert not lb.table.nodes
@@ -461,8 +456,7 @@ async def test_a_pod_discovery_drops_takes_its_logged_problems_with_it(
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000)) for a in answers["now"]]
 
     monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
-    discovery = DiscoveryConfig(mode="dns", name="models", port=8000, sidecar_port=None)
-    config = Config(discovery=discovery, health=HealthConfig(enabled=False))
+    config = dns_config(name="models", port=8000, sidecar_port=None)
     lb = Balancer(config)
     evidence = Evidence(config, lb.table, None, lb.metrics)  # type: ignore[arg-type]
     await evidence.discover()
