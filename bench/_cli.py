@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from promptlb.shared import ConfigError
@@ -12,6 +13,11 @@ from promptlb.shared import ConfigError
 __all__ = ["main"]
 
 DEFAULT_STRATEGIES = "round_robin,least_conn,p2c,predictive,model_aware"
+
+
+# What says where a run writes, or what it replays, rather than how it is run: changing these
+# still makes a run the committed files' like.
+_NOT_SETTINGS = frozenset({"command", "scenario", "out", "no_plot", "url"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--replicas", type=int, default=8, help="gateways of a +shared run (sharing one Redis)"
     )
-    cluster.add_argument("--out", default=None, help="results folder (default bench/results)")
+    cluster.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default bench/results; bench/results/quick for a run with any "
+        "other option changed)",
+    )
     cluster.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
     sim = sub.add_parser("sim", help="discrete-event simulation with a virtual clock")
@@ -45,7 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=None, help="scale the scenario's node list to this many nodes"
     )
     sim.add_argument("--duration", default=None, help="override the scenario's duration")
-    sim.add_argument("--out", default=None, help="results folder (default bench/results)")
+    sim.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default bench/results; bench/results/quick for a run with any "
+        "other option changed)",
+    )
     sim.add_argument("--no-plot", action="store_true", help="skip the PNG (prompt scenarios)")
 
     faults = sub.add_parser("faults", help="one fault after another under steady load")
@@ -71,13 +87,45 @@ def _parser() -> argparse.ArgumentParser:
         help="requests/s to plan for (with 20%% headroom)",
     )
     endpoint.add_argument("--out", default=None, help="results folder (default bench/results)")
+    for sub_parser in (cluster, sim):
+        sub_parser.set_defaults(changed=partial(_changed, sub_parser))
     return parser
+
+
+def _changed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options of ``args`` set to other than their defaults, among those that change what
+    a run measures."""
+    return [
+        name
+        for name, value in vars(args).items()
+        if name not in _NOT_SETTINGS and name != "changed" and value != parser.get_default(name)
+    ]
+
+
+def _results_folder(args: argparse.Namespace) -> None:
+    """A run unlike the committed ones (fewer strategies, no peers, a shorter duration...)
+    writes under ``bench/results/quick/`` unless ``--out`` says where: it must never replace
+    the committed full runs' files by the same names."""
+    if args.out is not None:
+        return
+    changed = args.changed(args)
+    if changed:
+        from ._report import RESULTS
+
+        args.out = str(RESULTS / "quick")
+        options = ", ".join("--" + name.replace("_", "-") for name in changed)
+        print(
+            f"promptlb-bench: {options} set, so this run writes under {args.out} (--out to choose)",
+            file=sys.stderr,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.command in ("cluster", "sim"):
+            _results_folder(args)
         if args.command == "cluster":
             from ._live import run_cluster
 
