@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
+import random
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from ._loadgen import Result, chat_body, request_once
+from ._loadgen import Result, chat_body, request_once, request_timeout
 from ._report import RESULTS, environment, write_json
 from ._scenario import Arrival
 from ._stats import percentile
@@ -43,29 +46,51 @@ def nodes_needed(target_rate: float, best_rps: float, headroom: float = HEADROOM
 
 
 async def level(
-    url: str, model: str, concurrency: int, seconds: float, max_tokens: int
+    url: str,
+    model: str,
+    concurrency: int,
+    seconds: float,
+    max_tokens: int,
+    prompts: Iterator[int] | None = None,
 ) -> dict[str, Any]:
     """``concurrency`` closed-loop clients for ``seconds``; requests in flight at the deadline
-    finish (each bounded by its own timeout) and count."""
+    finish (each bounded by its own timeout) and count. Each request has a prompt of its own,
+    numbered by ``prompts`` (shared by the levels of one run): the same prompt every time is a
+    prefix-cache hit after the first on a real engine, and reads fast."""
+    numbers = prompts if prompts is not None else itertools.count()
     endpoint = url.rstrip("/") + "/v1/chat/completions"
     headers = {"content-type": "application/json"}
     if key := os.environ.get("OPENAI_API_KEY"):
         headers["authorization"] = f"Bearer {key}"
-    body = chat_body(model, Arrival(0.0, "endpoint", 64, max_tokens))
+    arrival = Arrival(0.0, "endpoint", 64, max_tokens)
     loop = asyncio.get_running_loop()
     results: list[Result] = []
     connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=request_timeout(REQUEST_TIMEOUT_S)
+    ) as http:
         t0 = loop.time()
 
         def clock() -> float:
             return loop.time() - t0
 
+        # Uncounted: each client's connection is opened before the clock starts, so that the
+        # level's few-sample p99 is not its connection setup.
+        warm = [Result(-1, "endpoint", max_tokens, at=0.0) for _ in range(concurrency)]
+        bodies = [chat_body(model, arrival, next(numbers)) for _ in warm]
+        await asyncio.gather(
+            *(
+                request_once(http, endpoint, body, r, clock, {}, headers)
+                for body, r in zip(bodies, warm, strict=True)
+            )
+        )
+        t0 = loop.time()
+
         async def client() -> None:
             while clock() < seconds:
                 result = Result(len(results), "endpoint", max_tokens, at=clock(), start=clock())
                 results.append(result)
+                body = chat_body(model, arrival, next(numbers))
                 await request_once(http, endpoint, body, result, clock, {}, headers)
                 if result.error:
                     await asyncio.sleep(0.05)  # a failing endpoint is not hammered in a spin
@@ -115,9 +140,12 @@ def _fmt(v: float | None) -> str:
 
 async def _measure(args: argparse.Namespace, levels: list[int]) -> list[dict[str, Any]]:
     rows = []
+    # From a random number: a run again against the same engine must not find the last run's
+    # prompts in its cache either.
+    prompts = itertools.count(random.randrange(1 << 48))
     for c in levels:
         print(f"  concurrency {c:>4}: {args.seconds:g}s ...", file=sys.stderr, flush=True)
-        rows.append(await level(args.url, args.model, c, args.seconds, args.max_tokens))
+        rows.append(await level(args.url, args.model, c, args.seconds, args.max_tokens, prompts))
     return rows
 
 

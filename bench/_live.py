@@ -531,13 +531,27 @@ async def run_all(
                 todo = [("promptlb", s) for s in chosen.ours] + chosen.peers
                 for kind, strategy in todo:
                     name = kind if kind == strategy else f"{kind} {strategy}"
-                    if prompted:  # every router starts on cold caches
-                        await asyncio.to_thread(_livecache.restart_all, cluster)
-                    await cluster.reset(http)
                     try:
-                        target = await asyncio.to_thread(
+                        if prompted:  # every router starts on cold caches
+                            await asyncio.to_thread(_livecache.restart_all, cluster)
+                        await cluster.reset(http)
+                    except Exception as exc:  # this run is lost, not the ones already done
+                        failed[name] = f"the cluster could not be reset: {exc}"[:2000]
+                        print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
+                        continue
+                    starting = asyncio.ensure_future(
+                        asyncio.to_thread(
                             _start_target, kind, strategy, cluster, Path(tmp), chosen.replicas
                         )
+                    )
+                    try:
+                        target = await asyncio.shield(starting)
+                    except asyncio.CancelledError:
+                        # The thread goes on starting it (nginx is no Service that the exit
+                        # stops): wait for it, for the finally below to stop it too.
+                        with contextlib.suppress(BaseException):
+                            started.append(await starting)
+                        raise
                     except Exception as exc:  # a peer that fails to start is reported, not fatal
                         failed[name] = f"did not start: {exc}"[:2000]
                         print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
@@ -552,13 +566,14 @@ async def run_all(
                             runs[name].share_lag = lag
                         after = await _livecache.kv_counts(http, cluster.urls)
                         hits[name] = _livecache.hit_rate(before, after) if prompted else None
-                    except RuntimeError as exc:
-                        failed[name] = str(exc)[:2000]
+                    except Exception as exc:  # an interrupt (BaseException) still ends it all
+                        failed[name] = f"{type(exc).__name__}: {exc}"[:2000]
                         print(f"  {name}: {failed[name][:300]}", file=sys.stderr)
                     finally:
                         target.stop()
                         started.remove(target)
-                await cluster.reset(http)
+                with contextlib.suppress(Exception):  # the runs are done: their report stands
+                    await cluster.reset(http)
     finally:
         for target in started:
             with contextlib.suppress(Exception):
@@ -611,9 +626,10 @@ def run_cluster(args: argparse.Namespace) -> None:
         duration = parse_duration("duration", args.duration)
         if duration <= 0:
             raise ConfigError("duration", args.duration, "> 0")
-        original = scenario.duration
-        scenario, scale = scaled(scenario, duration)
-        meta = {"scenario_duration_s": original, "fault_time_scale": round(scale, 4)}
+        if duration != scenario.duration:  # its own length is the scenario as written
+            original = scenario.duration
+            scenario, scale = scaled(scenario, duration)
+            meta = {"scenario_duration_s": original, "fault_time_scale": round(scale, 4)}
     chosen = plan(args.strategies, args.peers)
     replicas = getattr(args, "replicas", 8)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:

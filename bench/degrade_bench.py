@@ -32,6 +32,9 @@ from promptlb.bench._stats import percentile
 from promptlb.emulator import Service, start_redis, start_service
 
 SIDECAR = ("--sample-interval", "100ms", "--no-warmup-required", "--log-level", "WARNING")
+# Each request's limit: aiohttp's default is 5 minutes, and one hung request held a phase that
+# long before the gather gave up on the whole bench. The gateway's own deadlines are shorter.
+TIMEOUT = aiohttp.ClientTimeout(total=30)
 HEALTH = "[health]\ninterval = '250ms'\ninterval_jitter = '25ms'\ntimeout = '250ms'\n"
 
 
@@ -48,7 +51,7 @@ async def one(http: aiohttp.ClientSession, url: str, data: bytes) -> dict[str, A
         async with http.post(url, data=data, headers={"content-type": "application/json"}) as r:
             await r.read()
             status, how = r.status, r.headers.get("x-promptlb-degraded", "")
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, TimeoutError):  # aiohttp's timeout is no ClientError
         status, how = 0, "client_error"
     return {"status": status, "how": how, "s": time.perf_counter() - start}
 
@@ -62,7 +65,7 @@ async def open_loop(
     model: str = "big",
 ) -> list[dict[str, Any]]:
     """Poisson arrivals at ``rate`` for ``seconds``: bounded in count and time."""
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         tasks = []
         start = time.perf_counter()
         t = 0.0
@@ -77,6 +80,15 @@ async def open_loop(
         return list(await asyncio.gather(*tasks))
 
 
+def _ms(value: float | None, digits: int) -> float | None:
+    """No answer of the kind is no figure (None), never 0 ms: a 0 read as a goal met."""
+    return None if value is None else round(value, digits)
+
+
+def _less(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 2)
+
+
 def stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r["status"] == 200]
     lat = [r["s"] * 1000 for r in ok]
@@ -86,8 +98,8 @@ def stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         "share_answered": round(len(ok) / len(results), 4) if results else None,
         "by_path": {k: sum(1 for r in ok if r["how"] == k) for k in ("", "fallback", "cache")},
         "statuses": sorted({r["status"] for r in results}),
-        "p50_ms": round(percentile(lat, 50) or 0, 2),
-        "p99_ms": round(percentile(lat, 99) or 0, 2),
+        "p50_ms": _ms(percentile(lat, 50), 2),
+        "p99_ms": _ms(percentile(lat, 99), 2),
     }
 
 
@@ -169,11 +181,11 @@ async def outage(args: argparse.Namespace) -> dict[str, Any]:
         second = await open_loop(url, args.rate, half, shuffled, rng)
         await asyncio.sleep(1.0)  # every node is known down now
         unavailable = []
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             for i in range(args.prompts, args.prompts + 100):
                 unavailable.append(await one(http, url, body(i)))
         whole = first.result() + second
-        report = {
+        report: dict[str, Any] = {
             "warm": stats(warm),
             "light_direct": stats(light),
             "outage_primary_down": stats(first.result()),
@@ -184,15 +196,15 @@ async def outage(args: argparse.Namespace) -> dict[str, Any]:
         report["unavailable"] = {
             "requests": len(unavailable),
             "answered_503": len(lat503),
-            "p50_ms": round(percentile(lat503, 50) or 0, 2),
-            "p99_ms": round(percentile(lat503, 99) or 0, 2),
+            "p50_ms": _ms(percentile(lat503, 50), 2),
+            "p99_ms": _ms(percentile(lat503, 99), 2),
         }
         # What the degraded path adds: the fallback's p99 over the light model asked directly
         # (the failed try on the dead primary, the rewrite); and the whole outage over normal.
         fallback = report["outage_primary_down"]["p99_ms"]
-        report["fallback_added_p99_ms"] = round(fallback - report["light_direct"]["p99_ms"], 2)
-        report["outage_vs_warm_p99_ms"] = round(
-            report["outage"]["p99_ms"] - report["warm"]["p99_ms"], 2
+        report["fallback_added_p99_ms"] = _less(fallback, report["light_direct"]["p99_ms"])
+        report["outage_vs_warm_p99_ms"] = _less(
+            report["outage"]["p99_ms"], report["warm"]["p99_ms"]
         )
         return report
 
@@ -201,7 +213,7 @@ async def hit_latency(backend: str, count: int) -> dict[str, Any]:
     """Sequential requests for one cached answer (``serve_fresh``) and the node's first one."""
     with cluster(backend, serve_fresh=True) as (gateway, _):
         url = gateway.url + "/v1/chat/completions"
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             first = await one(http, url, body(0, "small"))
             assert first["status"] == 200, first
             await asyncio.sleep(0.3)
@@ -214,8 +226,8 @@ async def hit_latency(backend: str, count: int) -> dict[str, Any]:
                 hits.append((time.perf_counter() - start) * 1000)
         return {
             "hits": count,
-            "p50_ms": round(percentile(hits, 50) or 0, 3),
-            "p99_ms": round(percentile(hits, 99) or 0, 3),
+            "p50_ms": _ms(percentile(hits, 50), 3),
+            "p99_ms": _ms(percentile(hits, 99), 3),
             "node_answer_ms": round(first["s"] * 1000, 2),
         }
 
@@ -243,8 +255,17 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=40, help="distinct prompts in the pool")
     p.add_argument("--hits", type=int, default=500, help="sequential cache hits per backend")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", type=Path, default=RESULTS / "degrade.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON (default bench/results/degrade.json; under bench/results/quick/ for a run "
+        "with any other option changed, so that it never replaces the committed full run)",
+    )
     args = p.parse_args()
+    if args.out is None:
+        changed = any(v != p.get_default(k) for k, v in vars(args).items() if k != "out")
+        args.out = RESULTS / ("quick" if changed else "") / "degrade.json"
     report: dict[str, Any] = {
         "environment": environment(),
         "params": vars(args) | {"out": str(args.out)},

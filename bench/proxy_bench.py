@@ -24,6 +24,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -63,7 +64,9 @@ async def latencies(
 async def throughput(url: str, concurrency: int, seconds: float) -> dict[str, float]:
     done = 0
     errors = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency), timeout=TIMEOUT
+    ) as http:
         deadline = time.perf_counter() + seconds
 
         async def worker() -> None:
@@ -104,6 +107,9 @@ def cpu_s(service: Service) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Each request's limit against an instant upstream: aiohttp's default of 5 minutes would let
+# one hung request stall the run that long.
+TIMEOUT = aiohttp.ClientTimeout(total=10)
 TARGETS = {"requests_per_s_ratio": 0.8, "cpu_per_request_ratio": 1.25, "added_p50_ratio": 1.1}
 
 
@@ -120,7 +126,7 @@ def wrk(url: str, concurrency: int, seconds: float) -> dict[str, float]:
                 "wrk",
                 "-t1",
                 f"-c{concurrency}",
-                f"-d{max(1, round(seconds))}s",
+                f"-d{seconds:g}s",  # whole seconds: `main` rounds them for wrk
                 "-s",
                 script.name,
                 url,
@@ -170,7 +176,7 @@ async def run(count: int, seconds: float, concurrency: int, rounds: int) -> dict
         os.unlink(f.name)
         urls = {"direct": model.url, **{k: v.url for k, v in hops.items()}}
         urls = {k: u + "/v1/chat/completions" for k, u in urls.items()}
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             await latencies(http, urls, 200)  # warm every path: connections, caches
             lat = await latencies(http, urls, count)
         # Rounds, the hops taking turns: a slow spell of this shared machine lands on both.
@@ -216,7 +222,7 @@ async def run(count: int, seconds: float, concurrency: int, rounds: int) -> dict
             **tp,
             "client": "wrk" if shutil.which("wrk") else "aiohttp",
             "concurrency": concurrency,
-            "seconds_each": seconds * rounds,
+            "seconds_per_round": seconds,
             "rounds": rounds,
         },
         "ratios": ratios,
@@ -248,15 +254,32 @@ def _meets(key: str, value: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--count", type=int, default=2000, help="sequential requests per path")
-    parser.add_argument("--seconds", type=float, default=2.0, help="each throughput round")
-    parser.add_argument("--rounds", type=int, default=4, help="throughput rounds per hop")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    count, seconds, rounds = (
-        (300, 1.0, 2) if args.quick else (args.count, args.seconds, max(1, args.rounds))
+    parser.add_argument(
+        "--count", type=int, default=None, help="sequential requests per path (2000; quick 300)"
     )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="each throughput round (2; quick 1), whole seconds when wrk runs the load",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per hop (4; quick 2)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: the figures in brackets above"
+    )
+    args = parser.parse_args()
+    # --quick sets the sizes not given: a size given is used as given, never overridden.
+    count = args.count if args.count is not None else 300 if args.quick else 2000
+    seconds = args.seconds if args.seconds is not None else 1.0 if args.quick else 2.0
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 4
+    if count < 1 or seconds <= 0 or rounds < 1 or args.concurrency < 1:
+        parser.error("--count, --rounds and --concurrency must be >= 1, --seconds > 0")
+    if shutil.which("wrk") and seconds != max(1, round(seconds)):
+        seconds = max(1, round(seconds))
+        print(f"proxy_bench: wrk runs whole seconds: --seconds {seconds}", file=sys.stderr)
+    # Anything but the full run's settings is not the run `proxy.json` records.
+    full = (count, seconds, rounds, args.concurrency) == (2000, 2.0, 4, 32)
     report = {
         "benchmark": "proxy",
         **environment(),  # commit, dirty, when, python, cores: what was measured, where
@@ -275,8 +298,8 @@ def main() -> None:
     for key, value in ratios.items():
         shown = "n/a" if value is None else f"{value:.2f}x"
         print(f"gateway/floor {key}: {shown} (target {TARGETS[key]}x: {report['verdicts'][key]})")
-    # A quick run is a smoke check: it must never replace the committed full-run numbers.
-    out = RESULTS / "quick" / "proxy.json" if args.quick else RESULTS / "proxy.json"
+    # A quick or resized run must never replace the committed full-run numbers.
+    out = RESULTS / "proxy.json" if full else RESULTS / "quick" / "proxy.json"
     write_json(out, report)
     print(f"wrote {out}")
 

@@ -3,17 +3,24 @@ writes. (The runs themselves start a cluster and take minutes: `make bench` does
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
-from promptlb.bench import _peers
+from promptlb.bench import _live, _peers
 from promptlb.bench._live import (
     Cluster,
+    Plan,
     gateway_config,
     plan,
     scaled,
     sidecar_args,
 )
+from promptlb.bench._livereport import Run
 from promptlb.bench._loadgen import Result
 from promptlb.bench._report import crash_lines, crashes
 from promptlb.bench._scenario import load_scenario
@@ -179,3 +186,80 @@ def test_crashes_count_the_requests_lost_and_the_drain_before() -> None:
     ]
     assert "drained_at" not in crashes(results, applied)[0]
     assert crashes(results, [{**applied[1], "outcome": "failed: boom"}]) == []
+
+
+def test_a_run_that_cannot_start_costs_itself_not_the_runs_already_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cluster's processes left out (the runs take minutes): the second run's reset fails,
+    the third's measurement; the report still holds the first run and names both failures
+    (the reset's exception escaped and lost every finished run)."""
+    resets: list[int] = []
+
+    async def reset(self: Cluster, http: aiohttp.ClientSession) -> None:
+        resets.append(1)
+        if len(resets) == 2:
+            raise aiohttp.ClientConnectionError("an emulator refused the faults reset")
+
+    def target(kind: str, strategy: str, *args: Any) -> _peers.Target:
+        url = "http://127.0.0.1:9"
+        return _peers.Target(f"{kind} {strategy}", kind, strategy, url, lambda: None)
+
+    async def measure(http: Any, cluster: Cluster, target: _peers.Target, trace: Any) -> Run:
+        if target.strategy == "p2c":
+            raise TimeoutError
+        results = [Result(i, a.prompt_class, a.max_tokens, a.at) for i, a in enumerate(trace)]
+        for r in results:
+            r.start, r.end, r.status, r.node = r.at, r.at + 1.0, 200, "a"
+        return Run(target.name, target.kind, target.strategy, results, [])
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(Cluster, "start", lambda self: None)
+    monkeypatch.setattr(Cluster, "stop", lambda self: None)
+    monkeypatch.setattr(Cluster, "reset", reset)
+    monkeypatch.setattr(_live, "_start_target", target)
+    monkeypatch.setattr(_live, "measure", measure)
+    monkeypatch.setattr(_live, "wait_ready", nothing)
+    scenario = load_scenario("uniform-4")
+    chosen = Plan(["round_robin", "least_conn", "p2c"], [], [])
+    report, plots = asyncio.run(_live.run_all(scenario, chosen, {}))
+    assert list(plots) == ["promptlb round_robin"]
+    assert "could not be reset" in report["failed"]["promptlb least_conn"]
+    assert report["failed"]["promptlb p2c"].startswith("TimeoutError")
+
+
+def test_a_peer_starting_as_the_run_is_interrupted_is_stopped_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start runs in a thread that a cancel does not stop: the nginx it started (no
+    Service, so nothing stops it at exit) outlived the bench."""
+    stopped: list[str] = []
+    began = threading.Event()
+
+    def target(kind: str, strategy: str, *args: Any) -> _peers.Target:
+        began.set()
+        time.sleep(0.3)  # still starting when the cancel lands
+        return _peers.Target(
+            f"{kind} {strategy}", kind, strategy, "http://127.0.0.1:9", lambda: stopped.append(kind)
+        )
+
+    async def reset(self: Cluster, http: aiohttp.ClientSession) -> None:
+        return None
+
+    monkeypatch.setattr(Cluster, "start", lambda self: None)
+    monkeypatch.setattr(Cluster, "stop", lambda self: None)
+    monkeypatch.setattr(Cluster, "reset", reset)
+    monkeypatch.setattr(_live, "_start_target", target)
+
+    async def interrupted() -> None:
+        plan_ = Plan([], [("nginx", "round_robin")], [])
+        run = asyncio.ensure_future(_live.run_all(load_scenario("uniform-4"), plan_, {}))
+        await asyncio.to_thread(began.wait, 5.0)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    asyncio.run(interrupted())
+    assert stopped == ["nginx"]

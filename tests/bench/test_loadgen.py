@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import random
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -203,6 +204,16 @@ def test_summarize_utilisation_share_and_errors() -> None:
     assert late["goodput_over_span_rps"] == pytest.approx(4 / 20)
 
 
+def _prefix_hits(url: str) -> int:
+    with urllib.request.urlopen(url + "/_emulator/stats", timeout=5) as response:
+        return int(json.load(response)["prefix_cache_hit_tokens"])
+
+
+def test_a_request_is_cut_off_at_its_limit_not_the_next_whole_second() -> None:
+    timeout = loadgen.request_timeout(60.0)
+    assert timeout.total == 60.0 and timeout.ceil_threshold >= 60.0  # aiohttp ceils above it
+
+
 def test_nodes_needed_plans_for_120_percent() -> None:
     assert nodes_needed(100.0, 30.0) == 4  # 1.2 x 100 / 30 = 4
     assert nodes_needed(100.0, 40.0) == 3  # 3.0 exactly: no extra node
@@ -222,7 +233,11 @@ def test_endpoint_measures_each_level_and_plans(
         target_rate=1000.0,
         out=str(tmp_path),
     )
+    before = _prefix_hits(fast_emulator.url)
     run_endpoint(args)
+    # Each request a prompt of its own: the same one every time was a prefix-cache hit after
+    # the first (a real engine's too), and read fast.
+    assert _prefix_hits(fast_emulator.url) == before
     (path,) = tmp_path.glob("endpoint-*.json")
     report = json.loads(path.read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
