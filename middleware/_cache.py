@@ -78,14 +78,17 @@ class CacheEntry:
 
 
 def cache_key(
-    path: str, body: Mapping[str, Any], model_key: str, credential: bytes | None = None
+    path: str,
+    body: Mapping[str, Any],
+    model_key: str,
+    caller: tuple[bytes | None, ...] = (),
 ) -> str | None:
     """A hash of what decides the answer (the temperature included, so a sampled request
     matches only its twin), or ``None`` for a body with no prompt or an unusable temperature.
 
-    ``path`` is the target as sent upstream (its query string too). ``credential``: the
-    client's ``Authorization`` when it is forwarded to the nodes, which may answer each key
-    differently (or refuse it): an answer is then shared only by callers of the same key."""
+    ``path`` is the target as sent upstream (its query string too). ``caller``: the
+    credential headers the nodes see (`Request.caller`), which may answer each key
+    differently (or refuse it): an answer is shared only by callers of the same keys."""
     if not any(f in body for f in _PROMPT_FIELDS):
         return None
     temperature = body.get("temperature")
@@ -95,8 +98,8 @@ def cache_key(
     if isinstance(shape.get("temperature"), int | float):
         shape["temperature"] = float(shape["temperature"])  # 0 and 0.0 ask the same
     what: list[Any] = [path, model_key, shape]
-    if credential is not None:
-        what.append(credential.decode("latin-1"))  # hashed below: the key never shows it
+    if any(value is not None for value in caller):  # hashed below: the key never shows them
+        what.append([None if v is None else v.decode("latin-1") for v in caller])
     try:
         text = json.dumps(what, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError):

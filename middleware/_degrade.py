@@ -128,13 +128,12 @@ class Dispatcher:
         """The cache key of ``request``'s answer from ``model`` (None: not to be cached)."""
         if self.cache_config is None:
             return None
-        credential = None
-        if self.config.forward_authorization:
-            # Nodes see the caller's own key: one caller's answer is not another's (a key the
-            # node refuses must not read a cached answer), nor is a caller without one.
-            credential = request.header(b"authorization") or b""
+        # Nodes see the caller's own key (api-key and the like always; Authorization when
+        # forwarded): one caller's answer is not another's (a key the node refuses must not
+        # read a cached answer), nor is a caller without one.
+        caller = request.caller(self.config.forward_authorization)
         family = self._families.get(model, model)
-        return cache_key(request.target, request.body, family, credential)
+        return cache_key(request.target, request.body, family, caller)
 
     def answer(self, request: Request) -> _Answering:
         """``async with dispatcher.answer(request) as answer``: find the answer (raising a

@@ -24,9 +24,6 @@ from ._sse import StreamAssembler, wants_usage
 
 __all__ = ["Proxy", "models_response"]
 
-# Headers that name whose request it is, which the nodes get as the client sent them.
-_CREDENTIALS = (b"api-key", b"x-api-key", b"openai-organization", b"openai-project")
-
 # Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
 # node's Date and Server, which the server in front writes for the gateway (Date is a singleton
 # field: two of them are a malformed answer), and the headers this gateway writes itself (a
@@ -88,10 +85,8 @@ class Proxy:
         inputs = string_inputs(request.body)
         if inputs is None or len(inputs) > batcher.max_batch or request.target != request.path:
             return await self.forward(send, request, watch)
-        auth = request.header(b"authorization") if self._keyed_auth else None
-        # Forwarded whatever the config says: a caller's inputs must not travel (and be
-        # billed) under another's key or organisation.
-        credentials = tuple(request.header(name) for name in _CREDENTIALS)
+        # A caller's inputs must not travel (and be billed) under another's key or organisation.
+        caller = request.caller(self._keyed_auth)
         route = request.route
         key = batch_key(
             request.path,
@@ -99,8 +94,7 @@ class Proxy:
             route.priority,
             route.prompt_class,
             request.no_fallback,
-            auth,
-            credentials,
+            caller,
         )
         fetch = upstream(self._dispatch, request)
         reply = await unless_gone(watch, batcher.submit(key, dict(request.body), inputs, fetch))

@@ -27,6 +27,9 @@ __all__ = ["Request", "RequestReader"]
 
 Headers = list[tuple[bytes, bytes]]
 
+# Headers that name whose request it is; the nodes get all but the first as the client sent
+# them, and the first when `forward_authorization` says so.
+_CALLER = (b"authorization", b"api-key", b"x-api-key", b"openai-organization", b"openai-project")
 _MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
 _YES = (b"1", b"true", b"yes")
 # Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
@@ -54,6 +57,18 @@ class Request:
     def header(self, name: bytes) -> bytes | None:
         """The client's header ``name`` (lower case), the first if sent twice; None if not."""
         return next((v for k, v in self.headers if k == name), None)
+
+    def caller(self, authorization: bool) -> tuple[bytes | None, ...]:
+        """Whose request it is, as the nodes are told: the headers they always get (Azure's
+        ``api-key``, ``x-api-key``, the OpenAI organisation and project) and, when
+        ``authorization`` (it is forwarded), the ``Authorization`` header, None for each one
+        absent. An answer or a merged batch is shared only among requests of one caller: a
+        node may answer each key differently, or refuse one."""
+        found = dict.fromkeys(_CALLER if authorization else _CALLER[1:])
+        for name, value in self.headers:
+            if name in found and found[name] is None:
+                found[name] = value
+        return tuple(found.values())
 
     def for_model(self, model: str) -> Request:
         """The same request to another model (a fallback hop): the body names it."""

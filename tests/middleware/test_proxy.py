@@ -296,6 +296,34 @@ async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_forwarded_k
             assert "x-promptlb-cache" not in refused.headers
 
 
+async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_api_key(
+    serve: Serve,
+) -> None:
+    """An Azure-style node checks ``api-key``, which reaches it whatever forward_authorization
+    says: the cache keyed no such header, so a caller with a wrong key or none was served
+    another tenant's answer as a hit, and no node ever saw its key."""
+
+    async def chat(request: web.Request) -> web.Response:
+        if request.headers.get("api-key") != "good":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return web.json_response({"id": "x", "choices": [{"index": 0, "text": "secret"}]})
+
+    async with node_answering(serve, chat, **FRESH) as http:
+
+        async def ask(key: str | None) -> httpx.Response:
+            headers = {"api-key": key} if key else {}
+            response = await http.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
+            await asyncio.sleep(0.05)  # the cache is written in the background
+            return response
+
+        assert (await ask("good")).status_code == 200
+        assert (await ask("good")).headers["x-promptlb-cache"] == "hit"
+        for other in ("bad", None):
+            refused = await ask(other)
+            assert refused.status_code == 401, other
+            assert "x-promptlb-cache" not in refused.headers
+
+
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
     async def chat(request: web.Request) -> web.Response:
         return web.json_response({"choices": [{"index": 0, "text": request.query_string}]})
