@@ -51,17 +51,22 @@ def check_redis_url(key: str, value: str, expected: str) -> None:
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(key, shown, expected)
     try:
-        from redis.asyncio.connection import parse_url  # what Redis.from_url parses it with
+        from redis.asyncio.connection import ConnectionPool  # what Redis.from_url builds
     except ImportError:
         # Refused here, as a config error: at start a clear message, at a reload a refusal
         # (it was a ModuleNotFoundError out of reload(), or out of a half-applied one).
         raise ConfigError(key, shown, f"{expected}, with promptlb[redis] installed") from None
     try:
-        parse_url(value)
+        # A connection built, not opened: an option in the query string that the connection
+        # does not take (ssl_cert_reqs on redis://, a typo) passes the parse and raised a
+        # TypeError from every cache call, each a 500.
+        ConnectionPool.from_url(value).make_connection()  # type: ignore[no-untyped-call]
     except ValueError as exc:
         # Its words may quote a piece of a password ("... as 'pa'"): not with one in the URL.
         why = "" if "@" in value else f" ({str(exc).rstrip('.')})"
         raise ConfigError(key, shown, f"{expected}{why}") from None
+    except TypeError as exc:  # names the option, never a value
+        raise ConfigError(key, shown, f"{expected} ({exc})") from None
 
 
 def positive(key: str, value: float, *, zero: bool = False) -> None:

@@ -252,6 +252,9 @@ def test_bad_degradation_config_names_the_key(extra: dict[str, Any], key: str) -
         ("cache", "unix:///tmp/r.sock?db=x"),
         ("index_share", "redis://h:abc"),
         ("index_share", "rediss://h:6380/0?socket_timeout=soon"),
+        # Parsed, but no connection takes the option: every cache call raised a TypeError.
+        ("cache", "redis://r:6379/0?ssl_cert_reqs=none"),
+        ("index_share", "redis://r:6379/0?foo=bar"),
     ],
 )
 def test_a_redis_url_redis_py_would_refuse_is_a_config_error(table: str, url: str) -> None:
@@ -292,6 +295,7 @@ SECRET = "s3cr3t-value"
         # A password that holds @: the user part ends at the last one.
         {"nodes": [{"name": "a", "url": f"http://user:{SECRET}@x@a:1"}]},
         {"cache": {"backend": f"redis://:{SECRET}@x@h:6379/0?socket_timeout=x"}},
+        {"cache": {"backend": f"redis://h:6379/0?password={SECRET}&ssl_cert_reqs=none"}},
     ],
 )
 def test_no_error_prints_a_secret(data: dict[str, Any]) -> None:
