@@ -188,6 +188,10 @@ class Dispatcher:
             key = key_of(request.model) if cfg.cache_sampled or not is_sampled else None
             if key is not None:
                 entry = usable(await cache.get(key))
+                # A family shares answers, but one of the chain's lighter models (stored under
+                # the family's key when it stood in) never poses as the primary's fresh answer.
+                if entry is not None and entry.model != request.model and entry.model in hops:
+                    entry = None
                 if entry is not None and entry.fresh(time.time(), cfg.ttl):
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)

@@ -607,6 +607,40 @@ async def test_with_a_cache_and_no_chain_a_nodes_own_refusal_is_passed_on_unless
         assert app.balancer.table.nodes["n"].view.in_flight == 0
 
 
+async def test_a_fallbacks_answer_is_never_the_primarys_fresh_hit_in_one_family(
+    serve: Serve,
+) -> None:
+    """With ``big`` and ``small`` one cache family, small's fallback answer was stored under
+    the family's key and then served to big's requests as a fresh hit, unmarked."""
+    from aiohttp import web
+
+    big_up = {"now": False}
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        if model == "big" and not big_up["now"]:
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    config = {
+        "fallback": [{"model": "big", "then": ["small"]}],
+        "cache": {"serve_fresh": True, "families": {"big": "llama", "small": "llama"}},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (_, http):
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.headers["x-promptlb-degraded"] == "fallback"
+        await asyncio.sleep(0.1)  # the store is written in the background
+        big_up["now"] = True
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.json()["choices"][0]["message"]["content"] == "from big"
+        assert "x-promptlb-cache" not in got.headers
+        await asyncio.sleep(0.1)
+        again = await http.post("/v1/chat/completions", json=body)  # big's own: fresh
+        assert again.headers["x-promptlb-cache"] == "hit"
+        assert again.json()["choices"][0]["message"]["content"] == "from big"
+
+
 async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
     cluster: MakeCluster, fast: Flags, hello: Messages
 ) -> None:
