@@ -16,6 +16,7 @@ from ._asgi import RequestWatch, Send, json_error, send_json
 from ._batch import Fetch, Reply, fail
 from ._degrade import Dispatcher
 from ._refusals import Refusal
+from ._replies import carries_error
 from ._request import Request
 
 __all__ = ["respond", "unless_gone", "upstream"]
@@ -59,7 +60,7 @@ async def _read(answer: Answer) -> Reply:
         parsed = json.loads(data)
     except ValueError:
         parsed = None
-    if status != 200 or (isinstance(parsed, dict) and "error" in parsed and "data" not in parsed):
+    if status != 200 or carries_error(parsed):
         if up is not None and (wait := up.response.headers.get("Retry-After")):
             # The node's own: a 429's or 503's callers retried at once without it.
             headers.append((b"retry-after", wait.encode("latin-1", "replace")))

@@ -3,6 +3,7 @@ bounded copy of a non-stream answer kept for the cache while it passes through."
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from ._asgi import Send
 from ._cache import CacheEntry
 from ._sse import StreamAssembler, replay_sse
 
-__all__ = ["SSE", "Body", "keep", "recorder_for", "send_cached"]
+__all__ = ["SSE", "Body", "carries_error", "keep", "recorder_for", "send_cached"]
 
 SSE = b"text/event-stream"
 
@@ -52,18 +53,47 @@ def recorder_for(answer: Answer, path: str, sse: bool, limit: int) -> StreamAsse
     return Body(limit)
 
 
+def carries_error(parsed: object) -> bool:
+    """Whether a node's 200 body is an error rather than an answer: OpenAI's and TEI's
+    ``{"error": ...}`` or vLLM's older ``{"object": "error", ...}``, without the ``choices``
+    or ``data`` an answer has."""
+    return (
+        isinstance(parsed, dict)
+        and ("error" in parsed or parsed.get("object") == "error")
+        and "choices" not in parsed
+        and "data" not in parsed
+    )
+
+
 def keep(
     store: Callable[[str, CacheEntry], None],
     answer: Answer,
     recorder: StreamAssembler | Body | None,
 ) -> None:
-    """``answer``, passed on whole and unbroken, into the cache."""
+    """``answer``, passed on whole and unbroken, into the cache, with the content type it came
+    with (a stream is kept as the JSON answer it assembles to)."""
     up = answer.upstream
     if recorder is None or up is None or up.failed or answer.store_key is None:
         return
     complete = recorder.result()
-    if complete is not None:
-        store(answer.store_key, CacheEntry(body=complete, model=answer.model, created=time.time()))
+    if complete is None:
+        return
+    content_type = "application/json"
+    if isinstance(recorder, Body):
+        # A 200 carrying an error is no answer to serve again (parsed only when it may be one:
+        # inside a JSON string the quotes are escaped, so most answers skip the parse).
+        if b'"error"' in complete and _error_body(complete):
+            return
+        content_type = up.response.headers.get("Content-Type", content_type)
+    entry = CacheEntry(complete, answer.model, time.time(), content_type)
+    store(answer.store_key, entry)
+
+
+def _error_body(body: bytes) -> bool:
+    try:
+        return carries_error(json.loads(body))
+    except ValueError:
+        return False
 
 
 async def send_cached(

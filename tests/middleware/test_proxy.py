@@ -20,7 +20,7 @@ from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware import _proxy as proxy
 
 from tests.conftest import Launcher, Serve
-from tests.middleware.conftest import chat_node
+from tests.middleware.conftest import chat_node, gateway_over
 
 
 @pytest.fixture
@@ -322,6 +322,33 @@ async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_api_key(
             refused = await ask(other)
             assert refused.status_code == 401, other
             assert "x-promptlb-cache" not in refused.headers
+
+
+async def test_a_stored_answer_keeps_its_content_type_and_an_error_in_a_200_is_not_stored(
+    serve: Serve,
+) -> None:
+    """Every entry was replayed as application/json (a text answer too), and a node's 200
+    whose body is an error was stored and served again as an answer."""
+
+    async def text(request: web.Request) -> web.Response:
+        return web.Response(text="plain words", content_type="text/plain")
+
+    async def error(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "overloaded", "type": "engine"}})
+
+    routes = {"/v1/completions": text, "/v1/chat/completions": error}
+    async with gateway_over(serve, routes, **FRESH) as (_, http):
+        body = {"model": "m", "prompt": "p", "temperature": 0}
+        assert (await http.post("/v1/completions", json=body)).text == "plain words"
+        await asyncio.sleep(0.05)  # the cache is written in the background
+        again = await http.post("/v1/completions", json=body)
+        assert again.headers["x-promptlb-cache"] == "hit" and again.text == "plain words"
+        assert again.headers["content-type"].startswith("text/plain")
+        for _ in range(2):
+            got = await http.post("/v1/chat/completions", json=CHAT_BODY)
+            assert got.json()["error"]["message"] == "overloaded"
+            assert "x-promptlb-cache" not in got.headers
+            await asyncio.sleep(0.05)
 
 
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
