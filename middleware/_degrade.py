@@ -267,6 +267,11 @@ class Dispatcher:
                 return stored
         if chain is None and last is not None:
             raise last
+        if first == 1 and attempts == 0:
+            # Shed from the primary's queue and no later hop got as far as a node (the cache
+            # had nothing, a lighter model had no node): the 429 a chain without them gives,
+            # with its Retry-After, not a 503 as if every node had failed.
+            raise Shed(route.model, self.config.shedding.retry_after)
         raise Exhausted(route.model, failures, attempts)
 
     async def _stand_in(

@@ -39,7 +39,9 @@ class Admission:
         self._networks = [ipaddress.ip_network(n, strict=False) for n in config.trusted_networks]
         token = config.priority_token
         self._token = token.encode() if token else None
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # (model, future) in arrival order, over every model: a wake goes to the oldest whose
+        # model has room.
+        self._waiters: deque[tuple[str, asyncio.Future[None]]] = deque()
         self.waiting = 0
 
     def priority(self, header: bytes | None, token: bytes | None, client: Any) -> Priority:
@@ -63,6 +65,10 @@ class Admission:
             address = ipaddress.ip_address(client[0])
         except ValueError:
             return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            # A dual-stack listener reports an IPv4 client as ::ffff:a.b.c.d, which no IPv4
+            # network contains: its trusted critical requests were lowered to standard.
+            address = address.ipv4_mapped
         return any(address in net for net in self._networks)
 
     def over(self, view: NodeView) -> bool:
@@ -115,9 +121,9 @@ class Admission:
                     raise QueueTimeout(model)
                 if future is None or future.done():
                     future = loop.create_future()
-                    self._waiters.append(future)
+                    self._waiters.append((model, future))
                     if len(self._waiters) > 4 * cfg.queue_size + 16:
-                        self._waiters = deque(f for f in self._waiters if not f.done())
+                        self._waiters = deque(w for w in self._waiters if not w[1].done())
                 await asyncio.wait((future,), timeout=min(remaining, _POLL))
         finally:
             self.waiting -= 1
@@ -125,13 +131,22 @@ class Admission:
                 future.cancel()
 
     def wake(self) -> None:
-        """A request finished: the oldest waiter rechecks."""
+        """A request finished: the oldest waiter whose model has room now goes in. The oldest
+        of all, waiting on another model still saturated, was woken instead, found no room and
+        queued again at the back, while the one that could go waited for its poll."""
         waiters = self._waiters
-        while waiters:
-            future = waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                return
+        while waiters and waiters[0][1].done():
+            waiters.popleft()
+        full: set[str] = set()
+        for i, (model, future) in enumerate(waiters):
+            if future.done() or model in full:
+                continue
+            if self._is_saturated(model):
+                full.add(model)
+                continue
+            del waiters[i]
+            future.set_result(None)
+            return
 
     def _is_saturated(self, model: str) -> bool:
         candidates: Sequence[NodeView] | None = self._table.candidates(model)

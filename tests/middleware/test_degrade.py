@@ -669,6 +669,32 @@ async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
         assert 'promptlb_fallbacks_total{model="big",to="small"} 1.0' in await r.text()
 
 
+async def test_shed_with_only_the_cache_after_the_primary_and_nothing_stored_is_a_429(
+    serve: Serve,
+) -> None:
+    """A chain of ``["cache"]`` with nothing stored turned a queue's refusal into a 503 with the
+    health interval's Retry-After, where a chain-less model answers 429 with shedding's."""
+    from aiohttp import web
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.5)
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    config = {
+        "fallback": [{"model": "m", "then": ["cache"]}],
+        "cache": {},
+        "shedding": {"enabled": True, "max_in_flight": 1, "queue_size": 0, "retry_after": 3},
+    }
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    async with gateway_over(serve, {"/v1/chat/completions": slow}, **config) as (_, http):
+        busy = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.1)
+        other = {**body, "messages": [{"role": "user", "content": "never stored"}]}
+        got = await http.post("/v1/chat/completions", json=other)
+        assert (got.status_code, got.headers["retry-after"]) == (429, "3")
+        assert (await busy).status_code == 200
+
+
 async def test_cache_lookups_are_counted_as_the_client_got_them(serve: Serve) -> None:
     """A fresh lookup that finds nothing is a miss (it was not counted at all); a stored answer
     a streaming client cannot take (one that does not replay as a stream) is no hit, where it

@@ -32,6 +32,9 @@ def test_priority_may_be_lowered_by_anyone_and_raised_only_when_trusted() -> Non
     assert adm.priority(b"CRITICAL ", None, ("10.1.2.3", 1)) == "critical"
     assert adm.priority(b"bogus", None, outsider) == "standard"
     assert adm.priority(b"critical", None, None) == "standard"
+    # An IPv4 client as a dual-stack listener reports it.
+    assert adm.priority(b"critical", None, ("::ffff:10.1.2.3", 1)) == "critical"
+    assert adm.priority(b"critical", None, ("::ffff:192.0.2.7", 1)) == "standard"
 
 
 def test_a_node_is_over_by_queue_kv_or_in_flight_and_unknown_load_is_not_saturation(
@@ -101,3 +104,28 @@ async def test_a_waiter_is_woken_when_a_request_finishes(monkeypatch: pytest.Mon
     started = time.monotonic()
     await asyncio.wait_for(waiter, 5)
     assert time.monotonic() - started < 2.0  # woken, not the 10 s poll
+
+
+async def test_a_wake_goes_to_the_oldest_waiter_whose_model_has_room(
+    monkeypatch: pytest.MonkeyPatch, node: MakeNode
+) -> None:
+    """Waiters of every model shared one line, and a wake went to the oldest: one waiting on a
+    model still saturated found no room and queued again at the back, while the waiter that
+    could go sat out its poll."""
+    monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
+    adm = admission(enabled=True, max_in_flight=1, queue_timeout=20)
+    views = {"a": node("a"), "b": node("b")}
+    adm._table.candidates = lambda model: [views[model]]  # type: ignore[method-assign]
+    views["a"].in_flight = views["b"].in_flight = 1
+    on_a = asyncio.ensure_future(adm.admit("a", "standard"))
+    await asyncio.sleep(0.01)
+    on_b = asyncio.ensure_future(adm.admit("b", "standard"))
+    await asyncio.sleep(0.01)
+    views["b"].in_flight = 0  # b's request finished; a is still full
+    adm.wake()
+    await asyncio.wait_for(on_b, 5)  # woken, not the 10 s poll
+    assert not on_a.done()
+    views["a"].in_flight = 0
+    adm.wake()
+    await asyncio.wait_for(on_a, 5)
+    assert adm.waiting == 0
