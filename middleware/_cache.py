@@ -77,6 +77,16 @@ class CacheEntry:
         return cls(body, model, float(created), kind)
 
 
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
+
+
 def cache_key(
     path: str,
     body: Mapping[str, Any],
@@ -94,9 +104,13 @@ def cache_key(
     temperature = body.get("temperature")
     if temperature is not None and not _finite(temperature):
         return None
-    shape = {k: v for k, v in body.items() if k not in _IGNORED}
-    if isinstance(shape.get("temperature"), int | float):
-        shape["temperature"] = float(shape["temperature"])  # 0 and 0.0 ask the same
+    # A null asks what leaving the field out does, and 1 what 1.0 does (for the real-valued
+    # sampling fields; not for integers such as a seed, which a float could not tell apart).
+    shape = {k: v for k, v in body.items() if k not in _IGNORED and v is not None}
+    for name in _REAL_FIELDS:
+        value = shape.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            shape[name] = float(value)
     what: list[Any] = [path, model_key, shape]
     if any(value is not None for value in caller):  # hashed below: the key never shows them
         what.append([None if v is None else v.decode("latin-1") for v in caller])

@@ -127,6 +127,9 @@ class SheddingConfig:
     priority_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        limits = (self.max_waiting, self.max_kv, self.max_in_flight)
+        if self.enabled and all(limit is None for limit in limits):  # would never shed a thing
+            raise ConfigError("enabled", True, "a limit too: max_waiting, max_kv or max_in_flight")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ConfigError("max_waiting", self.max_waiting, ">= 0")
         if self.max_kv is not None and not 0 < self.max_kv <= 1:

@@ -49,6 +49,11 @@ def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
     assert key({"model": "big"}) is None
     embed = {"model": "e", "input": ["x"], "temperature": 1}
     assert cache_key("/v1/embeddings", embed, "e") is not None
+    # What asks the same is one key: 1 and 1.0 for a real-valued field, null and no field.
+    assert key({**BODY, "top_p": 1}) == key({**BODY, "top_p": 1.0}) != base
+    no_temp = {k: v for k, v in BODY.items() if k != "temperature"}
+    assert key({**no_temp, "temperature": None}) == key(no_temp)
+    assert key({**BODY, "seed": 2**60}) != key({**BODY, "seed": 2**60 + 1})  # never as floats
 
 
 def test_a_sample_is_told_from_a_deterministic_answer() -> None:

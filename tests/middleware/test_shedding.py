@@ -67,6 +67,9 @@ def test_bad_shedding_config_names_the_key() -> None:
         with pytest.raises(Exception, match=f"shedding.{key}"):
             admission(**{key: value})
     assert "priority_token" not in repr(SheddingConfig(priority_token="secret"))
+    with pytest.raises(Exception, match=r"shedding\.enabled"):  # no limit: would never shed
+        admission(enabled=True, max_waiting=None, max_kv=None)
+    admission(enabled=True, max_waiting=None, max_kv=None, max_in_flight=4)
 
 
 async def test_queue_sheds_sheddable_at_once_and_times_out_standard() -> None:
