@@ -359,6 +359,7 @@ async def run_warmup(app: web.Application) -> WarmupReport:
             prompts=cfg.warmup_prompts,
             max_tokens=cfg.warmup_max_tokens,
             timeout=cfg.warmup_timeout_s,
+            endpoint=cfg.warmup_endpoint,
         )
         app[_COUNTS]["warmups"].labels("ok" if report.ok else "failed").inc()
         live.warmup = report

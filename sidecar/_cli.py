@@ -14,7 +14,14 @@ from promptlb.shared._serve import config_or_exit, serve
 from promptlb.shared._snapshot import MAX_COUNT
 
 from ._app import create_app
-from ._config import _ENGINES, MIN_TOKEN_CHARS, MODEL_KEY_RULE, SidecarConfig, valid_model_key
+from ._config import (
+    _ENGINES,
+    MIN_TOKEN_CHARS,
+    MODEL_KEY_RULE,
+    WARMUP_ENDPOINTS,
+    SidecarConfig,
+    valid_model_key,
+)
 
 __all__ = ["main"]
 
@@ -88,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"a warmup prompt, sent in order (repeatable; default: {DEFAULT_WARMUP[0]!r})",
+    )
+    p.add_argument(
+        "--warmup-endpoint",
+        choices=WARMUP_ENDPOINTS,
+        default=d.warmup_endpoint,
+        help="the OpenAI API the warmup prompts go through (embeddings for an embedding server)",
     )
     p.add_argument(
         "--warmup-max-tokens",
@@ -228,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             protect_reads=args.protect_reads,
             sign_key=sign_key,
             warmup_prompts=tuple(args.warmup_prompt or DEFAULT_WARMUP),
+            warmup_endpoint=args.warmup_endpoint,
             warmup_max_tokens=args.warmup_max_tokens,
             warmup_timeout_s=parse_duration("warmup_timeout", args.warmup_timeout),
             warmup_at_start=not args.no_warmup_at_start,

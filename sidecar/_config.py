@@ -21,10 +21,15 @@ from promptlb.shared._snapshot import (
 __all__ = [
     "MIN_TOKEN_CHARS",
     "MODEL_KEY_RULE",
+    "WARMUP_ENDPOINTS",
     "EngineChoice",
     "SidecarConfig",
+    "WarmupEndpoint",
     "valid_model_key",
 ]
+
+WarmupEndpoint = Literal["chat", "completions", "embeddings"]
+WARMUP_ENDPOINTS: tuple[WarmupEndpoint, ...] = ("chat", "completions", "embeddings")
 
 MIN_TOKEN_CHARS = 8
 # What a snapshot holds besides the configured names, at most: 64 GPUs, the engine, memory
@@ -85,6 +90,9 @@ class SidecarConfig:
     sign_key: SigningKey | None = None
     protect_reads: bool = False
     warmup_prompts: tuple[str, ...] = ("Hello! Reply with one word.",)
+    # The API the prompts go through: an embeddings server (TEI, vLLM --task embed) has no chat
+    # route, and every warmup answered 404, so the node never became ready.
+    warmup_endpoint: WarmupEndpoint = "chat"
     warmup_max_tokens: int = 8
     warmup_timeout_s: float = 60.0
     warmup_at_start: bool = True
@@ -156,6 +164,10 @@ class SidecarConfig:
             isinstance(p, str) and p for p in self.warmup_prompts
         ):
             raise ConfigError("warmup_prompt", self.warmup_prompts, "non-empty prompts")
+        if self.warmup_endpoint not in WARMUP_ENDPOINTS:
+            raise ConfigError(
+                "warmup_endpoint", self.warmup_endpoint, " or ".join(WARMUP_ENDPOINTS)
+            )
         _whole("warmup_max_tokens", self.warmup_max_tokens, 1, 4096, "1..4096")
         _seconds("sample_interval", self.sample_interval_s, 0.01, 60.0)
         _seconds("probe_timeout", self.probe_timeout_s, 0.01, 60.0)

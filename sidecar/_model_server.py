@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ._config import WarmupEndpoint
+
 __all__ = ["ProbeResult", "WarmupReport", "list_models", "probe", "warmup"]
 
 
@@ -74,6 +76,13 @@ class WarmupReport:
         }
 
 
+_WARMUP_PATHS: dict[WarmupEndpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
 async def warmup(
     session: aiohttp.ClientSession,
     base: str,
@@ -82,22 +91,23 @@ async def warmup(
     prompts: tuple[str, ...],
     max_tokens: int,
     timeout: float,
+    endpoint: WarmupEndpoint = "chat",
 ) -> WarmupReport:
-    """Send each warmup prompt through the OpenAI chat API, in order, timing each."""
+    """Send each warmup prompt through the OpenAI ``endpoint`` API, in order, timing each."""
     durations: list[float] = []
     client_timeout = aiohttp.ClientTimeout(total=timeout)
+    path = _WARMUP_PATHS[endpoint]
     for prompt in prompts:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "stream": False,
-        }
+        body: dict[str, object] = {"model": model}
+        if endpoint == "chat":
+            body |= {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+        elif endpoint == "completions":
+            body |= {"prompt": prompt, "max_tokens": max_tokens}
+        else:
+            body["input"] = prompt
         start = time.perf_counter()
         try:
-            async with session.post(
-                base + "/v1/chat/completions", json=body, timeout=client_timeout
-            ) as response:
+            async with session.post(base + path, json=body, timeout=client_timeout) as response:
                 await response.read()
                 if response.status != 200:
                     return WarmupReport(

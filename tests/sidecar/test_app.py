@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from promptlb.shared import EngineSample, Snapshot, decode
+from promptlb.shared import ConfigError, EngineSample, Snapshot, decode
 from promptlb.sidecar import EngineReading, SidecarConfig, create_app
 from promptlb.sidecar import _app as sidecar_app
 from promptlb.sidecar import _names as sidecar_names
@@ -284,6 +284,42 @@ async def test_model_names_the_warmup_learns_are_kept(sidecar_beside: SidecarBes
         report = await sidecar_app.run_warmup(app)
         assert report.ok
         assert decode(live.encoded()).models == ("real",)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "path", "field"),
+    [
+        ("embeddings", "/v1/embeddings", "input"),
+        ("completions", "/v1/completions", "prompt"),
+        ("chat", "/v1/chat/completions", "messages"),
+    ],
+)
+async def test_the_warmup_goes_through_the_api_the_server_has(
+    sidecar_beside: SidecarBeside, endpoint: str, path: str, field: str
+) -> None:
+    """An embeddings server has no chat route: every warmup answered 404 and the node never
+    became ready. The endpoint is chosen (``--warmup-endpoint``), the body shaped for it."""
+    seen: list[dict[str, Any]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"object": "list", "data": []})
+
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/v1/models": models_reply("m"),
+        path: answer,
+    }
+    async with sidecar_beside(routes, warmup_endpoint=endpoint) as (app, _):
+        report = await sidecar_app.run_warmup(app)
+    assert report.ok, report.error
+    assert seen and seen[0]["model"] == "m" and field in seen[0]
+    assert ("max_tokens" in seen[0]) == (endpoint != "embeddings")
+
+
+def test_a_warmup_endpoint_the_sidecar_does_not_know_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="warmup_endpoint"):
+        SidecarConfig(model_url="http://m:1", node_name="n", warmup_endpoint="rerank")  # type: ignore[arg-type]
 
 
 # --- readiness ------------------------------------------------------------------------------------
