@@ -79,7 +79,7 @@ bench-full: $(STAMP)
 	$(BIN)/promptlb-bench sim multi-tenant-chat
 	$(BIN)/promptlb-bench sim shared-system-prompt
 	$(BIN)/promptlb-bench sim rag
-	$(BIN)/promptlb-bench sim hetero-8 --nodes 1000 --replicas 50
+	$(BIN)/promptlb-bench sim hetero-8 --nodes 1000 --replicas 50 --out bench/results
 	$(BIN)/promptlb-bench cluster uniform-4
 	$(BIN)/promptlb-bench cluster burst
 	$(BIN)/promptlb-bench cluster seed-3am

@@ -548,9 +548,13 @@ async def run_all(
                         target = await asyncio.shield(starting)
                     except asyncio.CancelledError:
                         # The thread goes on starting it (nginx is no Service that the exit
-                        # stops): wait for it, for the finally below to stop it too.
-                        with contextlib.suppress(BaseException):
-                            started.append(await starting)
+                        # stops): wait for it, for the finally below to stop it too, through
+                        # a second cancel as well.
+                        while not starting.done():
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await asyncio.shield(starting)
+                        if not starting.cancelled() and starting.exception() is None:
+                            started.append(starting.result())
                         raise
                     except Exception as exc:  # a peer that fails to start is reported, not fatal
                         failed[name] = f"did not start: {exc}"[:2000]
@@ -645,4 +649,10 @@ def run_cluster(args: argparse.Namespace) -> None:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\ninterrupted: every process started was stopped.", file=sys.stderr)
         raise SystemExit(130) from None
+    if not report["runs"]:  # nothing measured: a report of failures replaces no results
+        for name, why in report["failed"].items():
+            print(f"  {name}: {why[:300]}", file=sys.stderr)
+        raise SystemExit(
+            f"promptlb-bench cluster {scenario.name}: no run succeeded, nothing written"
+        )
     publish(report, plots, scenario, out, plot=not args.no_plot)

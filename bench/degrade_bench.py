@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from promptlb.bench._loadgen import request_timeout
 from promptlb.bench._report import RESULTS, environment, write_json
 from promptlb.bench._stats import percentile
 from promptlb.emulator import Service, start_redis, start_service
@@ -34,7 +35,7 @@ from promptlb.emulator import Service, start_redis, start_service
 SIDECAR = ("--sample-interval", "100ms", "--no-warmup-required", "--log-level", "WARNING")
 # Each request's limit: aiohttp's default is 5 minutes, and one hung request held a phase that
 # long before the gather gave up on the whole bench. The gateway's own deadlines are shorter.
-TIMEOUT = aiohttp.ClientTimeout(total=30)
+TIMEOUT = request_timeout(30.0)
 HEALTH = "[health]\ninterval = '250ms'\ninterval_jitter = '25ms'\ntimeout = '250ms'\n"
 
 

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import aiohttp
+from promptlb.bench._loadgen import request_timeout
 from promptlb.bench._report import RESULTS, environment, write_json
 from promptlb.bench._stats import percentile
 from promptlb.emulator import Service, start_service
@@ -109,7 +110,7 @@ def cpu_s(service: Service) -> float:
 
 # Each request's limit against an instant upstream: aiohttp's default of 5 minutes would let
 # one hung request stall the run that long.
-TIMEOUT = aiohttp.ClientTimeout(total=10)
+TIMEOUT = request_timeout(10.0)
 TARGETS = {"requests_per_s_ratio": 0.8, "cpu_per_request_ratio": 1.25, "added_p50_ratio": 1.1}
 
 

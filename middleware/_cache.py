@@ -77,6 +77,7 @@ class CacheEntry:
         return cls(body, model, float(created), kind)
 
 
+_EXACT = 2**53  # every integer up to it is a float exactly
 _REAL_FIELDS = (
     "temperature",
     "top_p",
@@ -109,7 +110,8 @@ def cache_key(
     shape = {k: v for k, v in body.items() if k not in _IGNORED and v is not None}
     for name in _REAL_FIELDS:
         value = shape.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
+        # Only where a float holds it exactly: a 400-digit top_p raised OverflowError (a 500).
+        if isinstance(value, int) and not isinstance(value, bool) and -_EXACT <= value <= _EXACT:
             shape[name] = float(value)
     what: list[Any] = [path, model_key, shape]
     if any(value is not None for value in caller):  # hashed below: the key never shows them

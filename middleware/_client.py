@@ -15,7 +15,7 @@ from ._answer import Answer
 from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
-from ._replies import Body, keep, recorder_for
+from ._replies import Body, carries_error, keep, recorder_for
 from ._request import RequestReader
 from ._sse import StreamAssembler, replay_sse, wants_usage
 
@@ -107,26 +107,28 @@ class PromptLBClient:
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None
-                parsed = json.loads(answer.entry.body)
-                assert isinstance(parsed, dict)
-                return parsed
-            data = await _rest(answer.first, up)
-            try:
-                parsed = json.loads(data) if data else None
-            except ValueError:  # a node's error page, a proxy's HTML: kept as text
-                parsed = data.decode(errors="replace")
-            if up.response.status >= 400:
-                error = PromptLBError(up.response.status, parsed, up.node.name)
-            elif not isinstance(parsed, dict):
-                error = PromptLBError(502, parsed, up.node.name)
+                parsed = _parsed(answer.entry.body)
+                if isinstance(parsed, dict):
+                    return parsed
+                # Stored from a node that answered this route in text (the proxy replays it).
+                error = PromptLBError(502, parsed, answer.model)
             else:
-                # Into the cache as the proxy keeps it: an app that only called in-app never
-                # filled it, and had no fresh hits and no answer to stand in for an outage.
-                recorder = recorder_for(answer, path, False, self._dispatch.entry_limit)
-                if recorder is not None:
-                    recorder.feed(data)
-                keep(self._dispatch.store, answer, recorder)
-                return parsed
+                data = await _rest(answer.first, up)
+                parsed = _parsed(data) if data else None
+                if up.response.status >= 400:
+                    error = PromptLBError(up.response.status, parsed, up.node.name)
+                elif not isinstance(parsed, dict) or carries_error(parsed):
+                    # No answer: a 200 that carries an error is one to the app too, as the
+                    # batcher has it (it was handed back as the answer).
+                    error = PromptLBError(502, parsed, up.node.name)
+                else:
+                    # Into the cache as the proxy keeps it: an app that only called in-app
+                    # never filled it, and had no fresh hits and no answer for an outage.
+                    recorder = recorder_for(answer, path, False, self._dispatch.entry_limit)
+                    if recorder is not None:
+                        recorder.feed(data)
+                    keep(self._dispatch.store, answer, recorder)
+                    return parsed
         raise error
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -148,12 +150,16 @@ class PromptLBClient:
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
             data = await _rest(answer.first, up)
-            try:
-                parsed: object = json.loads(data)
-            except ValueError:
-                parsed = data.decode(errors="replace")
-            error = PromptLBError(status if status >= 400 else 502, parsed, up.node.name)
+            error = PromptLBError(status if status >= 400 else 502, _parsed(data), up.node.name)
         raise error
+
+
+def _parsed(data: bytes) -> object:
+    """JSON, or the text of a node's error page, a proxy's HTML."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode(errors="replace")
 
 
 async def _rest(first: bytes, up: Upstream) -> bytes:

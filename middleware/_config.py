@@ -20,7 +20,14 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from promptlb.shared import ConfigError, Redacted, SigningKey, load_keys, parse_duration
 
 from ._classify import CLASSES
-from ._config_base import DURATION, check_redis_url, check_url, positive, whole_number
+from ._config_base import (
+    DURATION,
+    check_header_name,
+    check_redis_url,
+    check_url,
+    positive,
+    whole_number,
+)
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig, SheddingConfig
 from ._strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -96,12 +103,8 @@ class AffinityConfig:
     def __post_init__(self) -> None:
         if self.key not in ("session", "prefix", "both"):
             raise ConfigError("key", self.key, "one of 'session', 'prefix', 'both'")
-        if self.header is not None and (
-            not isinstance(self.header, str)
-            or not self.header.strip()
-            or not all(33 <= ord(c) < 127 and c not in ':"(),/;<=>?@[\\]{}' for c in self.header)
-        ):
-            raise ConfigError("header", self.header, "an HTTP header name such as x-session-id")
+        if self.header is not None:
+            check_header_name("header", self.header)
         for key, low, high in (("prefix_chars", 1, 1 << 20), ("vnodes", 1, 4096)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -329,6 +332,10 @@ class Config:
     models_route: str | None = "/v1/models"  # aggregated from the ready nodes
     max_body_bytes: int = 4 * 1024 * 1024
     forward_authorization: bool = False
+    # Headers besides api-key, x-api-key and OpenAI's organisation and project that name the
+    # caller to the nodes (an API gateway's subscription key): answers and merged batches are
+    # shared only among requests that send the same values.
+    caller_headers: tuple[str, ...] = ()
     # The client's X-Forwarded-For / Forwarded / X-Real-IP reach the nodes only when set: they
     # are the client's claims, and a node that logs or trusts them would be told lies.
     forward_client_address: bool = False
@@ -358,6 +365,8 @@ class Config:
     index_share: IndexShareConfig | None = None  # replicas keep their own index unless set
 
     def __post_init__(self) -> None:
+        for i, name in enumerate(self.caller_headers):
+            check_header_name(f"caller_headers[{i}]", name)
         if self.strategy not in STRATEGIES:
             raise ConfigError("strategy", self.strategy, "one of " + ", ".join(sorted(STRATEGIES)))
         routes = self.strategy_options.get("routes")

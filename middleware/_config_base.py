@@ -69,6 +69,16 @@ def check_redis_url(key: str, value: str, expected: str) -> None:
         raise ConfigError(key, shown, f"{expected} ({exc})") from None
 
 
+def check_header_name(key: str, value: object) -> None:
+    """An HTTP header name (a token): anything else could never match a request's header."""
+    if (
+        not isinstance(value, str)
+        or not value.strip()
+        or not all(33 <= ord(c) < 127 and c not in ':"(),/;<=>?@[\\]{}' for c in value)
+    ):
+        raise ConfigError(key, value, "an HTTP header name such as x-session-id")
+
+
 def positive(key: str, value: float, *, zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(key, value, "a finite number")

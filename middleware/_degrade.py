@@ -24,7 +24,7 @@ from ._cache import CacheEntry, ResponseCache, cache_key, open_cache, sampled
 from ._config import Config
 from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Refusal, Shed, UnknownModel, UpstreamError
-from ._request import Request
+from ._request import Request, caller_names
 from ._shedding import QueueTimeout
 from ._sse import replayable
 
@@ -45,6 +45,8 @@ class Dispatcher:
         config = balancer.config
         self.config = config
         self._chains: dict[str, FallbackConfig] = {c.model: c for c in config.fallback}
+        # The headers that tell callers apart, for the cache's keys and the batcher's.
+        self.caller_names = caller_names(config.forward_authorization, config.caller_headers)
         cache_cfg = config.cache
         self.cache_config = cache_cfg
         # The most of an answer kept for the cache, for the proxy's and the in-app client's
@@ -131,7 +133,7 @@ class Dispatcher:
         # Nodes see the caller's own key (api-key and the like always; Authorization when
         # forwarded): one caller's answer is not another's (a key the node refuses must not
         # read a cached answer), nor is a caller without one.
-        caller = request.caller(self.config.forward_authorization)
+        caller = request.caller(self.caller_names)
         family = self._families.get(model, model)
         return cache_key(request.target, request.body, family, caller)
 
@@ -259,7 +261,11 @@ class Dispatcher:
             # Stored only if some hop may ever serve it: with both cache_sampled and
             # degraded_sampled off, a sampled answer would only take a deterministic one's room.
             if stale_ok and answer.upstream is not None and answer.upstream.response.status == 200:
-                answer.store_key = key_of(answer.model)
+                key = key_of(answer.model)
+                # In one family with the primary, a fallback's answer would replace the
+                # primary's own under their shared key, and is never served fresh: kept out.
+                if answer.model == request.model or key != key_of(request.model):
+                    answer.store_key = key
             return answer
         if outage_cache and CACHE_HOP not in hops:
             stored = await self._stand_in(hops, key_of, usable, attempts)

@@ -23,7 +23,8 @@ from ._status import StatusPage
 
 __all__ = ["PromptLBMiddleware"]
 
-_LOCAL = frozenset({"127.0.0.1", "::1", "localhost"})
+# As a dual-stack listener reports the IPv4 loopback too.
+_LOCAL = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"})
 log = logging.getLogger("promptlb.middleware")
 
 ConfigSource = Config | str | Path | Mapping[str, Any]

@@ -51,9 +51,6 @@ class Proxy:
         self._batcher: Batcher | None = None
         if batching.enabled:
             self._batcher = Batcher(batching.batch_window, batching.max_batch)
-        # The client's own key goes upstream only when forwarded: then callers with different
-        # keys must never share a request.
-        self._keyed_auth = config.forward_authorization
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = RequestWatch(receive, self._body_timeout, alarms=self._alarms)
@@ -86,7 +83,7 @@ class Proxy:
         if inputs is None or len(inputs) > batcher.max_batch or request.target != request.path:
             return await self.forward(send, request, watch)
         # A caller's inputs must not travel (and be billed) under another's key or organisation.
-        caller = request.caller(self._keyed_auth)
+        caller = request.caller(self._dispatch.caller_names)
         route = request.route
         key = batch_key(
             request.path,

@@ -59,7 +59,8 @@ def carries_error(parsed: object) -> bool:
     or ``data`` an answer has."""
     return (
         isinstance(parsed, dict)
-        and ("error" in parsed or parsed.get("object") == "error")
+        # Not a null: the Responses API's objects always carry "error": null.
+        and (parsed.get("error") is not None or parsed.get("object") == "error")
         and "choices" not in parsed
         and "data" not in parsed
     )

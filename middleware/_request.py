@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote_from_bytes
@@ -23,13 +23,24 @@ from ._refusals import BadRequest, TooLarge
 from ._shedding import Admission
 from ._view import Priority, RouteRequest
 
-__all__ = ["Request", "RequestReader"]
+__all__ = ["Request", "RequestReader", "caller_names"]
 
 Headers = list[tuple[bytes, bytes]]
 
-# Headers that name whose request it is; the nodes get all but the first as the client sent
-# them, and the first when `forward_authorization` says so.
-_CALLER = (b"authorization", b"api-key", b"x-api-key", b"openai-organization", b"openai-project")
+# Headers that name whose request it is, which the nodes get as the client sent them (Azure's
+# api-key, x-api-key, OpenAI's organisation and project); Authorization when forwarded.
+_CALLER = (b"api-key", b"x-api-key", b"openai-organization", b"openai-project")
+
+
+def caller_names(authorization: bool, extra: Iterable[str] = ()) -> tuple[bytes, ...]:
+    """The headers `Request.caller` reads: the usual credentials, ``Authorization`` when it is
+    forwarded (``authorization``), and the configured ``caller_headers`` (``extra``)."""
+    names = ((b"authorization",) if authorization else ()) + _CALLER
+    return names + tuple(
+        dict.fromkeys(n.lower().encode() for n in extra if n.lower().encode() not in names)
+    )
+
+
 _MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a length
 _YES = (b"1", b"true", b"yes")
 # Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
@@ -58,13 +69,11 @@ class Request:
         """The client's header ``name`` (lower case), the first if sent twice; None if not."""
         return next((v for k, v in self.headers if k == name), None)
 
-    def caller(self, authorization: bool) -> tuple[bytes | None, ...]:
-        """Whose request it is, as the nodes are told: the headers they always get (Azure's
-        ``api-key``, ``x-api-key``, the OpenAI organisation and project) and, when
-        ``authorization`` (it is forwarded), the ``Authorization`` header, None for each one
-        absent. An answer or a merged batch is shared only among requests of one caller: a
-        node may answer each key differently, or refuse one."""
-        found = dict.fromkeys(_CALLER if authorization else _CALLER[1:])
+    def caller(self, names: tuple[bytes, ...]) -> tuple[bytes | None, ...]:
+        """Whose request it is, as the nodes are told: the value of each header of ``names``
+        (`caller_names`), None for each one absent. An answer or a merged batch is shared only
+        among requests of one caller: a node may answer each key differently, or refuse one."""
+        found = dict.fromkeys(names)
         for name, value in self.headers:
             if name in found and found[name] is None:
                 found[name] = value

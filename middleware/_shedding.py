@@ -65,11 +65,12 @@ class Admission:
             address = ipaddress.ip_address(client[0])
         except ValueError:
             return False
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            # A dual-stack listener reports an IPv4 client as ::ffff:a.b.c.d, which no IPv4
-            # network contains: its trusted critical requests were lowered to standard.
-            address = address.ipv4_mapped
-        return any(address in net for net in self._networks)
+        if any(address in net for net in self._networks):
+            return True
+        # A dual-stack listener reports an IPv4 client as ::ffff:a.b.c.d, which no IPv4 network
+        # contains: its trusted critical requests were lowered to standard. Both forms count.
+        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+        return mapped is not None and any(mapped in net for net in self._networks)
 
     def over(self, view: NodeView) -> bool:
         """True when the node is past one of the configured thresholds."""

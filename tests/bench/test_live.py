@@ -3,6 +3,7 @@ writes. (The runs themselves start a cluster and take minutes: `make bench` does
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -263,3 +264,27 @@ def test_a_peer_starting_as_the_run_is_interrupted_is_stopped_too(
 
     asyncio.run(interrupted())
     assert stopped == ["nginx"]
+
+
+def test_a_live_run_where_every_run_failed_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A report of failures alone replaced the committed results by the same name, and the
+    command exited 0."""
+
+    async def run_all(*args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"runs": {}, "failed": {"promptlb p2c": "the cluster could not be reset"}}, {}
+
+    monkeypatch.setattr(_live, "run_all", run_all)
+    args = argparse.Namespace(
+        scenario="uniform-4",
+        duration=None,
+        strategies="p2c",
+        peers="none",
+        replicas=8,
+        out=str(tmp_path),
+        no_plot=True,
+    )
+    with pytest.raises(SystemExit, match="no run succeeded, nothing written"):
+        _live.run_cluster(args)
+    assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,6 +74,14 @@ class Cluster:
             assert response.status == 200
             body: dict[str, Any] = await response.json()
             return body
+
+    async def until_ready(self, limit: float = 10.0) -> None:
+        """Until the app sees every node ready: a sidecar still warming its node at the app's
+        start leaves that node out of the first requests."""
+        deadline = time.monotonic() + limit
+        while {n["state"] for n in (await self.status())["nodes"]} != {"ready"}:
+            assert time.monotonic() < deadline, (await self.status())["nodes"]
+            await asyncio.sleep(0.05)
 
 
 MakeCluster = Callable[..., Cluster]

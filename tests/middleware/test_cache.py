@@ -54,6 +54,7 @@ def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
     no_temp = {k: v for k, v in BODY.items() if k != "temperature"}
     assert key({**no_temp, "temperature": None}) == key(no_temp)
     assert key({**BODY, "seed": 2**60}) != key({**BODY, "seed": 2**60 + 1})  # never as floats
+    assert key({**BODY, "top_p": 10**400}) is not None  # no float holds it: kept as it is
 
 
 def test_a_sample_is_told_from_a_deterministic_answer() -> None:

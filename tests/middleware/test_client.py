@@ -55,6 +55,19 @@ async def test_a_node_error_that_is_not_json_is_a_promptlb_error(serve: Serve) -
     assert raised.value.body == "Internal Server Error"
 
 
+async def test_a_200_carrying_an_error_is_a_promptlb_error(serve: Serve) -> None:
+    """It was handed back to the app as the answer, where the batcher makes it a 502."""
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "engine overloaded"}})
+
+    async with middleware_over(serve, chat) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=HI)
+    assert raised.value.status == 502 and raised.value.node == "a"
+    assert raised.value.body == {"error": {"message": "engine overloaded"}}
+
+
 @pytest.fixture
 async def stalled() -> AsyncIterator[tuple[Handler, asyncio.Event]]:
     """A node that sends its headers and a first piece, then nothing until released."""

@@ -243,6 +243,14 @@ def test_bad_degradation_config_names_the_key(extra: dict[str, Any], key: str) -
         load_config({"nodes": [{"name": "a", "url": "http://a:1"}], **extra})
 
 
+def test_caller_headers_are_header_names() -> None:
+    base = {"nodes": [{"name": "a", "url": "http://a:1"}]}
+    assert load_config({**base, "caller_headers": ["X-Sub-Key"]}).caller_headers == ("X-Sub-Key",)
+    with pytest.raises(ConfigError) as info:
+        load_config({**base, "caller_headers": ["ok", "no spaces"]})
+    assert info.value.key == "caller_headers[1]"
+
+
 @pytest.mark.parametrize(
     ("table", "url"),
     [

@@ -641,6 +641,42 @@ async def test_a_fallbacks_answer_is_never_the_primarys_fresh_hit_in_one_family(
         assert again.json()["choices"][0]["message"]["content"] == "from big"
 
 
+async def test_a_fallbacks_answer_leaves_the_primarys_stored_one_in_one_family(
+    serve: Serve,
+) -> None:
+    """Stored under the family's shared key, small's fallback answer replaced big's own, so an
+    outage of both served small's where big's had been kept."""
+    from aiohttp import web
+
+    up = {"big": True, "small": True}
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        if not up[model]:
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    config = {
+        "fallback": [{"model": "big", "then": ["small"]}],
+        "cache": {"families": {"big": "llama", "small": "llama"}},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (_, http):
+
+        async def ask() -> httpx.Response:
+            got = await http.post("/v1/chat/completions", json=body)
+            await asyncio.sleep(0.1)  # the store is written in the background
+            return got
+
+        assert (await ask()).json()["choices"][0]["message"]["content"] == "from big"
+        up["big"] = False
+        assert (await ask()).headers["x-promptlb-degraded"] == "fallback"
+        up["small"] = False
+        got = await ask()
+        assert got.headers["x-promptlb-degraded"] == "cache"
+        assert got.json()["choices"][0]["message"]["content"] == "from big"
+
+
 async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
     cluster: MakeCluster, fast: Flags, hello: Messages
 ) -> None:

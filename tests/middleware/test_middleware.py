@@ -267,6 +267,18 @@ async def test_admin_endpoints_are_closed_unless_configured(
             assert "promptlb_in_flight_requests{" in metrics
 
 
+@pytest.mark.parametrize(
+    ("client", "status"), [("::ffff:127.0.0.1", 200), ("::ffff:10.0.0.9", 403)]
+)
+async def test_admin_local_only_takes_the_loopback_as_a_dual_stack_listener_reports_it(
+    client: str, status: int
+) -> None:
+    app = PromptLBMiddleware(recorder_app, config=config(admin_local_only=True))  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app, client=(client, 50000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        assert (await http.get("/_promptlb/status")).status_code == status
+
+
 async def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:
     """A Kubernetes Secret mounts as a file: the token need not sit in the config."""
     token = tmp_path / "admin-token"

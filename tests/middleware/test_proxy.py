@@ -296,22 +296,30 @@ async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_forwarded_k
             assert "x-promptlb-cache" not in refused.headers
 
 
+@pytest.mark.parametrize(
+    ("header", "config"),
+    [
+        ("api-key", {}),
+        # An API gateway's subscription key, named in the config.
+        ("Ocp-Apim-Subscription-Key", {"caller_headers": ["Ocp-Apim-Subscription-Key"]}),
+    ],
+)
 async def test_a_cached_answer_is_shared_only_by_callers_of_the_same_api_key(
-    serve: Serve,
+    serve: Serve, header: str, config: dict[str, Any]
 ) -> None:
     """An Azure-style node checks ``api-key``, which reaches it whatever forward_authorization
     says: the cache keyed no such header, so a caller with a wrong key or none was served
     another tenant's answer as a hit, and no node ever saw its key."""
 
     async def chat(request: web.Request) -> web.Response:
-        if request.headers.get("api-key") != "good":
+        if request.headers.get(header) != "good":
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         return web.json_response({"id": "x", "choices": [{"index": 0, "text": "secret"}]})
 
-    async with node_answering(serve, chat, **FRESH) as http:
+    async with node_answering(serve, chat, **FRESH, **config) as http:
 
         async def ask(key: str | None) -> httpx.Response:
-            headers = {"api-key": key} if key else {}
+            headers = {header: key} if key else {}
             response = await http.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
             await asyncio.sleep(0.05)  # the cache is written in the background
             return response

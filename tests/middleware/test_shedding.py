@@ -35,6 +35,8 @@ def test_priority_may_be_lowered_by_anyone_and_raised_only_when_trusted() -> Non
     # An IPv4 client as a dual-stack listener reports it.
     assert adm.priority(b"critical", None, ("::ffff:10.1.2.3", 1)) == "critical"
     assert adm.priority(b"critical", None, ("::ffff:192.0.2.7", 1)) == "standard"
+    mapped = admission(enabled=True, trusted_networks=["::ffff:10.0.0.0/104"])
+    assert mapped.priority(b"critical", None, ("::ffff:10.1.2.3", 1)) == "critical"  # as written
 
 
 def test_a_node_is_over_by_queue_kv_or_in_flight_and_unknown_load_is_not_saturation(
