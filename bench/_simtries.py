@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 
+from promptlb.emulator._kv import prefilled
 from promptlb.middleware._refusals import NoNodeAvailable
 
 from ._simbase import CONNECT_FAIL, FINISH, HEADERS, TIMEOUT
@@ -199,13 +200,16 @@ class Tries(Perfect, Detection):
             self._replanned = False
             self._replan(node, now)
 
-    def _release(self, req: Req, node: Node) -> None:
-        """The try left its slot: its blocks stay cached, unpinned (`KVCache.finish`)."""
+    def _release(self, req: Req, node: Node, now: float) -> None:
+        """The try left its slot: its blocks stay cached, unpinned, those it computed if it
+        left during its prefill (`KVCache.finish`, `prefilled`)."""
         lease = req.lease
         if lease is not None:
             req.lease = None
             if node.kv is not None:
-                node.kv.finish(lease)
+                fixed = node.ttft * req.factor
+                done = prefilled(now - req.start, fixed, req.head * req.factor - fixed)
+                node.kv.finish(lease, done)
 
     def _next(self, node: Node, now: float) -> None:
         """Hand free slots to the queue's head, FIFO, skipping tries that already ended."""
@@ -228,7 +232,7 @@ class Tries(Perfect, Detection):
         node.running -= 1
         node.cur = None
         del node.active[req]
-        self._release(req, node)
+        self._release(req, node, t)
         if req.cut:
             # The client gave up mid-stream and disconnected: the slot frees now. The gateway
             # counts an aborted request against no node.
@@ -273,7 +277,7 @@ class Tries(Perfect, Detection):
             node.running -= 1
             node.cur = None
             del node.active[req]
-            self._release(req, node)  # the gateway cancels it: the emulator lets go
+            self._release(req, node, t)  # the gateway cancels it: the emulator lets go
             req.phase = CONNECTING
             self._next(node, t)
         elif phase == QUEUED:

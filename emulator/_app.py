@@ -25,7 +25,7 @@ from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
 from ._faults import Faults, check_faults
 from ._forecast import Forecast
-from ._kv import KVCache
+from ._kv import KVCache, prefilled
 from ._metrics import Stats, VllmMetrics
 from ._prompt import estimate_tokens, prompt_blocks
 from ._reply import Reply, vector, words
@@ -167,9 +167,12 @@ class _Handlers:
                 lease = state.kv.start(blocks, n_in, n_out)
                 state.stats.looked_up(n_in, lease.cached_tokens)
                 ttft = self._head(n_in, lease.cached_tokens, slow)
-                forecast.started(token, time.monotonic() + ttft + n_out / rate)
+                began = time.monotonic()
+                forecast.started(token, began + ttft + n_out / rate)
+                done = 0.0  # of the prefill, for what the cache keeps should it be left now
                 try:
                     await asyncio.sleep(ttft)
+                    done = 1.0
                     state.stats.prompt_tokens += n_in
                     if stream:
                         response = await self._stream(request, reply, rate)
@@ -178,7 +181,10 @@ class _Handlers:
                             pass  # counted as they decode: a sidecar reads tokens/s off it
                         response = web.json_response(reply.whole())
                 finally:
-                    state.kv.finish(lease)
+                    if done < 1.0:
+                        fixed = cfg.ttft_ms / 1000 * slow
+                        done = prefilled(time.monotonic() - began, fixed, ttft - fixed)
+                    state.kv.finish(lease, done)
         except QueueFull:
             return _error(429, "queue is full", "rate_limit_error")
         finally:

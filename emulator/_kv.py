@@ -14,7 +14,20 @@ from dataclasses import dataclass
 
 from promptlb.shared import BLOCK_TOKENS
 
-__all__ = ["KVCache", "Lease"]
+__all__ = ["KVCache", "Lease", "prefilled"]
+
+
+def prefilled(elapsed: float, fixed: float, prefill: float) -> float:
+    """How much of its uncached prompt a request had computed ``elapsed`` seconds into its
+    head (``fixed`` seconds, then ``prefill`` seconds of prefill): 0..1, 1 once it is done.
+    A request that leaves during its prefill caches only that much (`KVCache.finish`), as an
+    engine keeps only the blocks it filled; it was credited with the whole prompt, so that a
+    hedge's loser or a timed-out try handed its node a prefix for free."""
+    if elapsed >= fixed + prefill - 1e-9:  # done (a rounding short of it in the simulator)
+        return 1.0
+    if prefill <= 0.0:
+        return 0.0
+    return max(0.0, (elapsed - fixed) / prefill)
 
 
 @dataclass(slots=True)
@@ -90,20 +103,29 @@ class KVCache:
         self._evict()
         return Lease(blocks, cached_tokens, scratch)
 
-    def finish(self, lease: Lease) -> None:
+    def finish(self, lease: Lease, prefilled: float = 1.0) -> None:
         """The request is done: its prompt blocks stay cached (most recently used), its
-        scratch is freed."""
+        scratch is freed. Left during its prefill, only what was computed stays: the blocks
+        it found cached and ``prefilled`` (0..1, `prefilled`) of the rest, in order; the
+        blocks after them were never computed (held by another request, they stay its)."""
         idle, held = self._idle, self._held
+        blocks = lease.blocks
+        keep = len(blocks)
+        if prefilled < 1.0:
+            found = min(keep, lease.cached_tokens // BLOCK_TOKENS)
+            keep = found + int(max(0.0, prefilled) * (keep - found))
         # Deepest first, so that the prompt's first block is the most recently used: eviction
         # then eats a chain from its tail, and what stays is still a usable prefix.
-        for block in reversed(lease.blocks):
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
             count = held.get(block, 0) - 1
             if count > 0:
                 held[block] = count
                 continue
             held.pop(block, None)
-            idle[block] = None
-            idle.move_to_end(block)
+            if i < keep:
+                idle[block] = None
+                idle.move_to_end(block)
         self._scratch -= lease.scratch
         lease.scratch = 0
         lease.blocks = ()

@@ -509,6 +509,25 @@ async def test_the_oracle_endpoint_tells_the_true_wait_and_cache(
     assert after["wait_s"] == 0 and after["cached_tokens"] == busy["cached_tokens"]
 
 
+async def test_a_request_left_during_its_prefill_leaves_only_what_it_computed(
+    start_emulator: StartEmulator,
+) -> None:
+    """A client gone 0.3 s into a 2.5 s prefill left the whole prompt cached, as if computed:
+    the next asker found it all (the losing node of a hedge got the prefix for free)."""
+    emu = start_emulator(
+        *("--ttft-ms", "0", "--prefill-tokens-per-s", "200", "--kv-blocks", "1000"),
+    )
+    body = {"messages": [{"role": "system", "content": "You are terse. " * 140}], "max_tokens": 2}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        asking = asyncio.ensure_future(http.post(f"{emu.url}/v1/chat/completions", json=body))
+        await asyncio.sleep(0.3)
+        asking.cancel()  # the connection closes: the emulator lets go
+        await asyncio.sleep(0.3)
+        _, seen = await _post(http, f"{emu.url}/_emulator/oracle", body)
+    assert seen["prompt_tokens"] >= 480
+    assert seen["cached_tokens"] <= 0.5 * seen["prompt_tokens"]  # about a fifth was computed
+
+
 async def test_a_conversations_next_turn_prefills_only_what_is_not_cached(
     start_emulator: StartEmulator,
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from promptlb.emulator._kv import KVCache
+from promptlb.emulator._kv import KVCache, prefilled
 from promptlb.shared import BLOCK_BYTES, BLOCK_TOKENS, block_hashes
 
 
@@ -28,6 +28,26 @@ def test_a_shared_prefix_is_found_and_counted_in_tokens() -> None:
     lease = kv.start(second, prompt_tokens=96, output_tokens=10)
     assert lease.cached_tokens == 4 * BLOCK_TOKENS
     assert (kv.query_tokens, kv.hit_tokens) == (192, 64)
+
+
+def test_a_request_left_during_its_prefill_caches_only_what_it_computed() -> None:
+    """It cached its whole prompt: a hedge's loser or a timed-out try, gone a moment into a
+    long prefill, handed its node the prefix for free."""
+    kv = KVCache(100)
+    kv.finish(kv.start(blocks(SYSTEM), 64, 0))  # four blocks cached
+    prompt = blocks(SYSTEM + "q" * BLOCK_BYTES * 8)  # four found, eight to compute
+    left = kv.start(prompt, 192, 0)
+    kv.finish(left, prefilled(elapsed=0.5, fixed=0.2, prefill=0.6))  # half computed
+    assert kv.cached_prefix(prompt) == 4 + 4  # what was found, and the half computed
+    assert kv.used == 8  # the rest freed, not kept as cache
+    # Blocks another request holds stay its, and cached once it is done.
+    twin, left = kv.start(prompt, 192, 0), kv.start(prompt, 192, 0)
+    kv.finish(left, 0.0)
+    assert kv.cached_prefix(prompt) == 12
+    kv.finish(twin)
+    assert kv.cached_prefix(prompt) == 12 and kv.used == 12
+    assert prefilled(0.05, 0.1, 0.8) == 0.0 and prefilled(0.9, 0.1, 0.8) == 1.0
+    assert prefilled(0.1, 0.1, 0.0) == 1.0  # nothing to prefill: done once the fixed part is
 
 
 def test_a_chain_is_cut_at_its_first_difference() -> None:
