@@ -157,7 +157,8 @@ class _Handlers:
         if options is not None and not isinstance(options, dict):
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
-        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body)
+        finish = "length" if _asked_tokens(body) is not None else "stop"
+        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish)
         forecast, token = state.forecast, object()
         forecast.queued(token, self._service(n_in, self._cached(blocks, n_in), n_out, slow))
         try:
@@ -213,6 +214,11 @@ class _Handlers:
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
+        if self.state.faults.hang:
+            # Hung, it would take a request and never answer: no candidate, as the simulator's
+            # oracle drops a hung node (it answered a wait of 0, held requests being outside
+            # the forecast, and drew every request to itself).
+            return _error(503, "hung", "service_unavailable")
         chat = "messages" in body
         n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
         n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
@@ -235,7 +241,7 @@ class _Handlers:
             await response.write(reply.event({"role": "assistant", "content": ""}, None))
         async for sent, count in self._decode(reply.n_out, rate):
             await response.write(reply.event(words(sent, count), None))
-        await response.write(reply.event("", "length"))
+        await response.write(reply.event("", reply.finish))
         if (reply.body.get("stream_options") or {}).get("include_usage"):
             await response.write(reply.usage_event())
         await response.write(b"data: [DONE]\n\n")

@@ -53,7 +53,9 @@ class Faults:
         of its own: a freed heap buffer raised glibc's mmap threshold, and after the first
         ``free_leaked`` later leaks came from the heap and freeing them gave no RSS back."""
         if self.leak_mb_per_req:
-            size = int(self.leak_mb_per_req * _MiB)
+            # A page at least: a leak under one byte mapped 0 bytes, which mmap refuses, and
+            # every request answered 500.
+            size = max(mmap.PAGESIZE, int(self.leak_mb_per_req * _MiB))
             leak = mmap.mmap(-1, size)
             for offset in range(0, size, mmap.PAGESIZE):  # touch every page: real RSS
                 leak[offset] = 1

@@ -49,8 +49,15 @@ class Reply:
     n_in: int
     n_out: int
     body: dict[str, Any]
-    id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex[:24])
+    # "length" where max_tokens cut the answer; "stop" where it ended by itself (its length
+    # drawn, no max_tokens asked): a client that reads "length" as truncated was misled.
+    finish: str = "length"
+    id: str = ""  # vLLM's shape: chatcmpl-... for a chat, cmpl-... for a completion
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
 
     def _usage(self) -> dict[str, int]:
         return {
@@ -64,11 +71,11 @@ class Reply:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
-                "finish_reason": "length",
+                "finish_reason": self.finish,
                 "message": {"role": "assistant", "content": text},
             }
         else:
-            choice = {"index": 0, "finish_reason": "length", "text": text}
+            choice = {"index": 0, "finish_reason": self.finish, "text": text}
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",

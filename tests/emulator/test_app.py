@@ -166,6 +166,29 @@ async def test_chat_non_stream_with_the_openai_client(shared_emulator: Emulator)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 9
 
 
+async def test_an_answer_that_ends_by_itself_stops_and_one_cut_by_max_tokens_is_length(
+    shared_emulator: Emulator,
+) -> None:
+    """Every answer said "length", as if cut off, also one of a drawn length with no
+    max_tokens asked; and a chat's id is vLLM's chatcmpl-."""
+    client = _client(shared_emulator)
+    hi: list[Any] = [{"role": "user", "content": "Say something."}]
+    try:
+        free = await client.chat.completions.create(model="alt", messages=hi)
+        cut = await client.chat.completions.create(model="alt", messages=hi, max_tokens=3)
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="alt", messages=hi, stream=True
+            )
+        ]
+    finally:
+        await client.close()
+    assert (free.choices[0].finish_reason, cut.choices[0].finish_reason) == ("stop", "length")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert free.id.startswith("chatcmpl-")
+
+
 async def test_chat_stream_with_the_openai_client_and_include_usage(
     shared_emulator: Emulator,
 ) -> None:

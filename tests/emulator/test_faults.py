@@ -137,3 +137,16 @@ async def test_leak_mb_per_req_really_grows_rss(start_emulator: StartEmulator) -
         after = proc.memory_info().rss
     grown_mib = (after - before) / MiB
     assert grown_mib >= 3 * 15, f"RSS grew by {grown_mib:.1f} MiB over 3 requests"
+
+
+def test_a_leak_under_a_page_leaks_a_page_rather_than_fail_the_request() -> None:
+    """A leak of 1e-7 MB mapped 0 bytes, which mmap refuses: every request answered 500."""
+    import mmap
+
+    from promptlb.emulator._faults import Faults
+
+    kept: list[mmap.mmap] = []
+    Faults(leak_mb_per_req=1e-7).leak(kept)
+    assert [len(m) for m in kept] == [mmap.PAGESIZE]
+    for m in kept:
+        m.close()

@@ -89,6 +89,9 @@ async def test_hang_holds_requests_until_lifted(start_emulator: StartEmulator) -
         assert not done  # hung
         async with session.get(f"{emu.url}/health") as resp:
             assert resp.status == 200  # a gray failure: the process still answers its health
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with session.post(f"{emu.url}/_emulator/oracle", json=body) as resp:
+            assert resp.status == 503  # but the oracle takes it for no candidate
         lifted_at = time.monotonic()
         await _faults(session, emu.url, {"hang": False})
         await asyncio.wait_for(pending, timeout=5)
