@@ -4,6 +4,7 @@ check of an update (all or nothing) and its application."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -110,6 +111,10 @@ def check_faults(body: dict[str, Any]) -> str | None:
     return None
 
 
+def _holds(body: bytes, marker: str) -> bool:
+    return marker.encode() in body or json.dumps(marker)[1:-1].encode() in body
+
+
 def guard_poison(app: web.Application, faults: Faults) -> None:
     """Answer 500 to a generation request whose body holds ``faults.poison``, in front of the
     handlers (an aiohttp middleware, added before the app is served): kept apart from the
@@ -119,8 +124,10 @@ def guard_poison(app: web.Application, faults: Faults) -> None:
     async def poison(request: web.Request, handler: Any) -> web.StreamResponse:
         marker = faults.poison
         generating = request.method == "POST" and request.path.startswith("/v1/")
-        # read() keeps the body, so the handler's json() still finds it.
-        if marker and generating and marker.encode() in await request.read():
+        # read() keeps the body, so the handler's json() still finds it. The marker as UTF-8
+        # or as JSON escapes it (\u00ef: aiohttp's and the openai client's json): the same
+        # prompt either way, which only one of the two matched.
+        if marker and generating and _holds(await request.read(), marker):
             error = {"message": "emulated crash on a poison request", "code": 500}
             return web.json_response({"error": error}, status=500)
         response: web.StreamResponse = await handler(request)

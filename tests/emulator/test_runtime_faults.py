@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -185,3 +186,21 @@ async def test_stats_count_generations_abandoned_by_their_client(
     assert stats["requests"] == 1
     assert stats["cancelled"] == 1
     assert stats["success"] == 0
+
+
+async def test_a_poison_matches_its_prompt_however_the_json_writes_it(
+    start_emulator: StartEmulator,
+) -> None:
+    """The marker was looked for in the raw bytes: "naïve" sent by aiohttp's json= (which
+    writes na\\u00efve) was answered 200, the same prompt as raw UTF-8 500."""
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    body = {"messages": [{"role": "user", "content": "a naïve question"}], "max_tokens": 2}
+    url = f"{emu.url}/v1/chat/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _faults(session, emu.url, {"poison": "naïve"})
+        async with session.post(url, json=body) as escaped:
+            assert escaped.status == 500
+        raw = json.dumps(body, ensure_ascii=False).encode()
+        headers = {"Content-Type": "application/json"}
+        async with session.post(url, data=raw, headers=headers) as plain:
+            assert plain.status == 500
