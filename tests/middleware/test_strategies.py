@@ -125,6 +125,19 @@ def test_round_robin_follows_a_changing_candidate_set(idle: MakeNode) -> None:
     assert Counter(strategy.pick(REQUEST, two, rng).name for _ in range(10)) == {"a": 5, "b": 5}
 
 
+def test_round_robin_takes_turns_per_model_when_models_alternate(idle: MakeNode) -> None:
+    """One counter over every list: a RAG app's embeddings call then its chat call, two nodes
+    each, sent every embeddings request to one node and every chat to one, for good."""
+    strategy = RoundRobin()
+    rng = random.Random(1)
+    embed, chat = [idle("e1"), idle("e2")], [idle("c1"), idle("c2")]
+    got: Counter[str] = Counter()
+    for _ in range(100):
+        got[strategy.pick(RouteRequest(model="embed"), embed, rng).name] += 1
+        got[strategy.pick(RouteRequest(model="chat"), chat, rng).name] += 1
+    assert got == {"e1": 50, "e2": 50, "c1": 50, "c2": 50}
+
+
 # -- weighted -------------------------------------------------------------------------------
 
 
@@ -289,8 +302,28 @@ def test_least_conn_counts_our_in_flight_on_top_of_the_others_in_the_engine(
         in_flight_at_snapshot=2,
     )
     b = NodeView(name="b", url="http://b", snapshot=snap("b", running=8))
+    # c: no snapshot, so the others' load there is unknown, and taken as the mean of those
+    # seen ((2 + 8) / 2 = 5) beside our 8: 13, never idle.
     no_snapshot = NodeView(name="c", url="http://c", in_flight=8, in_flight_at_snapshot=0)
-    assert set(picks(LeastConn(), [a, b, no_snapshot], 30)) == {"b", "c"}
+    assert set(picks(LeastConn(), [a, b, no_snapshot], 30)) == {"b"}
+
+
+def test_least_conn_takes_a_node_without_a_snapshot_as_busy_as_the_others_seen(
+    snap: MakeSnapshot,
+) -> None:
+    """A node whose sidecar is gone read as ours alone: nearly idle beside nodes whose queues
+    showed 12 each, it drew the bulk of the traffic."""
+    seen = [
+        NodeView(name=f"s{i}", url="http://s", snapshot=snap(f"s{i}", running=12)) for i in range(4)
+    ]
+    stale = NodeView(name="stale", url="http://x")
+    strategy, rng = LeastConn(), random.Random(4)
+    got: Counter[str] = Counter()
+    for _ in range(40):
+        chosen = strategy.pick(REQUEST, [*seen, stale], rng)
+        got[chosen.name] += 1
+        chosen.in_flight += 1  # held: ours count on top
+    assert got["stale"] <= 10, got  # its even share is 8
 
 
 def test_least_conn_matches_effective_queue_over_capacity(snap: MakeSnapshot) -> None:
@@ -315,7 +348,15 @@ def test_least_conn_matches_effective_queue_over_capacity(snap: MakeSnapshot) ->
         ]
         chosen = strategy.pick(REQUEST, nodes, rng)
         loads = [n.effective_queue / (n.weight * n.ramp) for n in nodes]
-        assert chosen.effective_queue / (chosen.weight * chosen.ramp) == min(loads), trial
+        # A node whose engine no snapshot shows carries the mean of the others seen.
+        seen = [n for n in nodes if n.snapshot is not None and n.snapshot.engine is not None]
+        mean = (
+            sum((n.effective_queue - n.in_flight) / (n.weight * n.ramp) for n in seen) / len(seen)
+            if seen
+            else 0.0
+        )
+        loads = [load + (0.0 if n in seen else mean) for n, load in zip(nodes, loads, strict=True)]
+        assert loads[nodes.index(chosen)] == pytest.approx(min(loads)), trial
 
 
 def test_least_conn_ramp_reduces_share(snap: MakeSnapshot) -> None:
@@ -412,6 +453,20 @@ def test_resource_does_not_take_an_unknown_node_for_an_idle_one(
     assert not score_parts(unknown).known
     cautious = Resource(unknown_score=1.0)
     assert picks(cautious, [unknown, busy("heavy", 0.9)], 10) == {"heavy": 10}
+
+
+def test_resource_sends_an_unknown_node_less_as_its_requests_pile_up(busy: MakeNode) -> None:
+    """Its flat unknown_score stayed below every busier node's score whatever we sent it: a
+    node whose sidecar was gone took every pick until its snapshots came back."""
+    unknown = NodeView(name="unknown", url="http://unknown")
+    others = [busy(f"b{i}", 0.7) for i in range(4)]
+    strategy, rng = Resource(), random.Random(2)
+    got: Counter[str] = Counter()
+    for _ in range(40):
+        chosen = strategy.pick(REQUEST, [unknown, *others], rng)
+        got[chosen.name] += 1
+        chosen.in_flight += 1
+    assert 0 < got["unknown"] < 40, got
 
 
 def test_resource_ramp_shrinks_the_headroom(snap: MakeSnapshot, busy: MakeNode) -> None:
