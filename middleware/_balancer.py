@@ -354,7 +354,10 @@ class Balancer:
         if upstream.request_fault:
             self._finish(node, ok=None, started=upstream.started, ttft=None)
         elif upstream.timed_out:
-            self._finish(node, ok=False, started=upstream.started, ttft=None, outcome="timeout")
+            latency = self._finish(
+                node, ok=False, started=upstream.started, ttft=None, outcome="timeout"
+            )
+            self._given_up(node, route, latency, upstream.first_byte_at is None)
         elif aborted or upstream.client_slow:
             # Given up by the caller, or out of time waiting on the client: not the node's doing.
             self.metrics.of(node).outcome("aborted").inc()
@@ -363,9 +366,11 @@ class Balancer:
             self._finish(node, ok=None, started=upstream.started, ttft=None)
         else:
             code = upstream.response.status
+            # A first token only where the answer streams: a whole answer's first byte comes
+            # with its last, and made TTFT (its histogram, its alert) the generation's time.
             ttft = (
                 upstream.first_byte_at - upstream.started
-                if upstream.first_byte_at is not None
+                if upstream.first_byte_at is not None and route.stream
                 else None
             )
             ok = code < 500 and code != 429 and not upstream.failed
@@ -386,6 +391,15 @@ class Balancer:
                     self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
                 except Exception:  # learning must never break a request
                     _log.exception("strategy %s failed to observe", self.config.strategy)
+
+    def _given_up(self, node: Node, route: RouteRequest, latency: float, headless: bool) -> None:
+        """A try given up on its time (``headless``: before its first byte) is in the latency
+        histogram, and a stream's in the TTFT one, at the time it was given up: at least that
+        long. Left out, the tries that break an SLO were the ones its histograms never saw."""
+        metrics = self.metrics.of(node)
+        metrics.latency.observe(latency)
+        if route.stream and headless:
+            metrics.ttft.observe(latency)
 
     def _needs_longer(self, node: Node, route: RouteRequest, given: float) -> bool:
         """Whether generating the request's ``max_tokens`` at the node's decode rate takes
@@ -607,7 +621,11 @@ class Try:
                             break
                         else:
                             status, last = 504, "timed out"
-                        lb._finish(node, ok=False, started=started, ttft=None, outcome="error")
+                        latency = lb._finish(
+                            node, ok=False, started=started, ttft=None, outcome="error"
+                        )
+                        if status == 504:
+                            lb._given_up(node, route, latency, True)
                         if suspect is not None:
                             # The next try failed otherwise: no second node failed the request
                             # alike, so the 5xx was its node's (else a third node's same 5xx

@@ -28,8 +28,10 @@ __all__ = ["Metrics", "NodeMetrics", "Spread", "Tally"]
 
 # LLM answers: milliseconds (a cached or tiny answer) to minutes (a long generation behind a
 # queue). Doubling from 1 s keeps P99 readable where SLOs sit; the last bound is 10 minutes.
+# 5 s and 60 s are bounds because the alerts' SLOs sit there: between 4 and 8 a quantile is
+# interpolated, and a P99 of answers all under 4.1 s read 6 s against the 5 s SLO.
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 5, 8, 15, 30, 60, 120, 300, 600
 )  # fmt: skip
 
 
@@ -47,7 +49,14 @@ class _Live(Collector):
             "promptlb_in_flight_requests", "Requests open on a node.", labels=["node"]
         )
         ready = GaugeMetricFamily(
-            "promptlb_node_ready", "1 when a node takes requests.", labels=["node"]
+            "promptlb_node_ready", "1 when a node is ready (its state).", labels=["node"]
+        )
+        # Apart from ready: a model's last node, ejected or drained, still takes its requests
+        # (0 ready read as "no node" to the alerts while it served everything).
+        serving = GaugeMetricFamily(
+            "promptlb_node_serving",
+            "1 when a node takes requests: ready, or its model's last node.",
+            labels=["node"],
         )
         leaking = GaugeMetricFamily(
             "promptlb_node_leaking",
@@ -61,10 +70,12 @@ class _Live(Collector):
             in_flight.add_metric([name], node.view.in_flight)
             state = table.state_of(node)
             ready.add_metric([name], 1.0 if state == "ready" else 0.0)
+            serving.add_metric([name], 1.0 if table.serving(node) else 0.0)
             leaking.add_metric([name], 1.0 if state == "leaking" else 0.0)
             ramp.add_metric([name], node.view.ramp)
         yield in_flight
         yield ready
+        yield serving
         yield leaking
         yield ramp
 

@@ -110,6 +110,7 @@ class NodeTable:
         self._config = config
         self.nodes: dict[str, Node] = {}
         self._candidates: dict[str, list[NodeView]] = {}
+        self._serving: set[str] = set()  # the names in any candidate list
         self._known_models: set[str] = set()
         # Told of each node that leaves (the balancer's strategy forgets what it learnt of it).
         self.on_remove: Callable[[str], None] | None = None
@@ -458,6 +459,8 @@ class NodeTable:
                 for model in node.models & bare:
                     candidates.setdefault(model, []).append(node.view)
         self._candidates = candidates
+        self._serving = {view.name for views in candidates.values() for view in views}
+        self._serving.update(view.name for view in wildcard)
         self._wildcard = wildcard
         self._known_models = known
         self._dirty = False
@@ -483,6 +486,13 @@ class NodeTable:
     def state_of(self, node: Node) -> str:
         oom_within = self._config.outlier.drain_before_oom
         return node.state(self._clock(), self._config.stale_after, oom_within)
+
+    def serving(self, node: Node) -> bool:
+        """Whether ``node`` takes requests now: ready, or kept for a model that has no other
+        node (ejected but passing its health checks, or drained for a leak)."""
+        if self._dirty:
+            self.tick(self._clock())
+        return node.name in self._serving
 
     def ready_models(self) -> list[str]:
         if self._dirty:

@@ -86,3 +86,23 @@ def test_a_try_on_a_node_a_reload_replaced_counts_against_neither() -> None:
     assert lb.table.nodes["a"] is not old
     lb._finish(old, ok=False, started=time.monotonic() - 0.1, ttft=None, outcome="500")
     assert 'outcome="500"' not in lb.metrics.render().decode()
+
+
+def test_a_models_last_node_ejected_is_not_ready_but_serving() -> None:
+    """Kept as its model's last node while ejected (its health checks pass), it takes every
+    request; the ready gauge alone read 0, and the alerts paged "no node" while it served."""
+    from promptlb.middleware._config import load_config
+    from promptlb.middleware._nodes import NodeTable
+
+    now = [1000.0]
+    config = load_config({"nodes": [{"name": "a", "url": "http://a:8000", "models": ["m"]}]})
+    table = NodeTable(config, clock=lambda: now[0])
+    node = table.nodes["a"]
+    node.health_ok = True
+    for _ in range(10):
+        table.record_result(node, False, None, None, now[0])
+    assert table.state_of(node) == "ejected"
+    assert [v.name for v in table.candidates("m") or ()] == ["a"]
+    text = Metrics(lambda: table, "p2c").render().decode()
+    assert 'promptlb_node_ready{node="a"} 0.0' in text
+    assert 'promptlb_node_serving{node="a"} 1.0' in text

@@ -421,7 +421,7 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
     fast = ("--tokens-per-s", "2000", "--ttft-ms", "5")
     slow = ("--tokens-per-s", "100", "--ttft-ms", "200")
     c = cluster({"fast": fast, "slow": slow}, "strategy = 'predictive'\n")
-    await c.until_ready()  # the slow node's warmup could keep it out of the first ten
+    await c.until_ready()
     api = c.client()
     got: list[str] = []
     for _ in range(30):
@@ -431,8 +431,10 @@ async def test_the_gateway_learns_from_real_answers_and_favours_the_faster_node(
         async for _chunk in raw.parse():
             pass
         got.append(raw.headers["x-promptlb-node"])
-    # Both are probed while cold; then 15 ms against 400 ms sends nearly all to the fast one.
-    assert "slow" in got[:10]
+    # The slow node is probed while cold, unless a snapshot showed its decode speed already
+    # (one taken while its sidecar's warmup ran, about one run in ten: then it is known slow
+    # and needs no probe); either way 15 ms against 400 ms sends nearly all to the fast one.
+    assert got.count("slow") <= 4, got
     assert got[10:].count("fast") >= 17, got
 
 

@@ -359,6 +359,42 @@ async def test_a_stored_answer_keeps_its_content_type_and_an_error_in_a_200_is_n
             await asyncio.sleep(0.05)
 
 
+async def test_ttft_is_a_streams_first_byte_and_a_timed_out_try_is_in_the_histograms(
+    serve: Serve,
+) -> None:
+    """A whole answer's first byte comes with its last: TTFT read the generation's time (its
+    P99 alert fired on non-streamed traffic). And a try given up at its deadline was in
+    neither histogram: the tries that break an SLO were the ones they never saw."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        await asyncio.sleep(2.0 if body.get("max_tokens") == 99 else 0.05)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"delta": {"content": "ok"}}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    retry = {"retry": {"attempts": 1, "per_try_timeout": "0.3s"}}
+    async with gateway_over(serve, {"/v1/chat/completions": chat}, **retry) as (app, http):
+        count = app.balancer.metrics.registry.get_sample_value
+
+        def seen(family: str) -> float:
+            return count(f"promptlb_{family}_seconds_count", {"node": "n"}) or 0.0
+
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert (seen("latency"), seen("ttft")) == (1, 0)  # a whole answer: no first token
+        streamed = {**body, "stream": True}
+        assert (await http.post("/v1/chat/completions", json=streamed)).status_code == 200
+        assert (seen("latency"), seen("ttft")) == (2, 1)
+        late = {**streamed, "max_tokens": 99}
+        assert (await http.post("/v1/chat/completions", json=late)).status_code == 504
+        assert (seen("latency"), seen("ttft")) == (3, 2)  # at the time it was given up
+
+
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
     async def chat(request: web.Request) -> web.Response:
         return web.json_response({"choices": [{"index": 0, "text": request.query_string}]})

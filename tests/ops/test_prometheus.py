@@ -64,13 +64,19 @@ def _panel_queries() -> list[tuple[str, str]]:
 
 
 async def _chat(
-    http: aiohttp.ClientSession, url: str, model: str, prompt: str, **headers: str
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: str,
+    stream: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> int:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 16,
         "temperature": 0,
+        "stream": stream,
     }
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
         await response.read()
@@ -92,10 +98,11 @@ async def _traffic(gateway: str, big: str, small: str) -> dict[str, int]:
     async with aiohttp.ClientSession() as http:
         for i in range(12):  # answered and cached (temperature 0)
             count(await _chat(http, gateway, "big", f"question {i}"))
-            count(await _chat(http, gateway, "small", f"small question {i}"))
+            # Streamed: a time to first token is a stream's (a whole answer's has none).
+            count(await _chat(http, gateway, "small", f"small question {i}", stream=True))
         # Saturate `small` (one slot, max_in_flight 1): sheddable requests get 429 at once.
         shed = [
-            _chat(http, gateway, "small", f"shed {i}", **{"x-promptlb-priority": "sheddable"})
+            _chat(http, gateway, "small", f"shed {i}", headers={"x-promptlb-priority": "sheddable"})
             for i in range(6)
         ]
         for status in await asyncio.gather(*shed):
