@@ -35,7 +35,7 @@ class ModelAware:
             if not _names(tags):
                 raise ConfigError(f"routes.{cls}", tags, "a list of node tags or names")
             table[cls] = frozenset(tags)
-        if not _names(default):
+        if not _names(default, empty=True):
             raise ConfigError("default", default, "a list of node tags or names")
         self._routes = table
         self._default = frozenset(default)
@@ -83,10 +83,13 @@ class ModelAware:
         self.inner.forget_node(name)
 
 
-def _names(value: object) -> bool:
-    """Whether ``value`` is a list of node tags or names (a bare string is one tag mistyped)."""
-    return isinstance(value, list | tuple | set | frozenset) and all(
-        isinstance(t, str) and t for t in value
+def _names(value: object, *, empty: bool = False) -> bool:
+    """Whether ``value`` is a list of node tags or names (a bare string is one tag mistyped),
+    empty only where ``empty`` (a class's empty list routed nowhere, silently the default)."""
+    return (
+        isinstance(value, list | tuple | set | frozenset)
+        and (empty or len(value) > 0)
+        and all(isinstance(t, str) and t for t in value)
     )
 
 

@@ -63,8 +63,10 @@ def make_strategy(name: str, **options: Any) -> Strategy:
         inner = options.pop(name_key, default) if name_key is not None else default
         if inner == name:
             raise ConfigError(name_key or options_key, inner, f"another strategy than {name}")
-        inner_options = options.pop(options_key, None) or {}
-        if not isinstance(inner_options, Mapping):
+        inner_options = options.pop(options_key, None)
+        if inner_options is None:
+            inner_options = {}
+        if not isinstance(inner_options, Mapping):  # false, "", 0 or [] too: a typo
             raise ConfigError(options_key, inner_options, f"a table of {inner!r}'s options")
         try:
             options["inner"] = make_strategy(inner, **inner_options)

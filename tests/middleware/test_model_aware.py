@@ -117,6 +117,14 @@ def test_bad_model_aware_options_are_config_errors() -> None:
         make_strategy("model_aware", inner="model_aware")
     with pytest.raises(ConfigError, match="inner_options"):
         make_strategy("model_aware", inner="p2c", inner_options={"nope": 1})
+    # Silently "the default" before: an empty route, a falsy table of options.
+    with pytest.raises(ConfigError, match=r"routes\.code"):
+        make_strategy("model_aware", routes={"code": []})
+    falsies: tuple[object, ...] = (False, "", 0, [])
+    for falsy in falsies:
+        with pytest.raises(ConfigError, match="inner_options"):
+            make_strategy("model_aware", inner="p2c", inner_options=falsy)
+    make_strategy("model_aware", default=[])  # no default pool: every candidate
 
 
 async def test_classes_reach_their_nodes_through_the_openai_client(
