@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from promptlb.shared import ConfigError, prompt_turns
+from promptlb.shared import BYTES_PER_TOKEN, ConfigError, prompt_turns
 
 __all__ = ["CLASSES", "Classifier", "classify", "load_classifier"]
 
@@ -83,6 +83,12 @@ def _texts(body: Mapping[str, Any]) -> tuple[str, int]:
     if batch:
         last = batch[0] if len(batch) == 1 else " ".join(batch)
         total = len(last)
+    elif not total and isinstance(prompt := body.get("prompt"), list) and prompt:
+        # Token ids (a completion's other form): no text, but their length is known. A 40,000-
+        # token prompt was simple_qa.
+        first = prompt[0]
+        ids = first if isinstance(first, list) else prompt
+        total = BYTES_PER_TOKEN * len(ids)
     return last, total
 
 

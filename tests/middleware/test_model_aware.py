@@ -46,6 +46,10 @@ def test_the_last_user_turn_decides_and_prompts_work_too() -> None:
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "import os"}]}]}
     assert classify(parts) == "code"
     assert classify({}) == "simple_qa"
+    # Token ids: no text, but a length (a 40,000-token prompt was simple_qa).
+    assert classify({"prompt": list(range(40_000))}) == "long_context"
+    assert classify({"prompt": [list(range(40_000)), [1, 2]]}) == "long_context"
+    assert classify({"prompt": [1, 2, 3]}) == "simple_qa"
 
 
 def test_a_4k_prompt_classifies_in_microseconds() -> None:
