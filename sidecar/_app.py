@@ -79,6 +79,14 @@ class _LiveMetrics(Collector):
         yield from gauge(
             "model_rss_slope_bytes_per_second", "Trend of that memory.", live.rss_slope
         )
+        # What the gateways' drain projects against: under --memory-limit-mb or the cgroup's
+        # limit where there is one, not the host's (an alert on the host's total sat above the
+        # real OOM line, silent while the gateway drained the node).
+        yield from gauge(
+            "model_memory_free_bytes",
+            "Memory the model server may still take before it is killed for it.",
+            live.mem_free,
+        )
         if live.gpus:
             util = GaugeMetricFamily(
                 "promptlb_sidecar_gpu_utilization_ratio", "GPU use, 0..1.", labels=["gpu"]

@@ -245,6 +245,8 @@ models = ["small"]
     slopes = _values(prom.query("promptlb_sidecar_model_rss_slope_bytes_per_second"))
     assert len(slopes) == 2 and all(math.isfinite(v) for v in slopes)
     assert all(v > 2**30 for v in _values(prom.query("promptlb_sidecar_memory_total_bytes")))
+    free = _values(prom.query("promptlb_sidecar_model_memory_free_bytes"))
+    assert len(free) == 2 and all(v > 0 for v in free), free
     for name in ("engine_running_requests", "engine_waiting_requests"):
         assert all(v >= 0 for v in _values(prom.query(f"promptlb_sidecar_{name}")))
     gpu = prom.query("promptlb_sidecar_gpu_utilization_ratio")
