@@ -40,6 +40,7 @@ class ModelAware:
         self._routes = table
         self._default = frozenset(default)
         self.inner = inner
+        self._narrowed: dict[str, tuple[Sequence[NodeView], Sequence[NodeView]]] = {}
 
     @property
     def scoring(self) -> Scoring | None:
@@ -60,14 +61,28 @@ class ModelAware:
 
     def narrow(self, request: RouteRequest, candidates: Sequence[NodeView]) -> Sequence[NodeView]:
         """The candidates of ``request``'s class: its route's nodes, else the default's, else
-        all. A wrapper that places requests itself (``[affinity]``) narrows by it first."""
+        all. A wrapper that places requests itself (``[affinity]``) narrows by it first.
+
+        Kept per class while the table hands the same list (it builds a new one on a change):
+        a scan of 1,000 nodes a request, and a new list object each time, which the inner
+        strategy's own per-list state (weighted's cumulative weights) rebuilt on every pick
+        (165 us where 3 us with a kept list)."""
+        cls = request.prompt_class
+        kept = self._narrowed.get(cls)
+        if kept is not None and kept[0] is candidates:
+            return kept[1]
         chosen: Sequence[NodeView] = ()
-        wanted = self._routes.get(request.prompt_class)
+        wanted = self._routes.get(cls)
         if wanted:
             chosen = _matching(candidates, wanted)
         if not chosen and self._default:
             chosen = _matching(candidates, self._default)
-        return chosen or candidates
+        narrowed = chosen or candidates
+        if len(self._narrowed) >= _CLASSES_KEPT:  # classes are a classifier's: bounded
+            self._narrowed.clear()
+        # Holding the list keeps the identity test sound: no new list can reuse its id.
+        self._narrowed[cls] = (candidates, narrowed)
+        return narrowed
 
     def observe(
         self,
@@ -81,6 +96,9 @@ class ModelAware:
 
     def forget_node(self, name: str) -> None:
         self.inner.forget_node(name)
+
+
+_CLASSES_KEPT = 64
 
 
 def _names(value: object, *, empty: bool = False) -> bool:

@@ -290,7 +290,10 @@ class NodeTable:
             node.learnt_models = frozenset(snapshot.models)
             node.view.models = node.learnt_models
         if snapshot.tags and not node.config.tags:
-            node.view.tags = frozenset(snapshot.tags)
+            tags = frozenset(snapshot.tags)
+            if tags != node.view.tags:
+                node.view.tags = tags
+                self._dirty = True  # new lists: a wrapper keeps its narrowing per list
         node.view.tier = snapshot.tier
         engine = snapshot.engine
         if engine is not None and engine.running and engine.tps:

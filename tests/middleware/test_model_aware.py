@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
+from promptlb.middleware._model_aware import ModelAware
 from promptlb.middleware._strategies import make_strategy
-from promptlb.middleware._view import RouteRequest
+from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
 from tests.middleware.conftest import Flags, MakeCluster, MakeNode
@@ -160,3 +161,19 @@ async def test_classes_reach_their_nodes_through_the_openai_client(
     # The trusted header names the class itself.
     headers = {"x-prompt-class": "code"}
     assert await node_for("What is the capital of Peru?", headers) == "coder"
+
+
+def test_the_narrowing_is_kept_per_class_while_the_candidate_list_stays_the_same() -> None:
+    """A new narrowed list each pick made the inner strategy's per-list state (weighted's
+    cumulative weights) rebuild on every pick: at 1,000 nodes 165 us where 3 us."""
+    inner = make_strategy("weighted")
+    strategy = ModelAware(inner, routes={"code": ["coder"]})
+    views = [
+        NodeView(name=f"n{i}", url="http://n", tags=frozenset({"coder"} if i % 2 else ()))
+        for i in range(10)
+    ]
+    code = RouteRequest(model="m", prompt_class="code")
+    first = strategy.narrow(code, views)
+    assert [v.name for v in first] == [f"n{i}" for i in range(1, 10, 2)]
+    assert strategy.narrow(code, views) is first  # the same list: the same narrowing
+    assert strategy.narrow(code, list(views)) is not first  # another list: narrowed again
