@@ -68,6 +68,9 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
+_MAX_N = 128  # vLLM's own default limit on n
+
+
 def _asked_tokens(body: dict[str, Any]) -> int | None:
     """The answer's length the request asks for, when it asks a usable one."""
     asked = body.get("max_tokens")
@@ -157,8 +160,13 @@ class _Handlers:
         if options is not None and not isinstance(options, dict):
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_N:
+            return _error(400, f"`n` must be an integer in 1..{_MAX_N}", "invalid_request_error")
         finish = "length" if _asked_tokens(body) is not None else "stop"
-        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish)
+        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish, n=n)
         forecast, token = state.forecast, object()
         forecast.queued(token, self._service(n_in, self._cached(blocks, n_in), n_out, slow))
         try:
@@ -178,7 +186,7 @@ class _Handlers:
                     if stream:
                         response = await self._stream(request, reply, rate)
                     else:
-                        async for _ in self._decode(n_out, rate):
+                        async for _ in self._decode(n_out, rate, n):
                             pass  # counted as they decode: a sidecar reads tokens/s off it
                         response = web.json_response(reply.whole())
                 finally:
@@ -237,18 +245,26 @@ class _Handlers:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
+        # n choices decode side by side, as vLLM's parallel sampling streams them: each step
+        # an event per choice (the same words: the emulator's text is no sample).
+        choices = range(reply.n)
         if reply.chat:
-            await response.write(reply.event({"role": "assistant", "content": ""}, None))
-        async for sent, count in self._decode(reply.n_out, rate):
-            await response.write(reply.event(words(sent, count), None))
-        await response.write(reply.event("", reply.finish))
+            for i in choices:
+                await response.write(reply.event({"role": "assistant", "content": ""}, None, i))
+        async for sent, count in self._decode(reply.n_out, rate, reply.n):
+            for i in choices:
+                await response.write(reply.event(words(sent, count), None, i))
+        for i in choices:
+            await response.write(reply.event("", reply.finish, i))
         if (reply.body.get("stream_options") or {}).get("include_usage"):
             await response.write(reply.usage_event())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _decode(self, n_out: int, rate: float) -> AsyncIterator[tuple[int, int]]:
+    async def _decode(
+        self, n_out: int, rate: float, choices: int = 1
+    ) -> AsyncIterator[tuple[int, int]]:
         """The answer's tokens as they are due, ``(before, count)`` a step, each step counted in
         vLLM's generation counter then, as vLLM counts every decode step (a non-streamed
         answer's tokens all at its end made a sidecar's tokens/s read 0, then a spike).
@@ -269,7 +285,7 @@ class _Handlers:
             await asyncio.sleep(max(0.0, due - loop.time()))
             yield sent, count
             sent += count
-            self.state.stats.generation_tokens += count
+            self.state.stats.generation_tokens += count * choices  # n choices decode alike
 
     async def _embed(self, request: web.Request) -> web.StreamResponse:
         body = await self._admit(request)

@@ -52,6 +52,7 @@ class Reply:
     # "length" where max_tokens cut the answer; "stop" where it ended by itself (its length
     # drawn, no max_tokens asked): a client that reads "length" as truncated was misled.
     finish: str = "length"
+    n: int = 1  # choices, each n_out tokens long
     id: str = ""  # vLLM's shape: chatcmpl-... for a chat, cmpl-... for a completion
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -62,38 +63,37 @@ class Reply:
     def _usage(self) -> dict[str, int]:
         return {
             "prompt_tokens": self.n_in,
-            "completion_tokens": self.n_out,
-            "total_tokens": self.n_in + self.n_out,
+            "completion_tokens": self.n * self.n_out,
+            "total_tokens": self.n_in + self.n * self.n_out,
         }
 
     def whole(self) -> dict[str, Any]:
         text = words(0, self.n_out)
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "finish_reason": self.finish,
-                "message": {"role": "assistant", "content": text},
-            }
-        else:
-            choice = {"index": 0, "finish_reason": self.finish, "text": text}
+        choices: list[dict[str, Any]] = []
+        for i in range(self.n):
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                choices.append({"index": i, "finish_reason": self.finish, "message": message})
+            else:
+                choices.append({"index": i, "finish_reason": self.finish, "text": text})
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": self._usage(),
         }
 
-    def event(self, content: str | dict[str, str], finish: str | None) -> bytes:
+    def event(self, content: str | dict[str, str], finish: str | None, index: int = 0) -> bytes:
         if self.chat:
             delta = (
                 content if isinstance(content, dict) else ({"content": content} if content else {})
             )
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": content, "finish_reason": finish}
+            choice = {"index": index, "text": content, "finish_reason": finish}
             kind = "text_completion"
         chunk = {
             "id": self.id,

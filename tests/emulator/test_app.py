@@ -189,6 +189,33 @@ async def test_an_answer_that_ends_by_itself_stops_and_one_cut_by_max_tokens_is_
     assert free.id.startswith("chatcmpl-")
 
 
+async def test_n_choices_come_whole_and_streamed(shared_emulator: Emulator) -> None:
+    """n was ignored: one choice came back whatever was asked."""
+    client = _client(shared_emulator)
+    hi: list[Any] = [{"role": "user", "content": "Say something."}]
+    try:
+        whole = await client.chat.completions.create(model="alt", messages=hi, max_tokens=4, n=3)
+        stream = await client.chat.completions.create(
+            model="alt",
+            messages=hi,
+            max_tokens=4,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    finally:
+        await client.close()
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    text: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+    assert sorted(text) == [0, 1] and all(_word_count(t) == 4 for t in text.values())
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
 async def test_chat_stream_with_the_openai_client_and_include_usage(
     shared_emulator: Emulator,
 ) -> None:
@@ -400,6 +427,8 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/chat/completions", b'{"model": "emulated"}'),  # no messages
         ("/v1/completions", b"{not json"),
         ("/v1/completions", b'{"max_tokens": 3}'),  # no prompt
+        ("/v1/completions", b'{"prompt": "x", "n": 0}'),
+        ("/v1/chat/completions", b'{"messages": [], "n": "2"}'),
         ("/v1/embeddings", b"{not json"),
         ("/v1/embeddings", b'{"input": []}'),
         ("/v1/embeddings", b'{"input": 5}'),
