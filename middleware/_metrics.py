@@ -134,7 +134,12 @@ class _PerNode(Collector):
         yield picks
         for name, doc, spreads in (
             ("promptlb_latency_seconds", "Time to the end of the answer.", m.latency),
-            ("promptlb_ttft_seconds", "Time to the first byte of the answer.", m.ttft),
+            (
+                "promptlb_ttft_seconds",
+                "Time to a streamed answer's first byte (its first token); a try given up on its"
+                " time before it, at that time.",
+                m.ttft,
+            ),
         ):
             family = HistogramMetricFamily(name, doc, labels=["node"])
             for node, spread in list(spreads.items()):

@@ -254,6 +254,7 @@ class NodeTable:
         """Envoy's thresholds: a node flips only after ``*_threshold`` results in a row; the
         first result of a node that was never checked counts at once."""
         health = self._config.health
+        before = self._state_at(node, now)
         if node.health_ok is None:
             node.health_ok, node.health_streak = ok, 0
         elif ok == node.health_ok:
@@ -274,27 +275,45 @@ class NodeTable:
             node.ready_since = now if self.settled else now - self._config.slow_start
         elif not node.health_ok:
             node.ready_since = None
-        self._dirty = True
+        if self._state_at(node, now) != before:
+            self._dirty = True
+
+    def _state_at(self, node: Node, now: float) -> tuple[str, str]:
+        """What the candidate lists are built from: the node's state, and the state it would
+        be in but for an ejection (an ejected model's last node is kept while that is ready)."""
+        stale, oom = self._config.stale_after, self._config.outlier.drain_before_oom
+        return node.state(now, stale, oom), node.state(now, stale, oom, ejection=False)
 
     def record_snapshot(self, node: Node, snapshot: Snapshot, now: float) -> bool:
-        """Take a snapshot unless it is older than the one held (same boot, lower seq)."""
+        """Take a snapshot unless it is older than the one held (same boot, lower seq).
+
+        The candidate lists are rebuilt only when the node's state, models or tags change:
+        they hold the views, which strategies read the new snapshot from at once. Rebuilt on
+        every snapshot, a 1,000-node table was rebuilt (1.4 ms) before nearly every pick while
+        a gossip round's snapshots came in, and so was each wrapper's narrowing of it."""
         held = node.snapshot
         if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
             return False
+        before = self._state_at(node, now)
         was_serving = held is not None and held.ready and held.warm and not held.draining
         self._watch_leak(node, snapshot)
         node.snapshot, node.snapshot_at = snapshot, now
-        node.view.in_flight_at_snapshot = node.view.in_flight
-        node.view.others_since_snapshot = 0
+        view = node.view
+        view.snapshot = snapshot  # fresh: `tick` would take it, with a rebuild
+        view.in_flight_at_snapshot = view.in_flight
+        view.others_since_snapshot = 0
         if snapshot.models and not node.config.models:
-            node.learnt_models = frozenset(snapshot.models)
-            node.view.models = node.learnt_models
+            learnt = frozenset(snapshot.models)
+            if learnt != node.learnt_models:
+                self._dirty = True
+            node.learnt_models = learnt
+            view.models = learnt
         if snapshot.tags and not node.config.tags:
             tags = frozenset(snapshot.tags)
-            if tags != node.view.tags:
-                node.view.tags = tags
+            if tags != view.tags:
+                view.tags = tags
                 self._dirty = True  # new lists: a wrapper keeps its narrowing per list
-        node.view.tier = snapshot.tier
+        view.tier = snapshot.tier
         engine = snapshot.engine
         if engine is not None and engine.running and engine.tps:
             rate = engine.tps / engine.running
@@ -302,7 +321,8 @@ class NodeTable:
         serving = snapshot.ready and snapshot.warm and not snapshot.draining
         if serving and not was_serving and held is not None:
             node.ready_since = now  # it just finished warming: ramp up from here
-        self._dirty = True
+        if self._state_at(node, now) != before:
+            self._dirty = True
         return True
 
     def _watch_leak(self, node: Node, snapshot: Snapshot) -> None:

@@ -519,7 +519,7 @@ async def test_a_5xx_then_another_failure_charges_the_first_node(serve: Serve) -
         app = PromptLBMiddleware(noop, config=config)
         strategy: Any = app.balancer.strategy
         # Round robin from the first node, over the ones not tried yet: a, then b, then c.
-        strategy._next = 0
+        strategy._next = {"m": 0}  # its turn per model
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})

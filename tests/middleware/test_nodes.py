@@ -215,6 +215,30 @@ def test_a_stale_snapshot_is_not_load_evidence(snap: MakeSnapshot) -> None:
     assert "n0" in names(t)  # still a candidate: health decides that, not gossip
 
 
+def test_a_snapshot_that_changes_no_state_is_read_at_once_without_a_rebuild(
+    snap: MakeSnapshot,
+) -> None:
+    """Every snapshot rebuilt the candidate lists: at 1,000 nodes 1.4 ms before nearly every
+    pick while a gossip round came in. The views carry the snapshot; the lists change only
+    when a node's state does."""
+    t = table(stale_after=5.0)
+    n0 = t.nodes["n0"]
+    t.record_snapshot(n0, snap("n0", 1, running=1), 1.0)
+    lists = t.candidates("m")
+    newer = snap("n0", 2, running=6)
+    t.record_snapshot(n0, newer, 1.5)
+    assert t.candidates("m") is lists  # no rebuild
+    assert n0.view.snapshot is newer and n0.view.engine_queue == 6  # read at once
+    t.record_health(n0, True, "ok", 1.6)  # a health check that changes nothing
+    assert t.candidates("m") is lists
+    t.record_snapshot(n0, snap("n0", 3, running=6, draining=True), 2.0)
+    assert names(t) == {"n1", "n2"}  # a state change: rebuilt
+    t.record_snapshot(n0, snap("n0", 4, running=0), 2.5)
+    assert names(t) == {"n0", "n1", "n2"}
+    t.tick(8.0)  # stale: unknown load, still a candidate
+    assert n0.view.snapshot is None and names(t) == {"n0", "n1", "n2"}
+
+
 def test_an_older_snapshot_never_replaces_a_newer_one(snap: MakeSnapshot) -> None:
     t = table()
     n0 = t.nodes["n0"]
