@@ -222,11 +222,14 @@ class _Handlers:
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
-        if self.state.faults.hang:
-            # Hung, it would take a request and never answer: no candidate, as the simulator's
-            # oracle drops a hung node (it answered a wait of 0, held requests being outside
-            # the forecast, and drew every request to itself).
-            return _error(503, "hung", "service_unavailable")
+        state, cfg = self.state, self.cfg
+        hung = state.faults.hang or bool(cfg.hang_after and state.stats.requests >= cfg.hang_after)
+        if hung or time.monotonic() < state.ready_at:
+            # Hung (at runtime, or by --hang-after: the next request would wait for good) or
+            # still loading, it would not answer: no candidate, as the simulator's oracle drops
+            # a hung node (it answered a wait of 0, held requests being outside the forecast,
+            # and drew every request to itself).
+            return _error(503, "hung" if hung else "model is loading", "service_unavailable")
         chat = "messages" in body
         n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
         n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked

@@ -381,6 +381,8 @@ class Balancer:
                 ttft=ttft,
                 outcome="broken" if upstream.failed else str(code),
             )
+            if upstream.failed and upstream.overran:  # cut at its deadline: given up on time
+                self._given_up(node, route, latency, upstream.first_byte_at is None)
             # Only real answers teach a learning strategy: a node that answers 4xx at once
             # must not look like the fastest node there is. Nor does a node replaced or removed
             # while the try ran (a reload re-pointed its name, discovery let it go): it would

@@ -86,9 +86,11 @@ def _texts(body: Mapping[str, Any]) -> tuple[str, int]:
     elif not total and isinstance(prompt := body.get("prompt"), list) and prompt:
         # Token ids (a completion's other form): no text, but their length is known. A 40,000-
         # token prompt was simple_qa.
-        first = prompt[0]
-        ids = first if isinstance(first, list) else prompt
-        total = BYTES_PER_TOKEN * len(ids)
+        # A batch of them counts whole, as a batch of texts does.
+        if isinstance(prompt[0], list):
+            total = BYTES_PER_TOKEN * sum(len(p) for p in prompt if isinstance(p, list))
+        else:
+            total = BYTES_PER_TOKEN * len(prompt)
     return last, total
 
 

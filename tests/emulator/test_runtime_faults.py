@@ -204,3 +204,19 @@ async def test_a_poison_matches_its_prompt_however_the_json_writes_it(
         headers = {"Content-Type": "application/json"}
         async with session.post(url, data=raw, headers=headers) as plain:
             assert plain.status == 500
+
+
+async def test_the_oracle_takes_a_loading_or_hung_after_node_for_no_candidate(
+    start_emulator: StartEmulator,
+) -> None:
+    """Only a runtime hang answered 503: a node hung by --hang-after, or still loading, said a
+    wait of 0 and drew the live oracle's requests."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    loading = start_emulator("--load-time-s", "30")
+    hung = start_emulator("--hang-after", "1", "--ttft-ms", "0", "--tokens-per-s", "10000")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _chat_s(session, hung.url)  # the one it answers: the next would wait for good
+        for emu, why in ((loading, "model is loading"), (hung, "hung")):
+            async with session.post(f"{emu.url}/_emulator/oracle", json=body) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["message"] == why

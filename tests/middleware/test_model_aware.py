@@ -50,6 +50,7 @@ def test_the_last_user_turn_decides_and_prompts_work_too() -> None:
     # Token ids: no text, but a length (a 40,000-token prompt was simple_qa).
     assert classify({"prompt": list(range(40_000))}) == "long_context"
     assert classify({"prompt": [list(range(40_000)), [1, 2]]}) == "long_context"
+    assert classify({"prompt": [[1] * 500] * 10}) == "long_context"  # a batch counts whole
     assert classify({"prompt": [1, 2, 3]}) == "simple_qa"
 
 
