@@ -98,6 +98,7 @@ class SimState:
         self.ejections = 0
         self.errors: dict[str, int] = {}
         self.latencies: array[float] = array("d")
+        self.in_window = 0  # successes that ended within the trace's window
         self.waits: array[float] = array("d")
         self.ttfts: array[float] = array("d")
         self._replanned = False  # a start found other cached blocks than its forecast took

@@ -206,6 +206,7 @@ class _Sim(Faults):
             max_depth=[n.max_depth for n in self.nodes],
             duration=self.duration,
             makespan=self.last_t,
+            in_window=self.in_window,
             wall_s=time.perf_counter() - started,
             events=events,
         )

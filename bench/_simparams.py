@@ -119,6 +119,8 @@ class SimResult:
     # (0 and 0 when requests carry no prompt blocks).
     query_tokens: int = 0
     hit_tokens: int = 0
+    # Successes that ended within [0, duration]: the live report's throughput counts those.
+    in_window: int = 0
     # Per node, its KV cache's use (0..1) each second of the run, as vLLM's gauge reads it
     # (empty when requests carry no prompt blocks).
     kv_use: dict[str, list[float]] = field(default_factory=dict)

@@ -243,6 +243,8 @@ class Tries(Perfect, Detection):
             self._end_try(req)
             req.done = True
             self.latencies.append(t - req.born)
+            if t <= self.duration:
+                self.in_window += 1
             self.waits.append(req.start - req.sent)
             self.ttfts.append(req.start + req.head * req.factor - req.born)
             node.served += 1
