@@ -158,7 +158,8 @@ def summarise(result: SimResult, classes: Sequence[str] | None = None) -> dict[s
         # (successes over the whole span was the live goodput_over_span_rps under this name:
         # one straggler halved a row, and put predictive above the bound on hetero-8).
         "throughput_rps": result.in_window / duration if duration > 0 else 0.0,
-        "goodput_over_span_rps": ok / result.makespan if result.makespan > 0 else 0.0,
+        # Over the window or past it to the last end, as the live report's span.
+        "goodput_over_span_rps": ok / span if (span := max(duration, result.makespan)) else 0.0,
         "error_rate": result.failed / result.requests if result.requests else 0.0,
         "errors": result.errors,
         "retries": result.retries,

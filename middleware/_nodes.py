@@ -60,6 +60,9 @@ class Node:
     # boot or less memory than that.
     leak_mark: tuple[str, int] | None = None
     learnt_models: frozenset[str] = field(default_factory=frozenset)
+    # Its state (with and without its ejection) when the candidate lists were last built: a
+    # result or snapshot rebuilds them only when the state it leaves differs from this.
+    listed: tuple[str, str] | None = None
     recent_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
@@ -254,7 +257,6 @@ class NodeTable:
         """Envoy's thresholds: a node flips only after ``*_threshold`` results in a row; the
         first result of a node that was never checked counts at once."""
         health = self._config.health
-        before = self._state_at(node, now)
         if node.health_ok is None:
             node.health_ok, node.health_streak = ok, 0
         elif ok == node.health_ok:
@@ -275,7 +277,7 @@ class NodeTable:
             node.ready_since = now if self.settled else now - self._config.slow_start
         elif not node.health_ok:
             node.ready_since = None
-        if self._state_at(node, now) != before:
+        if self._state_at(node, now) != node.listed:
             self._dirty = True
 
     def _state_at(self, node: Node, now: float) -> tuple[str, str]:
@@ -294,7 +296,6 @@ class NodeTable:
         held = node.snapshot
         if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
             return False
-        before = self._state_at(node, now)
         was_serving = held is not None and held.ready and held.warm and not held.draining
         self._watch_leak(node, snapshot)
         node.snapshot, node.snapshot_at = snapshot, now
@@ -321,7 +322,11 @@ class NodeTable:
         serving = snapshot.ready and snapshot.warm and not snapshot.draining
         if serving and not was_serving and held is not None:
             node.ready_since = now  # it just finished warming: ramp up from here
-        if self._state_at(node, now) != before:
+        # Against the state the lists were built with, not the one just before: a held
+        # snapshot gone stale since (not warm, say) reads ready before and after a warm one,
+        # and the node stayed out of the lists (the view now carries it, so `tick` no longer
+        # sees the staleness either).
+        if self._state_at(node, now) != node.listed:
             self._dirty = True
         return True
 
@@ -457,7 +462,8 @@ class NodeTable:
         for node in self.nodes.values():
             known.update(node.models)
             self._any_wildcard |= not node.models
-            state = node.state(now, stale_after, oom_within)
+            node.listed = self._state_at(node, now)
+            state = node.listed[0]
             if state == "leaking":
                 leaking.append(node)
             elif state == "ejected":

@@ -455,6 +455,9 @@ def test_throughput_counts_completions_within_the_window_as_the_live_report_does
     assert result.makespan > 20.0 and result.in_window <= 11
     assert row["throughput_rps"] == pytest.approx(result.in_window / 10.0)
     assert row["goodput_over_span_rps"] == pytest.approx(result.ok / result.makespan)
+    light = summarise(_run(_cluster(rate=0.5, nodes=2, duration=10.0, seed=4), "round_robin"))
+    # All done early: over the window, as the live report's span (not the last end's time).
+    assert light["goodput_over_span_rps"] == pytest.approx(light["ok"] / 10.0)
 
 
 def test_bad_parameters_name_their_key() -> None:

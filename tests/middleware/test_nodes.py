@@ -239,6 +239,21 @@ def test_a_snapshot_that_changes_no_state_is_read_at_once_without_a_rebuild(
     assert n0.view.snapshot is None and names(t) == {"n0", "n1", "n2"}
 
 
+def test_a_warm_snapshot_after_a_stale_warming_one_brings_the_node_back(
+    snap: MakeSnapshot,
+) -> None:
+    """Compared with the state just before it, the warm snapshot changed nothing (the stale
+    one already read as ready), so the node warming when the lists were built stayed out:
+    for a model with only that node, every request a 503 (found in review)."""
+    t = table(1, stale_after=5.0)
+    n0 = t.nodes["n0"]
+    t.record_snapshot(n0, snap("n0", 1, warm=False), 1.0)
+    assert names(t, 1.0) == set()  # warming
+    t.record_snapshot(n0, snap("n0", 2), 6.5)  # the first since, after stale_after, no tick
+    assert {v.name for v in t.candidates("m") or ()} == {"n0"}
+    assert t.serving(n0)
+
+
 def test_an_older_snapshot_never_replaces_a_newer_one(snap: MakeSnapshot) -> None:
     t = table()
     n0 = t.nodes["n0"]
