@@ -113,7 +113,7 @@ class NodeTable:
         self._config = config
         self.nodes: dict[str, Node] = {}
         self._candidates: dict[str, list[NodeView]] = {}
-        self._serving: set[str] = set()  # the names in any candidate list
+        self._serving: set[str] | None = None  # the names in any candidate list, once asked
         self._known_models: set[str] = set()
         # Told of each node that leaves (the balancer's strategy forgets what it learnt of it).
         self.on_remove: Callable[[str], None] | None = None
@@ -277,14 +277,22 @@ class NodeTable:
             node.ready_since = now if self.settled else now - self._config.slow_start
         elif not node.health_ok:
             node.ready_since = None
-        if self._state_at(node, now) != node.listed:
-            self._dirty = True
+        self._relist(node, now)
 
     def _state_at(self, node: Node, now: float) -> tuple[str, str]:
         """What the candidate lists are built from: the node's state, and the state it would
         be in but for an ejection (an ejected model's last node is kept while that is ready)."""
         stale, oom = self._config.stale_after, self._config.outlier.drain_before_oom
-        return node.state(now, stale, oom), node.state(now, stale, oom, ejection=False)
+        state = node.state(now, stale, oom)
+        # Only an ejection comes before the rest of the rule: otherwise the two are one.
+        return state, node.state(now, stale, oom, ejection=False) if state == "ejected" else state
+
+    def _relist(self, node: Node, now: float) -> None:
+        """The lists are rebuilt when ``node`` is now in another state than they were built
+        with: not when it was in another just before (a held snapshot gone stale since read
+        as ready before and after a warm one, and a warming node stayed out)."""
+        if self._state_at(node, now) != node.listed:
+            self._dirty = True
 
     def record_snapshot(self, node: Node, snapshot: Snapshot, now: float) -> bool:
         """Take a snapshot unless it is older than the one held (same boot, lower seq).
@@ -322,12 +330,8 @@ class NodeTable:
         serving = snapshot.ready and snapshot.warm and not snapshot.draining
         if serving and not was_serving and held is not None:
             node.ready_since = now  # it just finished warming: ramp up from here
-        # Against the state the lists were built with, not the one just before: a held
-        # snapshot gone stale since (not warm, say) reads ready before and after a warm one,
-        # and the node stayed out of the lists (the view now carries it, so `tick` no longer
-        # sees the staleness either).
-        if self._state_at(node, now) != node.listed:
-            self._dirty = True
+        # (The view now carries the snapshot, so `tick` sees no staleness end: `_relist`.)
+        self._relist(node, now)
         return True
 
     def _watch_leak(self, node: Node, snapshot: Snapshot) -> None:
@@ -450,8 +454,6 @@ class NodeTable:
             self._rebuild(now)
 
     def _rebuild(self, now: float) -> None:
-        stale_after = self._config.stale_after
-        oom_within = self._config.outlier.drain_before_oom
         leaking: list[Node] = []
         ejected: list[Node] = []  # out only for their ejection: their health checks pass
         candidates: dict[str, list[NodeView]] = {}
@@ -463,11 +465,11 @@ class NodeTable:
             known.update(node.models)
             self._any_wildcard |= not node.models
             node.listed = self._state_at(node, now)
-            state = node.listed[0]
+            state, unejected = node.listed
             if state == "leaking":
                 leaking.append(node)
             elif state == "ejected":
-                if node.state(now, stale_after, oom_within, ejection=False) == "ready":
+                if unejected == "ready":
                     ejected.append(node)
             elif state == "ready":
                 for model in node.models:
@@ -488,8 +490,7 @@ class NodeTable:
                 for model in node.models & bare:
                     candidates.setdefault(model, []).append(node.view)
         self._candidates = candidates
-        self._serving = {view.name for views in candidates.values() for view in views}
-        self._serving.update(view.name for view in wildcard)
+        self._serving = None  # built when a scrape asks: not on the request's path
         self._wildcard = wildcard
         self._known_models = known
         self._dirty = False
@@ -521,6 +522,9 @@ class NodeTable:
         node (ejected but passing its health checks, or drained for a leak)."""
         if self._dirty:
             self.tick(self._clock())
+        if self._serving is None:
+            self._serving = {v.name for views in self._candidates.values() for v in views}
+            self._serving.update(v.name for v in self._wildcard)
         return node.name in self._serving
 
     def ready_models(self) -> list[str]:
