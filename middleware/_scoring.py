@@ -82,7 +82,7 @@ def resource_score(
     """
     snap = node.snapshot
     if snap is None:
-        return _unknown(unknown_score, queue, queue_scale)
+        return _unknown(unknown_score, node.in_flight if queue is None else queue, queue_scale)
     q = node.engine_queue if queue is None else queue
     return _combine(
         weights,
@@ -104,6 +104,7 @@ def score_parts(
     """`resource_score` with its parts, and the ramp-adjusted cost."""
     snap = node.snapshot
     if snap is None:
+        score = _unknown(unknown_score, node.in_flight if queue is None else queue, queue_scale)
         return ScoreParts(
             known=False,
             gpu=None,
@@ -111,8 +112,8 @@ def score_parts(
             mem=None,
             queue=None,
             queue_norm=None,
-            score=_unknown(unknown_score, queue, queue_scale),
-            cost=_ramped(_unknown(unknown_score, queue, queue_scale), node.ramp),
+            score=score,
+            cost=_ramped(score, node.ramp),
         )
     q = node.engine_queue if queue is None else queue
     queue_norm = None if q is None else q / (q + queue_scale)
@@ -132,7 +133,8 @@ def score_parts(
 
 def _unknown(unknown_score: float, queue: int | None, queue_scale: float) -> float:
     """No trusted snapshot: the configured prior, rising with the requests we know we sent,
-    so that p2c does not pour traffic into a node whose load it cannot see."""
+    so that no strategy pours traffic into a node whose load it cannot see (a flat prior
+    drew every pick of resource's while the others scored above it)."""
     if not queue:
         return unknown_score
     return unknown_score + (1.0 - unknown_score) * queue / (queue + queue_scale)
@@ -204,9 +206,7 @@ class Resource(_Scored):
         costs: list[float] = []
         for node in looked:
             snap = node.snapshot
-            if snap is None:
-                # Rising with what we sent it, as p2c's: a flat prior drew every pick while the
-                # others scored above it (a sidecar gone: 40 of 40 picks in five nodes).
+            if snap is None:  # resource_score's rule, inlined as the rest of the loop
                 score = _unknown(unknown, node.in_flight, self.queue_scale)
             else:
                 hit = get(node.name)

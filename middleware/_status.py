@@ -230,10 +230,7 @@ def _score(lb: Balancer, view: NodeView) -> dict[str, Any]:
     """The p2c/resource cost and its parts, as the configured strategy weighs them (through
     any wrapper); the defaults for strategies that do not score."""
     scoring = lb.strategy.scoring or Scoring()
-    # Without a snapshot both strategies count ours (effective_queue is ours alone then).
-    queue = (
-        None if scoring.engine_queue_only and view.snapshot is not None else view.effective_queue
-    )
+    queue = None if scoring.engine_queue_only else view.effective_queue
     parts = score_parts(view, scoring.weights, scoring.queue_scale, scoring.unknown_score, queue)
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(parts).items()}
 
