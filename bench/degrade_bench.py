@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 from promptlb.bench._loadgen import request_timeout
-from promptlb.bench._report import RESULTS, environment, write_json
+from promptlb.bench._report import RESULTS, _round, environment, write_json
 from promptlb.bench._stats import percentile
 from promptlb.emulator import Service, start_redis, start_service
 
@@ -81,11 +81,6 @@ async def open_loop(
         return list(await asyncio.gather(*tasks))
 
 
-def _ms(value: float | None, digits: int) -> float | None:
-    """No answer of the kind is no figure (None), never 0 ms: a 0 read as a goal met."""
-    return None if value is None else round(value, digits)
-
-
 def _less(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 2)
 
@@ -99,8 +94,9 @@ def stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         "share_answered": round(len(ok) / len(results), 4) if results else None,
         "by_path": {k: sum(1 for r in ok if r["how"] == k) for k in ("", "fallback", "cache")},
         "statuses": sorted({r["status"] for r in results}),
-        "p50_ms": _ms(percentile(lat, 50), 2),
-        "p99_ms": _ms(percentile(lat, 99), 2),
+        # No answer of the kind is no figure (None), never 0 ms: a 0 read as a goal met.
+        "p50_ms": _round(percentile(lat, 50), 2),
+        "p99_ms": _round(percentile(lat, 99), 2),
     }
 
 
@@ -197,8 +193,8 @@ async def outage(args: argparse.Namespace) -> dict[str, Any]:
         report["unavailable"] = {
             "requests": len(unavailable),
             "answered_503": len(lat503),
-            "p50_ms": _ms(percentile(lat503, 50), 2),
-            "p99_ms": _ms(percentile(lat503, 99), 2),
+            "p50_ms": _round(percentile(lat503, 50), 2),
+            "p99_ms": _round(percentile(lat503, 99), 2),
         }
         # What the degraded path adds: the fallback's p99 over the light model asked directly
         # (the failed try on the dead primary, the rewrite); and the whole outage over normal.
@@ -227,8 +223,8 @@ async def hit_latency(backend: str, count: int) -> dict[str, Any]:
                 hits.append((time.perf_counter() - start) * 1000)
         return {
             "hits": count,
-            "p50_ms": _ms(percentile(hits, 50), 3),
-            "p99_ms": _ms(percentile(hits, 99), 3),
+            "p50_ms": _round(percentile(hits, 50), 3),
+            "p99_ms": _round(percentile(hits, 99), 3),
             "node_answer_ms": round(first["s"] * 1000, 2),
         }
 

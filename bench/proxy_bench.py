@@ -111,6 +111,11 @@ def cpu_s(service: Service) -> float:
 # Each request's limit against an instant upstream: aiohttp's default of 5 minutes would let
 # one hung request stall the run that long.
 TIMEOUT = request_timeout(10.0)
+# (sequential requests per path, seconds a throughput round, rounds per hop): the full run
+# proxy.json records, and the smoke run.
+FULL = (2000, 2.0, 4)
+QUICK = (300, 1.0, 2)
+CONCURRENCY = 32
 TARGETS = {"requests_per_s_ratio": 0.8, "cpu_per_request_ratio": 1.25, "added_p50_ratio": 1.1}
 
 
@@ -256,31 +261,38 @@ def _meets(key: str, value: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--count", type=int, default=None, help="sequential requests per path (2000; quick 300)"
+        "--count",
+        type=int,
+        default=None,
+        help=f"sequential requests per path ({FULL[0]}; quick {QUICK[0]})",
     )
     parser.add_argument(
         "--seconds",
         type=float,
         default=None,
-        help="each throughput round (2; quick 1), whole seconds when wrk runs the load",
+        help=f"each throughput round ({FULL[1]:g}; quick {QUICK[1]:g}), whole seconds when wrk"
+        " runs the load",
     )
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per hop (4; quick 2)")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"rounds per hop ({FULL[2]}; quick {QUICK[2]})"
+    )
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: the figures in brackets above"
     )
     args = parser.parse_args()
     # --quick sets the sizes not given: a size given is used as given, never overridden.
-    count = args.count if args.count is not None else 300 if args.quick else 2000
-    seconds = args.seconds if args.seconds is not None else 1.0 if args.quick else 2.0
-    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 4
+    sizes = QUICK if args.quick else FULL
+    count = args.count if args.count is not None else sizes[0]
+    seconds = args.seconds if args.seconds is not None else sizes[1]
+    rounds = args.rounds if args.rounds is not None else sizes[2]
     if count < 1 or seconds <= 0 or rounds < 1 or args.concurrency < 1:
         parser.error("--count, --rounds and --concurrency must be >= 1, --seconds > 0")
     if shutil.which("wrk") and seconds != max(1, round(seconds)):
         seconds = max(1, round(seconds))
         print(f"proxy_bench: wrk runs whole seconds: --seconds {seconds}", file=sys.stderr)
     # Anything but the full run's settings is not the run `proxy.json` records.
-    full = (count, seconds, rounds, args.concurrency) == (2000, 2.0, 4, 32)
+    full = (count, seconds, rounds) == FULL and args.concurrency == CONCURRENCY
     report = {
         "benchmark": "proxy",
         **environment(),  # commit, dirty, when, python, cores: what was measured, where
