@@ -15,7 +15,7 @@ from ._answer import Answer
 from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
-from ._replies import Body, carries_error, keep, recorder_for
+from ._replies import Body, carries_error, keep, parsed_body, recorder_for
 from ._request import RequestReader
 from ._sse import StreamAssembler, replay_sse, wants_usage
 
@@ -107,14 +107,14 @@ class PromptLBClient:
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None
-                parsed = _parsed(answer.entry.body)
+                parsed = parsed_body(answer.entry.body)
                 if isinstance(parsed, dict):
                     return parsed
                 # Stored from a node that answered this route in text (the proxy replays it).
                 error = PromptLBError(502, parsed, answer.model)
             else:
                 data = await _rest(answer.first, up)
-                parsed = _parsed(data) if data else None
+                parsed = parsed_body(data) if data else None
                 if up.response.status >= 400:
                     error = PromptLBError(up.response.status, parsed, up.node.name)
                 elif not isinstance(parsed, dict) or carries_error(parsed):
@@ -150,16 +150,8 @@ class PromptLBClient:
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
             data = await _rest(answer.first, up)
-            error = PromptLBError(status if status >= 400 else 502, _parsed(data), up.node.name)
+            error = PromptLBError(status if status >= 400 else 502, parsed_body(data), up.node.name)
         raise error
-
-
-def _parsed(data: bytes) -> object:
-    """JSON, or the text of a node's error page, a proxy's HTML."""
-    try:
-        return json.loads(data)
-    except ValueError:
-        return data.decode(errors="replace")
 
 
 async def _rest(first: bytes, up: Upstream) -> bytes:

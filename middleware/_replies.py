@@ -12,7 +12,7 @@ from ._asgi import Send
 from ._cache import CacheEntry
 from ._sse import StreamAssembler, replay_sse
 
-__all__ = ["SSE", "Body", "carries_error", "keep", "recorder_for", "send_cached"]
+__all__ = ["SSE", "Body", "carries_error", "keep", "parsed_body", "recorder_for", "send_cached"]
 
 SSE = b"text/event-stream"
 
@@ -83,18 +83,19 @@ def keep(
     if isinstance(recorder, Body):
         # A 200 carrying an error is no answer to serve again (parsed only when it may be one:
         # inside a JSON string the quotes are escaped, so most answers skip the parse).
-        if b'"error"' in complete and _error_body(complete):
+        if b'"error"' in complete and carries_error(parsed_body(complete)):
             return
         content_type = up.response.headers.get("Content-Type", content_type)
     entry = CacheEntry(complete, answer.model, time.time(), content_type)
     store(answer.store_key, entry)
 
 
-def _error_body(body: bytes) -> bool:
+def parsed_body(data: bytes) -> object:
+    """A node's body as JSON, or as text where it is none (an error page, a proxy's HTML)."""
     try:
-        return carries_error(json.loads(body))
+        return json.loads(data)
     except ValueError:
-        return False
+        return data.decode(errors="replace")
 
 
 async def send_cached(
