@@ -48,6 +48,11 @@ class _State:
     kv: KVCache
     forecast: Forecast
 
+    def hung_after(self, requests: int) -> bool:
+        """Whether request number ``requests`` waits for good under --hang-after."""
+        after = self.config.hang_after
+        return bool(after) and requests > after
+
 
 STATE = web.AppKey("promptlb_emulator_state", _State)
 
@@ -96,7 +101,7 @@ class _Handlers:
         if cfg.crash_after and seen > cfg.crash_after:
             log.error("crash_after=%d reached: exiting", cfg.crash_after)
             os._exit(3)  # a crash, not a shutdown: no cleanup, connections reset
-        if cfg.hang_after and seen > cfg.hang_after:
+        if state.hung_after(seen):
             await asyncio.get_running_loop().create_future()  # until the client gives up
         await state.faults.running.wait()  # a runtime hang: until it is lifted or the client goes
         body = await _json_object(request)
@@ -222,8 +227,8 @@ class _Handlers:
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
-        state, cfg = self.state, self.cfg
-        hung = state.faults.hang or bool(cfg.hang_after and state.stats.requests >= cfg.hang_after)
+        state = self.state
+        hung = state.faults.hang or state.hung_after(state.stats.requests + 1)  # the next one
         if hung or time.monotonic() < state.ready_at:
             # Hung (at runtime, or by --hang-after: the next request would wait for good) or
             # still loading, it would not answer: no candidate, as the simulator's oracle drops
