@@ -166,22 +166,27 @@ async def test_chat_non_stream_with_the_openai_client(shared_emulator: Emulator)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 9
 
 
+_HI: list[Any] = [{"role": "user", "content": "Say something."}]
+
+
+async def _chunks(client: openai.AsyncOpenAI, **asked: Any) -> list[Any]:
+    """A streamed chat's chunks, ``asked`` over model "alt" and a one-line prompt."""
+    stream = await client.chat.completions.create(
+        **{"model": "alt", "messages": _HI, **asked, "stream": True}
+    )
+    return [chunk async for chunk in stream]
+
+
 async def test_an_answer_that_ends_by_itself_stops_and_one_cut_by_max_tokens_is_length(
     shared_emulator: Emulator,
 ) -> None:
     """Every answer said "length", as if cut off, also one of a drawn length with no
     max_tokens asked; and a chat's id is vLLM's chatcmpl-."""
     client = _client(shared_emulator)
-    hi: list[Any] = [{"role": "user", "content": "Say something."}]
     try:
-        free = await client.chat.completions.create(model="alt", messages=hi)
-        cut = await client.chat.completions.create(model="alt", messages=hi, max_tokens=3)
-        chunks = [
-            c
-            async for c in await client.chat.completions.create(
-                model="alt", messages=hi, stream=True
-            )
-        ]
+        free = await client.chat.completions.create(model="alt", messages=_HI)
+        cut = await client.chat.completions.create(model="alt", messages=_HI, max_tokens=3)
+        chunks = await _chunks(client)
     finally:
         await client.close()
     assert (free.choices[0].finish_reason, cut.choices[0].finish_reason) == ("stop", "length")
@@ -192,18 +197,10 @@ async def test_an_answer_that_ends_by_itself_stops_and_one_cut_by_max_tokens_is_
 async def test_n_choices_come_whole_and_streamed(shared_emulator: Emulator) -> None:
     """n was ignored: one choice came back whatever was asked."""
     client = _client(shared_emulator)
-    hi: list[Any] = [{"role": "user", "content": "Say something."}]
     try:
-        whole = await client.chat.completions.create(model="alt", messages=hi, max_tokens=4, n=3)
-        stream = await client.chat.completions.create(
-            model="alt",
-            messages=hi,
-            max_tokens=4,
-            n=2,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = [c async for c in stream]
+        whole = await client.chat.completions.create(model="alt", messages=_HI, max_tokens=4, n=3)
+        usage = {"include_usage": True}
+        chunks = await _chunks(client, max_tokens=4, n=2, stream_options=usage)
     finally:
         await client.close()
     assert [c.index for c in whole.choices] == [0, 1, 2]
@@ -221,14 +218,13 @@ async def test_chat_stream_with_the_openai_client_and_include_usage(
 ) -> None:
     client = _client(shared_emulator)
     try:
-        stream = await client.chat.completions.create(
+        chunks = await _chunks(
+            client,
             model="third",
             messages=[{"role": "user", "content": "Stream please."}],
             max_tokens=12,
-            stream=True,
             stream_options={"include_usage": True},
         )
-        chunks = [chunk async for chunk in stream]
     finally:
         await client.close()
     assert all(c.object == "chat.completion.chunk" for c in chunks)
