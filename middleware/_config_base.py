@@ -6,7 +6,7 @@ import math
 from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError
-from promptlb.shared._config import redact_url
+from promptlb.shared._config import redact_url, url_detail
 
 __all__ = ["DURATION", "check_redis_url", "check_url", "positive", "redact_url", "whole_number"]
 
@@ -62,8 +62,7 @@ def check_redis_url(key: str, value: str, expected: str) -> None:
         # TypeError from every cache call, each a 500.
         ConnectionPool.from_url(value).make_connection()  # type: ignore[no-untyped-call]
     except ValueError as exc:
-        # Its words may quote a piece of a password ("... as 'pa'"): not with one in the URL.
-        why = "" if "@" in value else f" ({str(exc).rstrip('.')})"
+        why = url_detail(value, str(exc).rstrip("."))
         raise ConfigError(key, shown, f"{expected}{why}") from None
     except TypeError as exc:  # names the option, never a value
         raise ConfigError(key, shown, f"{expected} ({exc})") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["ConfigError", "Redacted", "parse_duration", "redact_url"]
+__all__ = ["ConfigError", "Redacted", "parse_duration", "redact_url", "url_detail"]
 
 
 class Redacted:
@@ -65,6 +65,12 @@ def parse_duration(key: str, value: object) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(key, value, "a non-negative duration")
     return seconds
+
+
+def url_detail(value: str, why: str) -> str:
+    """`` (why)`` for an error about URL ``value``, or nothing where the URL holds a password:
+    a parser's words may quote a piece of it ("... as 'pa'")."""
+    return "" if "@" in value else f" ({why})"
 
 
 def redact_url(value: str) -> str:

@@ -9,6 +9,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from promptlb.shared import ConfigError, SigningKey, SnapshotError
+from promptlb.shared._config import url_detail
 from promptlb.shared._snapshot import (
     MAX_COUNT,
     MAX_NAME_CHARS,
@@ -119,8 +120,7 @@ class SidecarConfig:
             parts = urlsplit(self.model_url)
             _ = parts.port  # a port that is not a number in 0..65535 raises ValueError here
         except ValueError as exc:  # also an unclosed IPv6 bracket: http://[::1
-            # urllib's words may quote a piece of a password ("... as 'pa'"): not with one.
-            why = "" if "@" in self.model_url else f" ({exc})"
+            why = url_detail(self.model_url, str(exc))
             raise ConfigError("model_url", self.model_url, f"{url_expected}{why}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("model_url", self.model_url, url_expected)
