@@ -17,10 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from promptlb.shared import EngineSample, GpuSample, SnapshotError
-from promptlb.shared._snapshot import MAX_TPS
 
 from ._config import SidecarConfig
-from ._engine import EngineMetricsError, parse_engine_metrics
+from ._engine import (
+    END_COUNTER_WINDOW_S,
+    ENGINES,
+    EngineMetricsError,
+    EngineReading,
+    TokenRate,
+    parse_engine_metrics,
+)
 from ._gpu import GpuCollector, in_daemon_thread
 from ._host import HostCollector
 from ._live import Live, Problem
@@ -180,7 +186,7 @@ class _Collectors:
         self.server_problem = Problem(log, "model server")
         self.gpu_problem = Problem(log, "GPU sampling")
         self._gpu_pending: asyncio.Future[tuple[GpuSample, ...]] | None = None
-        self._last_tokens: tuple[float, float] | None = None
+        self._tokens = TokenRate()
         self._failed_probes = 0  # in a row
         self._failed_scrapes = 0  # of /metrics, in a row
 
@@ -259,7 +265,7 @@ class _Collectors:
                 if response.status != 200:
                     raise EngineMetricsError(f"/metrics answered {response.status}")
             reading = parse_engine_metrics(text, cfg.engine)  # type: ignore[arg-type]
-            tps = self._tokens_per_s(reading.tokens_total)
+            tps = self._tokens_per_s(reading)
             engine = EngineSample(
                 running=reading.running,
                 waiting=reading.waiting,
@@ -279,20 +285,18 @@ class _Collectors:
                 # tolerates: a loaded engine answers /metrics late exactly when it is busiest,
                 # and a snapshot without its queue made the busiest node look idle.
                 return
-            self._last_tokens = None
+            self._tokens.reset()
         else:
             self._failed_scrapes = 0
         self.live.engine = engine
         self.live.changed()
 
-    def _tokens_per_s(self, total: float | None) -> float | None:
-        now = asyncio.get_running_loop().time()
-        last, self._last_tokens = self._last_tokens, (None if total is None else (now, total))
-        if total is None or last is None or now <= last[0] or total < last[1]:
-            return None  # no counter, first reading, or the counter reset with a restart
-        tps = (total - last[1]) / (now - last[0])
-        # A counter that leaps by more than 1e9 tokens/s is broken, not busy: unknown, not wrong.
-        return tps if 0.0 <= tps <= MAX_TPS else None
+    def _tokens_per_s(self, reading: EngineReading) -> float | None:
+        window = END_COUNTER_WINDOW_S if ENGINES[reading.engine].tokens_at_end else 0.0
+        if self._tokens.window_s != window:  # another engine behind the URL
+            self._tokens = TokenRate(window)
+        counted = self._tokens.update(asyncio.get_running_loop().time(), reading.tokens_total)
+        return reading.tps if reading.tps is not None else counted
 
     async def probe_server(self) -> None:
         live, cfg = self.live, self.config

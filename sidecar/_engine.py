@@ -8,15 +8,23 @@ an unrelated family (llama.cpp's ``-nan(ind)``) cannot spoil the whole reading.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
-from promptlb.shared._snapshot import MAX_COUNT
+from promptlb.shared._snapshot import MAX_COUNT, MAX_TPS
 
-__all__ = ["ENGINES", "EngineMetricsError", "EngineName", "EngineReading", "parse_engine_metrics"]
+__all__ = [
+    "ENGINES",
+    "EngineMetricsError",
+    "EngineName",
+    "EngineReading",
+    "TokenRate",
+    "parse_engine_metrics",
+]
 
 EngineName = Literal["vllm", "tgi", "llamacpp", "sglang"]
 
@@ -27,6 +35,10 @@ class _Families:
     waiting: tuple[str, ...]
     kv_cache: tuple[str, ...] = ()  # fraction 0..1 in every engine that has one
     tokens: tuple[str, ...] = ()  # a counter of generated tokens, for tokens/s
+    # The counter grows by a request's whole answer when it ends, not per step: its rate over
+    # one scrape interval is 0, then a burst (see `TokenRate`).
+    tokens_at_end: bool = False
+    tps: tuple[str, ...] = ()  # the engine's own gauge of generated tokens/s, preferred
     kv_tokens: tuple[str, ...] = ()  # a gauge of the KV cache's capacity in tokens
     # An info gauge whose labels give the capacity as num_gpu_blocks x block_size (vLLM).
     kv_info: tuple[str, ...] = ()
@@ -47,12 +59,16 @@ ENGINES: Final[dict[EngineName, _Families]] = {
         waiting=("llamacpp:requests_deferred",),
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
         tokens=("llamacpp:tokens_predicted",),
+        tokens_at_end=True,  # metrics.on_prediction, when a slot's answer is done
     ),
     "sglang": _Families(
         running=("sglang:num_running_reqs",),
         waiting=("sglang:num_queue_reqs",),
         kv_cache=("sglang:token_usage",),
         tokens=("sglang:generation_tokens",),
+        tokens_at_end=True,  # observe_one_finished_request
+        # The scheduler's decode throughput, over its last few dozen steps.
+        tps=("sglang:gen_throughput",),
         kv_tokens=("sglang:max_total_num_tokens",),
     ),
 }
@@ -60,10 +76,14 @@ ENGINES: Final[dict[EngineName, _Families]] = {
 
 def _text_names(families: _Families) -> set[str]:
     names = {*families.running, *families.waiting, *families.kv_cache, *families.kv_tokens}
-    names.update(families.kv_info)
-    # A counter's samples are written with _total; the parser reports the family without it.
-    names.update(n for t in families.tokens for n in (t, t + "_total"))
+    names.update(families.kv_info, families.tps, _counter_names(families.tokens))
     return names
+
+
+def _counter_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    # A counter's samples are written with _total: after a TYPE line the parser names the
+    # family without it, and without one (some exporters write none) with it.
+    return tuple(n for t in names for n in (t, t + "_total"))
 
 
 _WANTED: Final[dict[str, EngineName]] = {
@@ -83,6 +103,7 @@ class EngineReading:
     kv_cache: float | None
     tokens_total: float | None
     kv_tokens: int | None = None  # the KV cache's capacity in tokens, when the engine says
+    tps: float | None = None  # generated tokens/s, when the engine measures it itself
 
 
 def _name_of(line: str) -> str:
@@ -144,9 +165,11 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
         running=_count(values, fam.running, engine, "running"),
         waiting=_count(values, fam.waiting, engine, "waiting"),
         kv_cache=_fraction(_first(values, fam.kv_cache, max)),
-        tokens_total=_finite(_first(values, fam.tokens, sum)),
-        # Summed: an engine's data-parallel ranks each keep a cache of their own.
+        tokens_total=_finite(_first(values, _counter_names(fam.tokens), sum)),
+        # Summed: an engine's data-parallel ranks each keep a cache of their own (and each
+        # measures its own throughput).
         kv_tokens=_capacity(_first(values, fam.kv_info + fam.kv_tokens, sum)),
+        tps=_rate(_first(values, fam.tps, sum)),
     )
 
 
@@ -180,6 +203,10 @@ def _fraction(value: float | None) -> float | None:
     return None if value is None or math.isinf(value) else min(1.0, max(0.0, value))
 
 
+def _rate(value: float | None) -> float | None:
+    return value if value is None or 0.0 <= value <= MAX_TPS else None
+
+
 def _finite(value: float | None) -> float | None:
     # A counter at +Inf (or summed past a float's range) gives no rate: leave it out.
     return value if value is None or math.isfinite(value) else None
@@ -193,3 +220,40 @@ def _count(values: dict[str, list[float]], names: tuple[str, ...], engine: str, 
     if not 0 <= total <= MAX_COUNT:
         raise EngineMetricsError(f"{engine} /metrics reports {what} = {total:g}, outside 0..2**53")
     return round(total)
+
+
+# A counter that moves when requests end is read over this long: at 4 concurrent requests of
+# 1,000 tokens at 50 tokens/s each, its rate per 250 ms scrape was 0 in 19 of 20 readings and
+# 4,000 in the others, and the gateways, skipping the zeros, took the node for 20x as fast.
+END_COUNTER_WINDOW_S = 30.0
+
+
+class TokenRate:
+    """Generated tokens/s from successive readings of the engine's counter: over the last
+    scrape interval, or, for a counter that grows when a request ends (``window_s`` > 0), over
+    the last ``window_s`` seconds at least, and unknown until the readings span that long."""
+
+    def __init__(self, window_s: float = 0.0) -> None:
+        self.window_s = window_s
+        self._readings: collections.deque[tuple[float, float]] = collections.deque()
+
+    def reset(self) -> None:
+        self._readings.clear()
+
+    def update(self, now: float, total: float | None) -> float | None:
+        readings = self._readings
+        if total is None:
+            readings.clear()
+            return None
+        if readings and (now <= readings[-1][0] or total < readings[-1][1]):
+            readings.clear()  # a clock that did not move, or a counter reset with a restart
+        readings.append((now, total))
+        # Keep the newest reading at least the window old: the rate spans the window or more.
+        while len(readings) > 2 and now - readings[1][0] >= self.window_s:
+            readings.popleft()
+        first_at, first = readings[0]
+        if len(readings) < 2 or now - first_at < self.window_s:
+            return None
+        tps = (total - first) / (now - first_at)
+        # A counter that leaps by more than 1e9 tokens/s is broken, not busy: unknown, not wrong.
+        return tps if 0.0 <= tps <= MAX_TPS else None

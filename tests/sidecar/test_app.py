@@ -479,6 +479,44 @@ async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
     assert not tracebacks(caplog)
 
 
+async def test_an_engine_whose_counter_moves_as_requests_end_reports_no_burst(
+    sidecar_beside: SidecarBeside,
+) -> None:
+    # llama.cpp counts an answer's tokens when it ends: one scrape interval's rate was a burst
+    # of the whole answer, which the gateways took for the node's speed.
+    load = (
+        "llamacpp:requests_processing {}\nllamacpp:requests_deferred 0\n"
+        "# TYPE llamacpp:tokens_predicted_total counter\n"
+    )
+    metrics = {"text": load.format(1) + "llamacpp:tokens_predicted_total 0\n"}
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/metrics": lambda request: web.Response(text=metrics["text"]),
+    }
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.engine is not None)
+        metrics["text"] = load.format(2) + "llamacpp:tokens_predicted_total 1000\n"
+        await until(lambda: live.engine is not None and live.engine.running == 2)
+        seen = []
+        for _ in range(10):  # the reading with the jump (1,000 over 0.02 s), and those after
+            assert live.engine is not None
+            seen.append(live.engine.tps)
+            await asyncio.sleep(0.02)
+        assert seen == [None] * 10, seen
+
+
+async def test_an_engines_own_throughput_gauge_is_its_tps(sidecar_beside: SidecarBeside) -> None:
+    metrics = (
+        "sglang:num_running_reqs 3\nsglang:num_queue_reqs 0\nsglang:gen_throughput 96.5\n"
+        "# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 1e6\n"
+    )
+    routes: dict[str, Reply] = {"/health": text("ok"), "/metrics": text(metrics)}
+    async with sidecar_beside(routes) as (_, live):
+        await until(lambda: live.engine is not None)
+        assert live.engine is not None and live.engine.tps == 96.5
+        assert decode(live.encoded()).engine == live.engine
+
+
 async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, sidecar_beside: SidecarBeside
 ) -> None:

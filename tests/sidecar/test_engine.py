@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from promptlb.sidecar import EngineMetricsError, EngineReading, parse_engine_metrics
+from promptlb.sidecar._engine import END_COUNTER_WINDOW_S, TokenRate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
@@ -20,7 +21,11 @@ def fixture(name: str) -> str:
         ("vllm-v1.txt", EngineReading("vllm", 0, 0, 0.0, 0.0)),
         ("tgi.txt", EngineReading("tgi", 0, 0, None, None)),
         ("llamacpp.txt", EngineReading("llamacpp", 0, 0, 0.491063, 3469.0)),
-        ("sglang.txt", EngineReading("sglang", 162, 2826, 0.28, 7557572.0)),
+        # SGLang's own throughput gauge, beside the counter that moves as requests end.
+        (
+            "sglang.txt",
+            EngineReading("sglang", 162, 2826, 0.28, 7557572.0, tps=86.50814177726902),
+        ),
     ],
 )
 def test_published_metrics_are_read_by_auto_detection(name: str, expected: EngineReading) -> None:
@@ -49,6 +54,55 @@ def test_v1_created_gauges_do_not_count_as_tokens() -> None:
     text = fixture("vllm-v1.txt")
     assert "vllm:generation_tokens_created" in text
     assert parse_engine_metrics(text).tokens_total == 0.0
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [
+        "sglang:generation_tokens_total 10\n",  # no TYPE line: the family keeps its _total
+        "# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 10\n",
+    ],
+)
+def test_a_token_counter_is_read_however_its_type_line_names_it(counter: str) -> None:
+    reading = parse_engine_metrics("sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n" + counter)
+    assert (reading.engine, reading.tokens_total) == ("sglang", 10.0)
+
+
+def test_an_out_of_range_throughput_gauge_is_left_out() -> None:
+    load = "sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\n"
+    assert parse_engine_metrics(load + "sglang:gen_throughput -3\n").tps is None
+    assert parse_engine_metrics(load + "sglang:gen_throughput 1e12\n").tps is None
+    assert parse_engine_metrics(load + "sglang:gen_throughput 120\n").tps == 120.0
+
+
+def test_a_per_step_counter_is_rated_over_each_interval() -> None:
+    rate = TokenRate()
+    assert rate.update(0.0, 100.0) is None  # the first reading
+    assert rate.update(0.25, 150.0) == 200.0
+    assert rate.update(0.5, 150.0) == 0.0
+    assert rate.update(0.75, 10.0) is None  # the counter reset: the engine restarted
+    assert rate.update(1.0, 60.0) == 200.0
+    assert rate.update(1.25, 1e30) is None  # a leap no engine makes
+    assert rate.update(1.5, None) is None and rate.update(1.75, 5.0) is None
+
+
+def test_a_counter_that_moves_at_each_requests_end_is_rated_over_the_window() -> None:
+    # Four requests at a time, each 1,000 tokens at 50 tokens/s (200 tokens/s in all): the
+    # counter jumps by 1,000 as each one ends, 5 s apart on average.
+    per_interval, windowed = TokenRate(), TokenRate(END_COUNTER_WINDOW_S)
+    bursts, rates = [], []
+    total = 0.0
+    for step in range(1, 4 * 120 + 1):  # 120 s of 250 ms scrapes
+        now = step * 0.25
+        if step % 20 == 0:  # a request ends every 5 s
+            total += 1000.0
+        if (got := per_interval.update(now, total)) is not None:
+            bursts.append(got)
+        if (got := windowed.update(now, total)) is not None:
+            rates.append((now, got))
+    assert max(bursts) == 4000.0 and sum(b > 0 for b in bursts) < len(bursts) / 10
+    assert rates[0][0] >= END_COUNTER_WINDOW_S  # unknown until the readings span the window
+    assert all(160.0 <= r <= 240.0 for _, r in rates), rates
 
 
 def test_several_engines_of_one_server_are_summed_and_kv_is_the_fullest() -> None:
