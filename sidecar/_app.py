@@ -403,7 +403,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         # The session calls the model server alone: its key goes on every call.
         headers={"Authorization": f"Bearer {key}"} if key else None,
     )
-    await asyncio.to_thread(collectors.gpu.open)
+    # NVML starts in the first GPU sample, within its time limit: started here, a GPU off the
+    # bus kept the sidecar from ever listening.
     tasks = collectors.tasks()
     try:
         yield

@@ -599,6 +599,39 @@ async def test_a_hung_gpu_leaves_the_gpus_out_and_the_host_readings_going(
     assert any("NVML has not answered" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_sidecar_whose_nvml_hangs_at_start_still_serves_and_stops(
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    nvml: FakeNvml,
+    sidecar_beside: SidecarBeside,
+) -> None:
+    # NVML started on the way up, outside the samples' time limit: a GPU off the bus kept the
+    # sidecar from ever listening (and SIGTERM from stopping it).
+    released = threading.Event()
+    init = nvml.nvmlInit
+
+    def hang() -> None:
+        released.wait(10)
+        init()
+
+    monkeypatch.setattr(nvml, "nvmlInit", hang)
+    monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", 0.2)
+    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
+    try:
+        with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
+            async with asyncio.timeout(5):
+                async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
+                    await until(lambda: live.host is not None and live.server_ok)
+                    assert live.gpus == ()
+                    await until(
+                        lambda: any(
+                            "NVML has not answered" in r.getMessage() for r in caplog.records
+                        )
+                    )
+    finally:
+        released.set()
+
+
 def test_closing_does_not_wait_for_good_on_a_hung_sample(
     monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml
 ) -> None:
