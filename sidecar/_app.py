@@ -330,8 +330,12 @@ class _Collectors:
         while True:
             live = self.live
             if live.server_ok and not live.warm:
-                report = await run_warmup(self.app)
-                if not report.ok:
+                try:
+                    ok = (await run_warmup(self.app)).ok
+                except Exception:  # a bug must not end warming for good, a restart cold
+                    log.exception("warmup failed")
+                    ok = False
+                if not ok:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 10.0)
                     continue

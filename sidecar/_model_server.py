@@ -52,7 +52,8 @@ async def list_models(session: aiohttp.ClientSession, base: str, timeout: float)
             if response.status != 200:
                 return []
             body = await response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError):
+        # RecursionError: JSON nested past the parser's depth is no list of models either.
         return []
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):

@@ -178,7 +178,48 @@ async def test_a_model_server_that_asks_for_a_key_is_sent_it_on_every_call(
     assert seen and set(seen) == {f"Bearer {key}"}
 
 
+async def test_a_warmup_that_raises_is_tried_again(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, sidecar_beside: SidecarBeside
+) -> None:
+    # Unguarded, the warmup task ended at its first exception, silently, and the node (or a
+    # restarted server) was never warmed again.
+    real = sidecar_app.run_warmup
+    calls = {"n": 0}
+
+    async def flaky(app: web.Application) -> sidecar_app.WarmupReport:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug")
+        return await real(app)
+
+    monkeypatch.setattr(sidecar_app, "run_warmup", flaky)
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/v1/models": models_reply("m"),
+        "/v1/chat/completions": lambda request: web.json_response({"choices": []}),
+    }
+    settings = {"warmup_at_start": True, "warmup_required": True, "engine": "none"}
+    with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
+        async with sidecar_beside(routes, **settings) as (_, live):
+            await until(lambda: live.ready)
+    assert calls["n"] >= 2
+    assert [m for m in tracebacks(caplog) if "warmup failed" in m] == ["warmup failed"]
+
+
 # --- learnt model names ---------------------------------------------------------------------------
+
+
+async def test_a_model_list_nested_past_the_parsers_depth_is_no_list_and_no_traceback(
+    caplog: pytest.LogCaptureFixture, sidecar_beside: SidecarBeside
+) -> None:
+    deep = '{"data": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    routes = {"/health": text("ok"), "/v1/models": text(deep)}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes) as (_, live):
+            # The probe learns names before the server reads as up: it raised there, for good.
+            await until(lambda: live.server_ok)
+            assert live.models == ()
+    assert not tracebacks(caplog)
 
 
 async def test_learnt_model_names_that_break_the_limits_are_left_out_and_logged_once(
