@@ -32,7 +32,10 @@ def is_local_host(host: str | None) -> bool:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False  # a name: not resolved here, and not assumed ours
-    if address.is_loopback:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    # 0.0.0.0 and :: (a server's bind address, often copied into its URL) reach this host.
+    if address.is_loopback or address.is_unspecified:
         return True
     try:
         ours = {

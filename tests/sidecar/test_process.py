@@ -58,6 +58,9 @@ def test_a_lookup_by_port_that_finds_nobody_backs_off(monkeypatch: pytest.Monkey
 def test_only_a_model_url_on_this_host_is_looked_up_by_port() -> None:
     assert is_local_host("127.0.0.1") and is_local_host("localhost") and is_local_host("::1")
     assert is_local_host("127.0.0.53")
+    # A bind address copied into the URL, and the IPv4 loopback written as IPv6.
+    assert is_local_host("0.0.0.0") and is_local_host("::") and is_local_host("[::]")
+    assert is_local_host("::ffff:127.0.0.1")
     ours = [
         a.address
         for addrs in psutil.net_if_addrs().values()
