@@ -180,6 +180,8 @@ class _Collectors:
             pid=self.config.model_pid,
             port=self.config.model_port if is_local_host(self.config.model_host) else None,
             window_s=self.config.rss_window_s,
+            # Against a limit, shared pages count once: the RSS sum counts them per process.
+            proportional=self.config.memory_limit is not None,
         )
         self.engine_problem = Problem(log, "engine metrics")
         self.process_problem = Problem(log, "model-server process")
@@ -226,7 +228,8 @@ class _Collectors:
             # the node serves.
             self.process.restart_window()
             slope = None
-        return rss, slope, memory_free(rss, self.config.memory_limit, self.process.pid)
+        held = self.process.pss if self.process.pss is not None else rss
+        return rss, slope, memory_free(held, self.config.memory_limit, self.process.pid)
 
     async def sample_process(self) -> None:
         # psutil's port lookup walks /proc: keep it off the event loop.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ipaddress
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,9 @@ __all__ = ["ProcessCollector", "find_listener", "is_local_host", "memory_free"]
 # 250 ms held 345,600 and fitted them all on every sample (0.15 s of the GIL, 40 MB).
 _POINTS = 1024
 LOOKUP_BACKOFF_S = 5.0  # after a lookup by port found nobody: it walks every process's fds
+# Proportional set size reads every mapping's page counts (/proc/<pid>/smaps_rollup): a few ms
+# for a big engine process, so at most this often.
+PSS_EVERY_S = 2.0
 
 
 def is_local_host(host: str | None) -> bool:
@@ -61,14 +65,15 @@ def find_listener(port: int) -> int | None:
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-def memory_free(rss: int | None, limit: int | None = None, pid: int | None = None) -> int | None:
+def memory_free(held: int | None, limit: int | None = None, pid: int | None = None) -> int | None:
     """Bytes the model server may still take before it is killed for memory: under a configured
-    ``limit``, that less its RSS; else under the tightest cgroup v2 ``memory.max`` on its
-    process's cgroup path (when this sidecar can see it), less that cgroup's working set (its
-    use less the page cache the kernel reclaims first: weights read from disk fill the cache
-    up to the limit without being a threat); else the host's available memory."""
+    ``limit``, that less what it ``held`` (its tree's PSS where readable, else RSS); else under
+    the tightest cgroup v2 ``memory.max`` on its process's cgroup path (when this sidecar can
+    see it), less that cgroup's working set (its use less the page cache the kernel reclaims
+    first: weights read from disk fill the cache up to the limit without being a threat); else
+    the host's available memory."""
     if limit is not None:
-        return None if rss is None else max(0, limit - rss)
+        return None if held is None else max(0, limit - held)
     if pid is not None:
         free = _cgroup_free(pid)
         if free is not None:
@@ -110,6 +115,11 @@ class ProcessCollector:
     once per process, so the sum overstates; the slope, which is what warns of a leak, does not
     care.
 
+    With ``proportional``, `pss` is the tree's proportional set size besides, every
+    `PSS_EVERY_S`: the memory it holds with each shared page counted once, what a limit on the
+    whole server is measured against (a 200 MiB server that forked a worker reads 420 MiB RSS
+    and 210 MiB PSS).
+
     The slope is a least-squares fit over the last ``window_s``; it is ``None`` until the window
     holds two samples a second apart, and starts over when the process is replaced (a restart
     is not a leak) or on ``restart_window()``. ``restarted`` is true after a sample that found
@@ -123,8 +133,12 @@ class ProcessCollector:
         port: int | None,
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        proportional: bool = False,
     ) -> None:
         self._pid = pid
+        self._proportional = proportional
+        self._pss_at = -math.inf
+        self.pss: int | None = None
         self._port = port
         self._window_s = window_s
         self._clock = clock
@@ -189,6 +203,26 @@ class ProcessCollector:
                 rss += int(child.memory_info().rss)
         return rss
 
+    @staticmethod
+    def _tree_pss(proc: psutil.Process) -> int | None:
+        total = 0
+        try:
+            processes = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            processes = [proc]
+        for each in processes:
+            try:
+                total += int(each.memory_full_info().pss)
+            except psutil.AccessDenied:  # smaps is the owner's (or root's) to read
+                if each is proc:
+                    return None
+                with contextlib.suppress(psutil.Error):
+                    total += int(each.memory_info().rss)
+            except psutil.Error:
+                if each is proc:
+                    return None
+        return total
+
     @property
     def pid(self) -> int | None:
         """The model server's pid as last found; None while none is."""
@@ -203,6 +237,7 @@ class ProcessCollector:
         self.restarted = False
         proc = self._process()
         if proc is None:
+            self.pss = None
             return (None, None)
         try:
             rss = self._tree_rss(proc)
@@ -214,6 +249,9 @@ class ProcessCollector:
                 self._previous = None
             return (None, None)
         now = time.monotonic() if now is None else now
+        if self._proportional and (now - self._pss_at >= PSS_EVERY_S or self.pss is None):
+            self.pss = self._tree_pss(proc)
+            self._pss_at = now
         history = self._history
         if history and now - history[-1][0] < self._window_s / _POINTS:
             return (rss, self._last_slope)  # the fit holds at most `_POINTS` samples

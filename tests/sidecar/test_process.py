@@ -100,6 +100,34 @@ def test_a_growing_process_has_a_positive_slope() -> None:
         child.wait(timeout=5)
 
 
+def test_against_a_limit_a_forked_servers_shared_pages_count_once() -> None:
+    # 64 MiB touched, then a fork: both processes map the same pages. The RSS sum counts them
+    # twice, which under --memory-limit-mb read as no memory free, and a "leak" drain.
+    code = (
+        "import os, sys, time\n"
+        "b=bytearray(64<<20); b[::4096]=b'1'*len(range(0,len(b),4096))\n"
+        "if os.fork() == 0:\n    time.sleep(60); os._exit(0)\n"
+        "print('ok', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ok\n"
+        plain = ProcessCollector(pid=child.pid, port=None)
+        proportional = ProcessCollector(pid=child.pid, port=None, proportional=True)
+        rss, _ = proportional.sample(now=0.0)
+        assert rss is not None and rss > 128 << 20  # both processes' 64 MiB
+        assert proportional.pss is not None and proportional.pss < 0.7 * rss
+        assert plain.sample(now=0.0)[0] is not None and plain.pss is None
+        limit = 160 << 20
+        assert memory_free(proportional.pss, limit) > 32 << 20  # the RSS sum: nearly none
+    finally:
+        for process in psutil.Process(child.pid).children(recursive=True):
+            process.kill()
+        child.kill()
+        child.wait(timeout=5)
+
+
 def test_a_process_gone_between_the_check_and_the_read_is_a_restart_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
