@@ -124,6 +124,15 @@ class SidecarConfig:
             raise ConfigError("model_url", self.model_url, f"{url_expected}{why}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("model_url", self.model_url, url_expected)
+        # Paths are appended to it (/health, /v1/models, /metrics): a query or fragment ended
+        # up before them, and an OpenAI base URL's /v1 doubled (/v1/v1/models), so the node
+        # never became ready, with only a 404 to say why.
+        if parts.query or parts.fragment or self.model_url.endswith("#"):
+            raise ConfigError("model_url", self.model_url, "a URL without a query or fragment")
+        if parts.path.rstrip("/").endswith("/v1"):
+            raise ConfigError(
+                "model_url", self.model_url, "the server's root, without /v1 (added per route)"
+            )
         object.__setattr__(self, "model_url", self.model_url.rstrip("/"))
         if self.engine not in _ENGINES:
             raise ConfigError("engine", self.engine, "one of " + ", ".join(_ENGINES))
@@ -133,6 +142,19 @@ class SidecarConfig:
             or not (0 <= self.port <= 65535)
         ):
             raise ConfigError("port", self.port, "a TCP port in 0..65535")
+        # A Python caller's string where names belong was taken letter by letter ("Hello" as
+        # five warmup prompts), and a number where text belongs raised a bare TypeError.
+        for key in ("models", "tags", "gpu_devices", "warmup_prompts"):
+            value = getattr(self, key)
+            if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
+                name = "warmup_prompt" if key == "warmup_prompts" else key  # as its flag
+                raise ConfigError(name, value, "a tuple of strings")
+            object.__setattr__(self, key, tuple(value))
+        for key in ("node_name", "tier", "token", "model_api_key"):
+            value = getattr(self, key)
+            if not isinstance(value, str) and (value is not None or key in ("node_name", "tier")):
+                shown = "<hidden>" if key in ("token", "model_api_key") else value
+                raise ConfigError(key, shown, "a string")
         if not self.node_name or len(self.node_name) > 253:
             raise ConfigError("node_name", self.node_name, "1..253 characters")
         for key in ("models", "tags"):
@@ -202,16 +224,16 @@ class SidecarConfig:
 
     def _names_size(self, models: tuple[str, ...]) -> int:
         """Bytes of a snapshot carrying ``models`` and the configured names, and no load."""
-        trial = Snapshot(
-            node=self.node_name,
-            boot="0" * 16,
-            seq=1,
-            ts=0.0,
-            models=models,
-            tags=self.tags,
-            tier=self.tier,
-        )
         try:
+            trial = Snapshot(
+                node=self.node_name,
+                boot="0" * 16,
+                seq=1,
+                ts=0.0,
+                models=models,
+                tags=self.tags,
+                tier=self.tier,
+            )
             return len(encode_unsigned(trial))
         except SnapshotError:
             return MAX_SNAPSHOT_BYTES

@@ -22,6 +22,7 @@ from promptlb.sidecar._app import LIVE, _Collectors
 from promptlb.sidecar._gpu import GpuCollector
 from promptlb.sidecar._host import HostCollector
 from promptlb.sidecar._live import Live
+from promptlb.sidecar._model_server import WarmupReport
 
 from tests.conftest import Serve
 from tests.sidecar.conftest import FakeNvml
@@ -186,7 +187,7 @@ async def test_a_warmup_that_raises_is_tried_again(
     real = sidecar_app.run_warmup
     calls = {"n": 0}
 
-    async def flaky(app: web.Application) -> sidecar_app.WarmupReport:
+    async def flaky(app: web.Application) -> WarmupReport:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug")

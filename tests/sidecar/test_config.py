@@ -93,3 +93,50 @@ def test_bad_gpu_device_lists_are_config_errors(devices: tuple[str, ...]) -> Non
     with pytest.raises(ConfigError) as error:
         SidecarConfig(node_name="n", gpu_devices=devices)
     assert error.value.key == "gpu_devices"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000?x=1",  # the routes went after it: ...?x=1/health
+        "http://127.0.0.1:8000/#frag",
+        "http://127.0.0.1:8000/v1",  # the OpenAI base URL: /v1/v1/models
+        "http://127.0.0.1:8000/v1/",
+    ],
+)
+def test_a_model_url_the_routes_cannot_follow_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(model_url=url, node_name="n")
+    assert error.value.key == "model_url"
+
+
+def test_a_model_server_under_a_path_prefix_is_accepted() -> None:
+    config = SidecarConfig(model_url="http://127.0.0.1:8000/llama/", node_name="n")
+    assert config.model_url == "http://127.0.0.1:8000/llama"
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"warmup_prompts": "Hello"}, "warmup_prompt"),  # five one-letter prompts
+        ({"gpu_devices": "GPU-abc"}, "gpu_devices"),  # matched letter by letter
+        ({"models": "llama-3"}, "models"),
+        ({"tags": None}, "tags"),
+        ({"node_name": 5}, "node_name"),
+        ({"tier": None}, "tier"),
+        ({"token": 12345678901234567890}, "token"),
+        ({"model_api_key": b"key"}, "model_api_key"),
+    ],
+)
+def test_values_of_the_wrong_type_are_config_errors_naming_the_key(
+    fields: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        SidecarConfig(**{"node_name": "n", **fields})
+    assert error.value.key == key
+    assert "12345678901234567890" not in str(error.value)  # a secret is never shown
+
+
+def test_lists_where_tuples_are_expected_are_taken_as_tuples() -> None:
+    config = SidecarConfig(node_name="n", models=["a", "b"], warmup_prompts=["Hi"])  # type: ignore[arg-type]
+    assert config.models == ("a", "b") and config.warmup_prompts == ("Hi",)

@@ -120,7 +120,8 @@ def test_against_a_limit_a_forked_servers_shared_pages_count_once() -> None:
         assert proportional.pss is not None and proportional.pss < 0.7 * rss
         assert plain.sample(now=0.0)[0] is not None and plain.pss is None
         limit = 160 << 20
-        assert memory_free(proportional.pss, limit) > 32 << 20  # the RSS sum: nearly none
+        free = memory_free(proportional.pss, limit)
+        assert free is not None and free > 32 << 20  # the RSS sum: nearly none
     finally:
         for process in psutil.Process(child.pid).children(recursive=True):
             process.kill()
