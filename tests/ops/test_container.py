@@ -172,7 +172,7 @@ def test_the_gateway_config_loads_and_names_the_stacks_nodes(
     gateway = services["gateway"]
     args = _argv(gateway)
     assert int(args["--port"]) == GATEWAY_PORT
-    assert gateway["ports"] == [f"{GATEWAY_PORT}:{GATEWAY_PORT}"]
+    assert gateway["ports"] == [f"127.0.0.1:{GATEWAY_PORT}:{GATEWAY_PORT}"]
     source, target = gateway["volumes"][0].split(":")[:2]
     assert target == args["--config"]
     config = load_config(COMPOSE.parent / source)
@@ -182,8 +182,13 @@ def test_the_gateway_config_loads_and_names_the_stacks_nodes(
         assert node.url == f"http://{node.name}:{MODEL_PORT}"
         assert node.sidecar == f"http://{node.name}:{SIDECAR_PORT}"
     assert config.cache is not None and config.cache.backend.startswith("redis://redis:")
-    for path in (config.admin_token_file, config.sidecar_token_file):
-        assert path is not None and path.removeprefix("/run/secrets/") in gateway["secrets"]
+    path = config.admin_token_file
+    assert path is not None and path.removeprefix("/run/secrets/") in gateway["secrets"]
+    # The sidecar token drains sidecars: a gateway has no use for it (their reads are open).
+    assert config.sidecar_token_file is None and gateway["secrets"] == ["promptlb-admin-token"]
+    # Published on this machine only: the stack's tokens are in the repository.
+    for service in services.values():
+        assert all(str(p).startswith("127.0.0.1:") for p in service.get("ports", []))
 
 
 def test_prometheus_and_grafana_see_the_stack(compose: dict[str, Any]) -> None:

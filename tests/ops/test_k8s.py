@@ -188,7 +188,12 @@ def test_the_gateway_config_loads_and_points_at_the_headless_service(tmp_path: P
     assert list(disc.models) == _flags(model)["models"].split(",")
     # every secret the config reads is a key of the Secret, in the mounted folder
     secret = _one("Secret", "promptlb-secrets")
-    for path in (config.admin_token_file, config.sign_key_file, config.sidecar_token_file):
+    # Not the sidecar token: it drains sidecars, and their reads are open (no --protect-reads).
+    assert config.sidecar_token_file is None
+    assert (
+        "--protect-reads" not in _container(_one("Deployment", "promptlb-model"), "sidecar")["args"]
+    )
+    for path in (config.admin_token_file, config.sign_key_file):
         assert path is not None
         folder, _, key = path.rpartition("/")
         assert folder == mounts["secrets"] and key in secret["stringData"]
