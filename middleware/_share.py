@@ -210,17 +210,25 @@ class IndexShare:
     async def _run(self) -> None:
         every = self._config.every
         pause = every
+        failing = False  # rounds raising, in a row
         while True:
             await asyncio.sleep(pause)
             try:
                 await self.exchange()
             except Exception:  # a bug in one round must not end sharing for good, unseen
                 self._metrics.index_share_errors.labels("bug").inc()
-                log.exception("promptlb: an index share round failed; the next one runs")
-            if self._down:
-                # Redis away: the rounds back off, doubling to `_DOWN_PAUSE_S`, jittered. Each
-                # failed round opens a connection: 50 a second per replica, a hundred replicas
-                # a storm of SYNs at a Redis that is restarting or failing over.
+                if not failing:  # once a streak: a reply this version misreads recurs
+                    log.exception("promptlb: an index share round failed; the next one runs")
+                failing = True
+            else:
+                if failing:
+                    log.info("promptlb: index share rounds run again")
+                failing = False
+            if self._down or failing:
+                # Redis away (or every round raising): the rounds back off, doubling to
+                # `_DOWN_PAUSE_S`, jittered. Each failed round opens a connection: 50 a second
+                # per replica, a hundred replicas a storm of SYNs at a Redis that is
+                # restarting or failing over; a bug's traceback 50 times a second.
                 longest = max(_DOWN_PAUSE_S, every)  # never more often than configured
                 pause = max(every, min(longest, 2 * pause) * random.uniform(0.8, 1.2))
             else:

@@ -381,6 +381,31 @@ async def test_a_round_that_raises_a_bug_is_counted_and_the_next_runs(
         await replica.stop()
 
 
+async def test_rounds_that_keep_raising_back_off_and_log_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every 20 ms a traceback and a round, for ever, while a reply's shape was misread.
+    metrics = Metrics(lambda: None)
+    replica = share(redis_server.url, PrefixIndex(), metrics, every=0.02)
+    rounds = 0
+
+    async def exchange() -> None:
+        nonlocal rounds
+        rounds += 1
+        raise KeyError("a reply of a shape this version does not know")
+
+    monkeypatch.setattr(replica, "exchange", exchange)
+    replica.start()
+    try:
+        await asyncio.sleep(0.6)  # 30 rounds at the configured pace
+    finally:
+        await replica.stop()
+    assert 2 <= rounds <= 10, rounds  # backed off as for an outage: 20, 40, 80, 160 ms...
+    # Each counted, for the alert (but the last hand-on at the stop, which is not a round).
+    assert errors(metrics, "bug") == rounds - 1
+    assert len([r for r in caplog.records if "round failed" in r.message]) == 1
+
+
 async def test_a_replica_that_stops_hands_on_what_it_recorded_since_its_last_round(
     redis_server: RedisServer, node: MakeNode
 ) -> None:
