@@ -192,6 +192,8 @@ class Evidence:
                         raise SnapshotError(
                             f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
                         )
+                if self._table.nodes.get(node.name) is not node:
+                    return  # dropped during the round (a pod gone): nothing to keep of it
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
                 if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
@@ -205,9 +207,10 @@ class Evidence:
                     self._freshness.check(snapshot)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 node.snapshot_errors += 1
+                if self._table.nodes.get(node.name) is not node:
+                    return  # gone during the round: its problems went with it
                 kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
-                if self._table.nodes.get(node.name) is node:  # not one gone during the round
-                    self._metrics.snapshot_errors.labels(node.name, kind).inc()
+                self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return
         self._problem(node, "snapshot", None)
@@ -222,8 +225,11 @@ class Evidence:
         health = self._config.health
         sidecar = node.config.sidecar if health.use_sidecar else None
         verdict = None
+        listed = self._table.nodes.get(node.name) is node  # (a newcomer is checked unlisted)
         if sidecar:
             verdict = await self._probe(f"{sidecar}/health", self._sidecar_headers, sidecar=True)
+            if listed and self._table.nodes.get(node.name) is not node:
+                return  # dropped during the check: its problems went with it
             # The sidecar is evidence, not the gatekeeper: when it cannot say (down, or answering
             # what its /health never answers), the model server is asked directly, and the node
             # serves on that and on what the balancer sees of its answers.
@@ -234,6 +240,8 @@ class Evidence:
             )
         if verdict is None:
             verdict = await self._probe(f"{node.config.url}{health.path}", {}, sidecar=False)
+            if listed and self._table.nodes.get(node.name) is not node:
+                return
         assert verdict is not None
         ok, detail = verdict
         was = node.health_ok

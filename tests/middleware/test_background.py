@@ -466,3 +466,38 @@ async def test_a_pod_discovery_drops_takes_its_logged_problems_with_it(
     await evidence.discover()
     assert "10.0.0.7:8000" not in lb.table.nodes
     assert not [k for k in evidence._problems if k[0] == "10.0.0.7:8000"]
+
+
+async def test_a_round_still_out_when_its_pod_is_dropped_leaves_nothing_of_it_behind(
+    monkeypatch: pytest.MonkeyPatch, serve: Serve
+) -> None:
+    # A snapshot poll answered after discovery dropped its pod (a pod terminating): its
+    # problem was logged and kept for an address that may come back as another pod's.
+    answered = asyncio.Event()
+
+    async def snapshot(request: web.Request) -> web.Response:
+        await answered.wait()
+        return web.Response(status=500)
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    answers = {"now": ["127.0.0.1"]}
+
+    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000)) for a in answers["now"]]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    async with serve(app) as url, aiohttp.ClientSession() as session:
+        port = int(url.rsplit(":", 1)[1])
+        config = dns_config(name="models", port=8000, sidecar_port=port)
+        lb = Balancer(config)
+        evidence = Evidence(config, lb.table, session, lb.metrics)
+        await evidence.discover()
+        polling = asyncio.create_task(evidence.gossip_round())
+        await asyncio.sleep(0.1)  # the poll is out
+        answers["now"] = ["127.0.0.2"]
+        await evidence.discover()
+        assert "127.0.0.1:8000" not in lb.table.nodes
+        answered.set()
+        await polling
+    assert not [k for k in evidence._problems if k[0] == "127.0.0.1:8000"]
