@@ -32,7 +32,7 @@ from ._host import HostCollector
 from ._live import Live, Problem
 from ._model_server import WarmupReport, probe, warmup
 from ._names import ModelNames
-from ._process import ProcessCollector, is_local_host, memory_free
+from ._process import ProcessCollector, is_local_host, is_loopback, memory_free
 
 __all__ = ["LIVE", "create_app"]
 
@@ -124,9 +124,11 @@ def _auth_middleware(config: SidecarConfig) -> Callable[..., Awaitable[web.Strea
     async def auth(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        guarded = request.method == "POST" or config.protect_reads
-        if not guarded:
+        control = request.method == "POST"
+        if not (control or config.protect_reads):
             return await handler(request)
+        if control and config.local_control and not is_loopback(request.remote):
+            return _json_error(403, "control endpoints answer this host only (--local-control)")
         if token is None:
             return _json_error(
                 403,

@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
         "--protect-reads", action="store_true", help="require the token for the GET endpoints too"
     )
     p.add_argument(
+        "--local-control",
+        action="store_true",
+        help="answer POST /warmup, /drain, /undrain from this host (loopback) only, token still"
+        " required",
+    )
+    p.add_argument(
         "--model-api-key-file",
         type=Path,
         default=None,
@@ -239,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             token=_read_token(parser, args.token_file),
             model_api_key=_read_model_key(parser, args.model_api_key_file),
             protect_reads=args.protect_reads,
+            local_control=args.local_control,
             sign_key=sign_key,
             warmup_prompts=tuple(args.warmup_prompt or DEFAULT_WARMUP),
             warmup_endpoint=args.warmup_endpoint,

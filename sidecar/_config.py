@@ -90,6 +90,9 @@ class SidecarConfig:
     model_api_key: str | None = field(default=None, repr=False)
     sign_key: SigningKey | None = None
     protect_reads: bool = False
+    # POSTs from this host only (the pod's own preStop hook, kubectl exec): a token shared by
+    # every pod, read by one compromised pod, then drains that pod alone, not the fleet.
+    local_control: bool = False
     warmup_prompts: tuple[str, ...] = ("Hello! Reply with one word.",)
     # The API the prompts go through: an embeddings server (TEI, vLLM --task embed) has no chat
     # route, and every warmup answered 404, so the node never became ready.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ProcessCollector", "find_listener", "is_local_host", "memory_free"]
+__all__ = ["ProcessCollector", "find_listener", "is_local_host", "is_loopback", "memory_free"]
 
 # Samples a slope is fitted over, at most, spread over the window: a day's window sampled every
 # 250 ms held 345,600 and fitted them all on every sample (0.15 s of the GIL, 40 MB).
@@ -21,6 +21,17 @@ LOOKUP_BACKOFF_S = 5.0  # after a lookup by port found nobody: it walks every pr
 # Proportional set size reads every mapping's page counts (/proc/<pid>/smaps_rollup): a few ms
 # for a big engine process, so at most this often.
 PSS_EVERY_S = 2.0
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether a peer's address is this host's loopback (IPv4, IPv6, or IPv4 as IPv6)."""
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def is_local_host(host: str | None) -> bool:

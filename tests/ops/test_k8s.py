@@ -142,6 +142,8 @@ def test_the_model_pod_runs_the_sidecar_beside_the_model_server() -> None:
     # the model keeps serving at least as long, and the grace period covers both.
     drain = " ".join(sidecar["lifecycle"]["preStop"]["exec"]["command"])
     assert f"http://127.0.0.1:{sidecar_port}/drain" in drain and "method='POST'" in drain
+    # ...from the pod itself, the only place its POSTs are taken from: the token is every pod's.
+    assert "--local-control" in sidecar["args"]
     assert f"{mount}/sidecar-token" in drain and "Bearer" in drain
     sidecar_wait = int(re.findall(r"sleep (\d+)", drain)[-1])
     model_wait = int(model["lifecycle"]["preStop"]["exec"]["command"][-1])

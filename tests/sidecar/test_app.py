@@ -11,9 +11,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
+from unittest import mock
 
+import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from promptlb.shared import ConfigError, EngineSample, Snapshot, decode
 from promptlb.sidecar import EngineReading, SidecarConfig, create_app
 from promptlb.sidecar import _app as sidecar_app
@@ -797,3 +800,52 @@ async def test_a_sample_interval_near_the_gateways_staleness_is_warned_of(
             pass
     (warning,) = [r.getMessage() for r in caplog.records if "stale_after" in r.getMessage()]
     assert "--sample-interval 3s" in warning
+
+
+# --- control from this host only ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peer", "status"),
+    [
+        ("10.0.0.5", 403),
+        ("fd00::5", 403),
+        ("127.0.0.1", 200),
+        ("::1", 200),
+        ("::ffff:127.0.0.1", 200),
+    ],
+)
+async def test_local_control_refuses_posts_from_other_hosts_even_with_the_token(
+    peer: str, status: int
+) -> None:
+    # Every pod holds the one token: read by a compromised pod, it drained the whole fleet.
+    token = "t" * 32
+    config = SidecarConfig(node_name="n", token=token, local_control=True, gpu=False)
+    auth = sidecar_app._auth_middleware(config)
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda key, default=None: (
+        (peer, 1234) if key == "peername" else default
+    )
+    headers = {"Authorization": f"Bearer {token}"}
+    request = make_mocked_request("POST", "/drain", headers=headers, transport=transport)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text="drained")
+
+    response = await auth(request, handler)
+    assert response.status == status
+    read = make_mocked_request("GET", "/snapshot", transport=transport)
+    assert (await auth(read, handler)).status == 200  # reads stay open to the gateways
+
+
+async def test_local_control_still_takes_the_pods_own_drain(serve: Serve) -> None:
+    token = "t" * 32
+    config = SidecarConfig(
+        model_url="http://127.0.0.1:9", node_name="n", token=token, local_control=True, gpu=False
+    )
+    sidecar = create_app(config)
+    async with serve(sidecar) as url, aiohttp.ClientSession() as http:
+        auth = {"Authorization": f"Bearer {token}"}
+        async with http.post(url + "/drain", headers=auth) as response:
+            assert response.status == 200 and (await response.json())["draining"] is True
+        assert sidecar[LIVE].draining
