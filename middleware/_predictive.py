@@ -65,6 +65,9 @@ _IN_SCALE = 1000.0  # the least-squares problem well conditioned
 _MAX_CLASSES = 1024
 _UNCACHED_KEPT = 4096  # picks awaiting their answers, the oldest let go first
 _P_CAP = 1e4  # bounds the covariance: forgetting with little excitation would inflate it
+# A cold node failing this share of its tries is not probed: only answers warm a node, so one
+# that fails fast took every probe (each a request's first try) until outlier ejection.
+_PROBE_ERRORS = 0.25
 # Expected times this close to the best are a tie, settled by our own requests in flight. In the
 # simulator (three or four seeds, 1 and 8 replicas) 0.2 took shared-system-prompt's TTFT p90 at
 # one replica from 0.37 s to 0.18 s (least_conn 0.20 s) and at eight from 0.80 s to 0.57 s, and
@@ -477,7 +480,11 @@ class Predictive:
             if t is None:
                 # A cold node is learnt one request at a time: it may get this one if it has
                 # none of ours in flight, else it sits out until its first answers are in.
-                if node.in_flight == 0 and out <= self._mean_out:
+                if (
+                    node.in_flight == 0
+                    and out <= self._mean_out
+                    and node.error_rate < _PROBE_ERRORS
+                ):
                     probes.append(node)
                 continue
             times[node.name] = t

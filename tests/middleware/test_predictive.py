@@ -180,6 +180,19 @@ def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request(node: MakeNode
     assert strategy.pick(request(100), [warm, cold], rng) is warm
 
 
+def test_a_cold_node_that_fails_its_tries_is_not_probed(node: MakeNode) -> None:
+    # Only answers warm a node: one failing fast took every probe, each a request's first try.
+    rng = random.Random(5)
+    strategy = Predictive(PowerOfTwoChoices())
+    warm, cold = node("warm", running=0), node("cold", running=0)
+    teach(strategy, warm, 10, rng)
+    strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
+    cold.error_rate = 0.95
+    assert all(strategy.pick(request(100), [warm, cold], rng) is warm for _ in range(50))
+    cold.error_rate = 0.1  # a stray failure: still probed
+    assert strategy.pick(request(100), [warm, cold], rng) is cold
+
+
 def test_a_cold_node_is_estimated_from_its_engines_tokens_per_second(node: MakeNode) -> None:
     strategy = Predictive(PowerOfTwoChoices())
     # 4 running at 200 tokens/s in all: 50 tokens/s each, 2 s for 100 tokens, no queue.
