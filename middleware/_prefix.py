@@ -58,15 +58,19 @@ __all__ = [
 INDEX_BLOCKS = 16  # engine blocks per coarse block
 INDEX_TOKENS = INDEX_BLOCKS * BLOCK_TOKENS
 INDEX_BYTES = INDEX_BLOCKS * BLOCK_BYTES
-_DEPTH = 1e-7  # per block of depth: far below a tick of the caller's clock
+# Stamps are integers, this many a tick of the caller's clock: as floats, a tick past 2**30
+# (a billion picks: days of a busy gateway) had no room left for the depth offsets below it,
+# every block of a prompt got one stamp, and trimming ate chains from their heads.
+_UNIT = 10_000_000
+_DEPTH = 1  # per block of depth: far below a tick
 # The others' records between two of ours are stamped this far apart, after our last, so that
 # the least recently sent goes first among them too (at 50 replicas a replica's own clock moves
 # once in fifty records); at most `_LEARN_SPAN` of a tick past it, so 4,000 records learnt
 # without a pick of our own in between fall back to one stamp (and insertion order), and a
 # chain over 1,000 coarse blocks runs its tail past the step (both harmless). In the simulator
 # (50 replicas, multi-tenant-chat, eight seeds) hit rate 0.59 -> 0.63, TTFT p90 1.41 -> 1.35 s.
-_LEARN_STEP = 1e-4
-_LEARN_SPAN = 0.4
+_LEARN_STEP = _UNIT // 10_000
+_LEARN_SPAN = _UNIT * 4 // 10
 OUTBOX_RECORDS = 4096  # kept for the others between two drains: beyond, they are dropped
 
 # One answer a learning strategy read off a node, as its model takes it: (node, output tokens,
@@ -121,7 +125,7 @@ class _Node:
     __slots__ = ("boot", "cap", "seen", "sent")
 
     def __init__(self, cap: int) -> None:
-        self.sent: dict[int, float] = {}  # block -> when it was last sent here
+        self.sent: dict[int, int] = {}  # block -> when it was last sent here (a stamp)
         self.cap = cap
         self.boot: str | None = None
         self.seen: object = None  # the snapshot the cap was last set from
@@ -136,8 +140,8 @@ class PrefixIndex:
         self.ttl = ttl
         self._nodes: dict[str, _Node] = {}
         self._entries = 0  # blocks held over all nodes, kept as they change
-        self._now = 0.0  # the caller's clock at its last record
-        self._learnt = 0.0  # the stamp `learn` gave its last record: a step past the one before
+        self._now = 0  # the caller's clock at its last record, as a stamp
+        self._learnt = 0  # the stamp `learn` gave its last record: a step past the one before
         self._outbox: list[tuple[str, Sequence[int]]] | None = None  # None: not sharing
         self._readings: list[Reading] = []
         self._finished: dict[str, int] = {}  # per node, our tries ended since the last drain
@@ -161,7 +165,8 @@ class PrefixIndex:
         if not blocks:
             return {}
         nodes = self._nodes
-        oldest = now - self.ttl - 0.5  # half a tick: the depth offsets stay inside it
+        # Half a tick: the depth offsets stay inside it.
+        oldest = round((now - self.ttl) * _UNIT) - _UNIT // 2
         found: dict[str, int] = {}
         first = blocks[0]
         length = len(blocks)
@@ -211,16 +216,19 @@ class PrefixIndex:
         """A request a wrapper placed itself (``[affinity]``'s ring), recorded at the caller's
         clock as last seen: its prefix is where it went, and the other replicas, told of its
         end by the balancer, must be told of its start too."""
-        self.record(node, blocks, self._now)
+        self._record(node, blocks, self._now)
 
     def record(self, node: NodeView, blocks: Sequence[int], now: float) -> None:
         """``blocks`` were sent to ``node``: it will hold them once it has prefilled. A request
         with none is recorded only for the other replicas, which count it as load."""
-        self._now = now
-        if now > self._learnt:  # a pick without blocks keeps the tick: no going back
-            self._learnt = now
+        self._record(node, blocks, round(now * _UNIT))
+
+    def _record(self, node: NodeView, blocks: Sequence[int], stamp: int) -> None:
+        self._now = stamp
+        if stamp > self._learnt:  # a pick without blocks keeps the tick: no going back
+            self._learnt = stamp
         if blocks:
-            self._add(self._state(node), blocks, now)
+            self._add(self._state(node), blocks, stamp)
         outbox = self._outbox
         if outbox is not None and len(outbox) < OUTBOX_RECORDS:
             outbox.append((node.name, blocks))
@@ -336,7 +344,7 @@ class PrefixIndex:
             self._learnt = stamp = stamp if stamp < ceiling else ceiling
             self._add(self._state(view), blocks, stamp)
 
-    def _add(self, state: _Node, blocks: Sequence[int], now: float) -> None:
+    def _add(self, state: _Node, blocks: Sequence[int], now: int) -> None:
         # A chain's deeper blocks count as a hair older, so that trimming eats a chain from its
         # tail: the head alone is still a usable prefix, the tail alone matches nothing.
         sent = state.sent
