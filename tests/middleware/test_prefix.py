@@ -96,6 +96,18 @@ def test_a_full_node_caps_its_entries_and_a_restart_empties_them(node: MakeNode)
     assert len(index) == 1
 
 
+def test_a_node_full_from_the_start_is_not_capped_at_its_first_few_entries(
+    node: MakeNode,
+) -> None:
+    # No capacity from the engine (llama.cpp), its cache full at the index's first record: the
+    # cap was the first estimate, from a handful of entries, and could only shrink from there.
+    index = PrefixIndex()
+    for i in range(2000):
+        full = node("a", seq=i + 1, running=1, kv_cache=0.95)
+        index.record(full, blocks(f"{i:04d}" * CHUNK), i)
+    assert 1024 <= len(index) <= 8192 + 8192 // 8  # was 42
+
+
 def test_a_restarted_node_holds_nothing_from_its_first_new_snapshot(node: MakeNode) -> None:
     # Only a record there noticed the new boot: until one came, the restarted node still
     # matched as the holder and won picks for prefixes it no longer had.
@@ -187,6 +199,20 @@ def test_the_ends_of_the_others_tries_take_their_load_off(node: MakeNode) -> Non
     assert a.others_since_snapshot == b.others_since_snapshot == 0
     two.learn_finishes([("a", 1)], {"a": a})  # a try the snapshot showed, ended since
     assert a.others_since_snapshot == -1
+
+
+def test_the_end_of_a_start_the_full_outbox_dropped_is_not_sent(node: MakeNode) -> None:
+    # Starts past the outbox's bound were dropped, their ends all sent: the others took load
+    # off the node that they had never put on (-1,904 requests after 6,000 picks).
+    one, two = PrefixIndex(), PrefixIndex()
+    one.share()
+    a = node("a", running=0)
+    for i in range(6000):
+        one.record(a, (), i)
+        one.finished("a")
+    seen = node("a", running=0)
+    two.take(*one.drain(), {"a": seen})
+    assert seen.others_since_snapshot == 0
 
 
 def test_sharing_turned_off_keeps_nothing_for_others(node: MakeNode) -> None:
