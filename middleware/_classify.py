@@ -124,8 +124,8 @@ def load_classifier(spec: str | None) -> Classifier:
         raise ConfigError("classifier", spec, "'package.module:callable'")
     try:
         found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("classifier", spec, f"an importable callable ({exc})") from None
+    except Exception as exc:  # its import may raise anything (a SyntaxError, its own errors)
+        raise ConfigError("classifier", spec, f"an importable callable ({exc!r})") from None
     if not callable(found):
         raise ConfigError("classifier", spec, "a callable")
     return _guarded(spec, found)

@@ -64,8 +64,12 @@ class NodeConfig:
     api_key_env: str | None = None  # read the upstream key from this environment variable
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name) > 253:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > 253:
             raise ConfigError("name", self.name, "1..253 characters")
+        if not self.name.isprintable():
+            # It is sent in the x-promptlb-node header: the server refused a control character
+            # there, and every answer of a healthy node failed, charged to it.
+            raise ConfigError("name", self.name, "printable text")
         object.__setattr__(self, "url", check_url("url", self.url))
         if self.sidecar is not None:
             object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
@@ -367,6 +371,13 @@ class Config:
     def __post_init__(self) -> None:
         for i, name in enumerate(self.caller_headers):
             check_header_name(f"caller_headers[{i}]", name)
+        if self.class_header is not None:
+            # One no request can carry (spaces, empty) was silently the built-in classifier.
+            check_header_name("class_header", self.class_header)
+        route = self.models_route
+        if route is not None and (not isinstance(route, str) or not route.startswith("/")):
+            # "v1/models" matched nothing; "" answered the mount's root with the model list.
+            raise ConfigError("models_route", self.models_route, "a path starting with /")
         if self.strategy not in STRATEGIES:
             raise ConfigError("strategy", self.strategy, "one of " + ", ".join(sorted(STRATEGIES)))
         routes = self.strategy_options.get("routes")

@@ -94,6 +94,13 @@ tags = ["code"]
         ("forward_client_address = 'yes'\n" + NODE, "forward_client_address", "true or false"),
         ("[discovery]\nmode = 'dns'\n", "discovery.name", "DNS name"),
         (NODE + "[discovery]\nmode = 'dns'\nname = 'm.local'\n", "nodes", "none with discovery"),
+        # Sent in x-promptlb-node: the server refused the header, every answer failed.
+        ('[[nodes]]\nname = "gpu\\n1"\nurl = "http://x:1"\n', "nodes[0].name", "printable"),
+        # A header no request carries was silently the built-in classifier.
+        ("class_header = 'x prompt class'\n" + NODE, "class_header", "header name"),
+        ("class_header = ''\n" + NODE, "class_header", "header name"),
+        ("models_route = 'v1/models'\n" + NODE, "models_route", "starting with /"),
+        ("models_route = ''\n" + NODE, "models_route", "starting with /"),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_what_was_expected(

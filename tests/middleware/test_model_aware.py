@@ -87,6 +87,10 @@ def test_a_custom_classifier_is_loaded_by_name(caplog: pytest.LogCaptureFixture)
     for bad in ("nomodule", "promptlb.nothere:x", "promptlb.middleware._classify:CLASSES"):
         with pytest.raises(ConfigError, match="classifier"):
             load_classifier(bad)
+    # A module that fails as it is imported: a config error, not the gateway's traceback.
+    with pytest.raises(ConfigError, match="classifier") as info:
+        load_classifier("tests.middleware.broken_classifier_module:classify")
+    assert "RuntimeError" in str(info.value)
 
 
 def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
