@@ -87,12 +87,14 @@ class PromptLBClient:
         return self._stream("/v1/completions", body)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: dict[str, Any]) -> AsyncIterator[Answer]:
-        """The dispatcher's answer (fallbacks and cache included), with its refusals as
+    async def _open(
+        self, dispatch: Dispatcher, path: str, body: dict[str, Any]
+    ) -> AsyncIterator[Answer]:
+        """``dispatch``'s answer (fallbacks and cache included), with its refusals as
         `PromptLBError`: one type to catch."""
         try:
             request = self._reader.build(path, body)
-            async with self._dispatch.answer(request) as answer:
+            async with dispatch.answer(request) as answer:
                 yield answer
         except Refusal as exc:
             raise PromptLBError(exc.status, exc.error(), None) from None
@@ -103,7 +105,8 @@ class PromptLBClient:
     # failing node, so it was never ejected nor avoided.
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._open(path, body) as answer:
+        dispatch = self._dispatch  # a reload meanwhile: the call keeps the one it started with
+        async with self._open(dispatch, path, body) as answer:
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None
@@ -124,15 +127,16 @@ class PromptLBClient:
                 else:
                     # Into the cache as the proxy keeps it: an app that only called in-app
                     # never filled it, and had no fresh hits and no answer for an outage.
-                    recorder = recorder_for(answer, path, False, self._dispatch.entry_limit)
+                    recorder = recorder_for(answer, path, False, dispatch.entry_limit)
                     if recorder is not None:
                         recorder.feed(data)
-                    keep(self._dispatch.store, answer, recorder)
+                    keep(dispatch.store, answer, recorder)
                     return parsed
         raise error
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async with self._open(path, body) as answer:
+        dispatch = self._dispatch
+        async with self._open(dispatch, path, body) as answer:
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None
@@ -141,11 +145,11 @@ class PromptLBClient:
                 return
             status = up.response.status
             if status < 400 and up.response.content_type != "application/json":
-                recorder = recorder_for(answer, path, True, self._dispatch.entry_limit)
+                recorder = recorder_for(answer, path, True, dispatch.entry_limit)
                 chunks = _chunks(answer.first, up)
                 async for event in _aevents(_fed(chunks, recorder), up):
                     yield event
-                keep(self._dispatch.store, answer, recorder)  # not reached if left early
+                keep(dispatch.store, answer, recorder)  # not reached if left early
                 return
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.

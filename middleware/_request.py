@@ -196,6 +196,8 @@ class RequestReader:
     def build(self, path: str, body: Mapping[str, Any], headers: Headers | None = None) -> Request:
         """The in-app client's request: ``body`` as it would arrive over HTTP."""
         raw = json.dumps(body).encode()
+        if len(raw) > self.limit:  # as over HTTP: no node sees what the proxy refuses
+            raise TooLarge(self.limit)
         sent = headers if headers is not None else [(b"content-type", b"application/json")]
         return self._build(path, path, raw, _parse(raw, self.checks), sent, "standard", None, False)
 

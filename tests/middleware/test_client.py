@@ -235,3 +235,44 @@ async def test_in_app_answers_fill_the_cache_as_proxied_ones_do(serve: Serve, st
             assert text == "hello"
             await asyncio.sleep(0.05)  # the store is written in the background
     assert len(calls) == 1
+
+
+async def test_a_body_over_max_body_bytes_is_refused_in_app_as_over_http(serve: Serve) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        raise AssertionError("no node sees what the proxy refuses")
+
+    async with middleware_over(serve, chat, max_body_bytes=1024) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=[{"role": "user", "content": "x" * 4096}])
+    assert raised.value.status == 413
+
+
+async def test_a_call_under_way_through_a_reload_keeps_its_dispatcher(serve: Serve) -> None:
+    # Its answer went into the cache of the config reloaded meanwhile.
+    answering = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        answering.set()
+        await go_on.wait()
+        message = {"role": "assistant", "content": "hello"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return web.json_response({"object": "chat.completion", "choices": [choice]})
+
+    async with middleware_over(serve, chat, cache={"serve_fresh": True}) as app:
+        old = app.dispatcher
+        call = asyncio.create_task(app.client.chat(model="m", messages=HI, temperature=0))
+        await answering.wait()
+        nodes = [{"name": "a", "url": app.config.nodes[0].url, "models": ["m"]}]
+        new_cache = {"serve_fresh": True, "max_bytes": 4_000_000}  # a store of its own
+        assert await app.reload({"nodes": nodes, "cache": new_cache})
+        new = app.dispatcher
+        assert new is not old
+        go_on.set()
+        await call
+        await asyncio.sleep(0.05)  # the store is written in the background
+        body = {"model": "m", "messages": HI, "temperature": 0}
+        key = old.key(app._live.reader.build("/v1/chat/completions", body), "m")
+        assert key is not None
+        assert old.cache is not None and await old.cache.get(key) is not None
+        assert new.cache is not None and await new.cache.get(key) is None
