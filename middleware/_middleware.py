@@ -183,8 +183,11 @@ class PromptLBMiddleware:
             await self.app(scope, wrapped, sent)
         except _StartupFailed:
             return  # reported; the balancer did not start
-        if stopping["asked"]:  # an app that returned without saying its shutdown was done
-            await stop()
+        finally:
+            # An app that returned, or raised in its shutdown, without saying its shutdown
+            # was done: raising, its session and loops were never stopped.
+            if stopping["asked"]:
+                await stop()
 
     async def _serve_admin(self, live: Live, which: str, scope: Scope, send: Send) -> None:
         if which == "home":  # the page's relative links need the trailing slash

@@ -197,6 +197,31 @@ async def test_lifespan_starts_and_stops_background_work_cleanly() -> None:
     assert asyncio.all_tasks() - before == set()  # nothing of ours left pending
 
 
+async def test_an_app_that_raises_in_its_shutdown_still_has_the_middleware_stopped() -> None:
+    # A plain ASGI app (or a framework) that raises in its shutdown without saying it failed:
+    # the balancer's session and loops were never stopped.
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "lifespan.startup"
+        await send({"type": "lifespan.startup.complete"})
+        assert (await receive())["type"] == "lifespan.shutdown"
+        raise RuntimeError("the app's own shutdown failed")
+
+    mw = PromptLBMiddleware(app, config=config())
+    before = asyncio.all_tasks()
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        pass
+
+    with pytest.raises(RuntimeError, match="shutdown failed"):
+        await mw({"type": "lifespan", "state": {}}, receive, send)
+    assert not mw.balancer.started
+    assert asyncio.all_tasks() - before == set()
+
+
 async def test_the_app_shuts_down_before_the_middleware_stops() -> None:
     """In reverse of startup: the app's shutdown may still use the in-app client. The
     middleware stopped first, and a call then started a new session and loops that nothing
