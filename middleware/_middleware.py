@@ -56,6 +56,7 @@ class PromptLBMiddleware:
         self.client = PromptLBClient(self._live.dispatcher, self._live.reader, self.reload)
         self._status = StatusPage()
         self._reloading = asyncio.Lock()
+        self._reloads: set[asyncio.Task[bool]] = set()  # held: a task only weakly referenced
 
     # What the current config built; a request reads `_live` once and keeps what it read.
     @property
@@ -116,7 +117,17 @@ class PromptLBMiddleware:
         weights, strategy options, fallback chains, cache and shedding settings. Requests
         under way finish under the config they started with. A config that does not
         validate is refused with one log line naming the key, and the running one stays;
-        returns whether the new one is in force."""
+        returns whether the new one is in force.
+
+        A caller cancelled meanwhile (a request handler's timeout) does not stop it half way:
+        it was, between taking over the node table and switching configs, and the config left
+        in force had its cache retired and its health and gossip loops stopped."""
+        task = asyncio.ensure_future(self._reload(config))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+        return await asyncio.shield(task)
+
+    async def _reload(self, config: ConfigSource | None) -> bool:
         source = self._source if config is None else config
         async with self._reloading:
             old = self._live

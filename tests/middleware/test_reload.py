@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
+from aiohttp import web
 from promptlb.emulator import Service, start_command
 from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._cache import CacheEntry, MemoryCache
@@ -21,7 +22,7 @@ from promptlb.middleware._config import load_config
 from promptlb.middleware._live import describe
 from promptlb.middleware._predictive import Predictive
 
-from tests.conftest import Launcher
+from tests.conftest import Launcher, Serve
 
 FAST = ("--model", "m", "--ttft-ms", "5", "--tokens-per-s", "2000")
 BASE = """
@@ -392,3 +393,47 @@ async def test_a_balancer_a_reload_superseded_before_it_started_runs_no_loops_of
     finally:
         await drain(app)
     assert new._session is None
+
+
+async def test_a_reload_whose_caller_is_cancelled_still_switches_whole(
+    tmp_path: Path, serve: Serve
+) -> None:
+    # Cancelled while the new node was checked (a handler's timeout around reload()): the old
+    # config stayed in force with its cache retired and its loops stopped.
+    checking = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        checking.set()
+        await go_on.wait()
+        return web.json_response({"status": "ok"})
+
+    slow = web.Application()
+    slow.router.add_get("/health", health)
+    node_a = "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\nmodels = ['m']\n"
+    app = mounted(tmp_path / "promptlb.toml", BASE + node_a + "[cache]\nmax_bytes = 1048576\n")
+    async with serve(slow) as url:
+        try:
+            await app.balancer.start()
+            a = {"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}
+            new = {
+                "nodes": [a, {"name": "b", "url": url, "models": ["m"]}],
+                "cache": {"max_bytes": 2097152},
+            }
+            reloading = asyncio.create_task(app.reload(new))
+            await checking.wait()  # the newcomer's check is under way
+            reloading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reloading
+            go_on.set()
+            for _ in range(100):
+                if "b" in {n.name for n in app.config.nodes}:
+                    break
+                await asyncio.sleep(0.02)
+            assert {n.name for n in app.config.nodes} == {"a", "b"}  # switched, not half way
+            cache = app.dispatcher.cache
+            assert cache is not None and cache not in app.dispatcher.retired
+            assert app.balancer._evidence is not None  # its loops run
+        finally:
+            go_on.set()
+            await drain(app)
