@@ -48,6 +48,11 @@ HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answe
 GRACEFUL_SHUTDOWN = 30.0
 
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# The rest of a body its answer did not wait for (a 404, an admin 401) gets this many header
+# timeouts from its first byte after the answer (40 s by default, as nginx's lingering_time
+# of 30 s), then the connection closes: nothing else timed it, and a byte every few seconds of
+# a body declared a terabyte long held the connection for good.
+_UNREAD_FACTOR = 4
 
 
 def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
@@ -59,14 +64,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
     request's headers must be complete ``header_timeout`` after the connection opened or, on a
     kept-alive one, the request's first byte (before it, uvicorn's keep-alive timeout runs);
     otherwise the client gets a 408 and the connection is closed.
-    Bodies are the middleware's to time (``requests.body_timeout``): it is what reads them."""
+    Bodies are the middleware's to time (``requests.body_timeout``): it is what reads them;
+    the rest of one its answer did not read has `_UNREAD_FACTOR` header timeouts."""
 
     class Guarded(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
 
-        def _arm(self) -> None:
+        def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._too_slow)
+                self._header_timer = self.loop.call_later(timeout, self._too_slow)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -79,8 +85,9 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 return
             cycle = self.cycle
             # A pipelined request behind an answer still being written: a 408 would land in
-            # the middle of that answer, so the connection just closes.
-            if cycle is None or cycle.response_complete:
+            # the middle of that answer, so the connection just closes; so does one still
+            # sending a body that was answered already.
+            if cycle is None or (cycle.response_complete and not cycle.more_body):
                 self.transport.write(_TIMED_OUT)
             self.transport.close()
 
@@ -94,7 +101,9 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             # connection for good. Bytes while no request is under way start the deadline.
             cycle = self.cycle
             if cycle is None or (cycle.response_complete and not cycle.more_body):
-                self._arm()  # not for the rest of a body its answer did not wait for
+                self._arm()
+            elif cycle.response_complete:  # the rest of a body its answer did not wait for
+                self._arm(header_timeout * _UNREAD_FACTOR)
             super().data_received(data)
 
         def on_message_begin(self) -> None:

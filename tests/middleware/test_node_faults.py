@@ -345,6 +345,36 @@ async def test_the_rest_of_a_body_answered_early_is_not_cut_as_slow_headers(
     assert b"408" not in heard, heard[:200]
 
 
+async def test_the_rest_of_a_body_answered_early_cannot_hold_the_connection_for_good(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # Nothing timed it: a byte every few seconds of a body declared a terabyte long held the
+    # connection for as long as the client liked. It has four header timeouts (here 2 s).
+    gateway = _guarded_gateway(launch, tmp_path)
+
+    def upload() -> float:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+            declared = b"Content-Length: 1000000000000\r\n\r\n"
+            conn.sendall(b"POST /elsewhere HTTP/1.1\r\nHost: x\r\n" + declared)
+            assert conn.recv(65536).startswith(b"HTTP/1.1 404")
+            started = time.monotonic()
+            while time.monotonic() - started < 8:
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    break  # closed on us
+                conn.settimeout(0.25)
+                try:
+                    if conn.recv(65536) == b"":
+                        break
+                except TimeoutError:
+                    pass
+            return time.monotonic() - started
+
+    took = await asyncio.to_thread(upload)
+    assert 1.5 < took < 4, took
+
+
 def test_the_gateway_refuses_a_bad_header_timeout() -> None:
     from promptlb.middleware._gateway import main
 
