@@ -100,6 +100,7 @@ class ServiceModel:
         "others",
         "p",
         "peak",
+        "prior",
         "rate",
         "slots",
         "snapshot",
@@ -109,6 +110,7 @@ class ServiceModel:
 
     def __init__(self, forget: float = 0.97, prior: float = 100.0) -> None:
         self.forget = forget
+        self.prior = prior
         self.theta = [0.0, 0.0, 0.0]
         # Row-major 3x3 covariance; a large diagonal says "know nothing yet".
         self.p = [prior, 0.0, 0.0, 0.0, prior, 0.0, 0.0, 0.0, prior]
@@ -194,6 +196,15 @@ class ServiceModel:
         p[6] = (p[6] - k2 * px0) / lam
         p[7] = (p[7] - k2 * px1) / lam
         p[8] = (p[8] - k2 * px2) / lam
+        # Symmetric in exact arithmetic only: rounding drifted the pairs apart until P was no
+        # longer positive (a negative diagonal by answer 667 of a mixed stream, predictions off
+        # by 0.9 s in 1.6), and a negative trace escaped the cap below.
+        p[1] = p[3] = (p[1] + p[3]) * 0.5
+        p[2] = p[6] = (p[2] + p[6]) * 0.5
+        p[5] = p[7] = (p[5] + p[7]) * 0.5
+        if p[0] <= 0.0 or p[4] <= 0.0 or p[8] <= 0.0:
+            self.p = [self.prior, 0.0, 0.0, 0.0, self.prior, 0.0, 0.0, 0.0, self.prior]
+            return
         trace = p[0] + p[4] + p[8]
         if trace > _P_CAP:
             scale = _P_CAP / trace
