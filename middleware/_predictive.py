@@ -65,6 +65,7 @@ _IN_SCALE = 1000.0  # the least-squares problem well conditioned
 _MAX_CLASSES = 1024
 _UNCACHED_KEPT = 4096  # picks awaiting their answers, the oldest let go first
 _P_CAP = 1e4  # bounds the covariance: forgetting with little excitation would inflate it
+_OUT_SPREAD = 16.0  # an answer teaches a max_tokens at most this many times its class's usual
 # A cold node failing this share of its tries is not probed: only answers warm a node, so one
 # that fails fast took every probe (each a request's first try) until outlier ejection.
 _PROBE_ERRORS = 0.25
@@ -628,7 +629,13 @@ class Predictive:
         # max_tokens: 2e14 tokens within a thousand picks, then b at 0 and no way back). With
         # no size known, `out` stays one constant and b takes the mean length up.
         if request.max_tokens is not None and request.max_tokens > 0:
-            self._learn_class(request, float(request.max_tokens))
+            # An upper bound, not the length: one 32,768 among answers of a few hundred (a
+            # client's "as much as it takes") drove b to nothing for a thousand answers and
+            # the class's length to 500,000. Taught at most a few times the class's usual.
+            usual = self._history.get((request.model, request.prompt_class))
+            if usual is not None and out > _OUT_SPREAD * usual:
+                out = _OUT_SPREAD * usual
+            self._learn_class(request, out)
         decode = None
         if ttft_s is not None and 0.0 < ttft_s < latency_s and request.stream:
             decode = latency_s - ttft_s

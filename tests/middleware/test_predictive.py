@@ -82,6 +82,19 @@ def test_the_fit_stays_sound_over_a_long_mixed_stream_of_answers() -> None:
     assert worst < 0.1, worst
 
 
+def test_a_max_tokens_far_beyond_the_usual_teaches_a_bounded_length(node: MakeNode) -> None:
+    # max_tokens is a bound: one of 10,000,000 that stopped at 256 tokens drove the node's
+    # decode cost to 0 for good and made the class's usual length 500,000.
+    rng = random.Random(6)
+    strategy = Predictive(PowerOfTwoChoices())
+    a = node("a", running=0)
+    teach(strategy, a, 50, rng)
+    strategy.observe(request(10_000_000, 200), a, truth(256, 200), A + C * 200, 0)
+    assert strategy.expected_output(request(None)) < 16 * 400  # the usual length stands
+    model = strategy.model_of("a")
+    assert model is not None and model.theta[1] / 100 > 0.1 * B  # was 0.0
+
+
 def test_a_streamed_answer_splits_decode_from_the_head_so_a_wrong_wait_spares_the_rate() -> None:
     rng = random.Random(2)
     model = ServiceModel()
