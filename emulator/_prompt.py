@@ -28,12 +28,9 @@ def estimate_tokens(value: object) -> int:
 
 def prompt_blocks(prompt: object, *, chat: bool) -> tuple[int, list[int]]:
     """A chat's ``messages`` or a completion's ``prompt``: its tokens and its block hashes.
-    Token ids have no text under the rule: four bytes each stand for them (the rule's token),
-    equal ids alike; their JSON text took about seven, and pinned twice the blocks."""
+    Token ids are four bytes each under the rule (`prompt_bytes`); their JSON text took about
+    seven, and pinned twice the blocks."""
     data = prompt_bytes({"messages" if chat else "prompt": prompt})
     if not data:
-        if isinstance(prompt, list) and prompt and all(isinstance(v, int) for v in prompt):
-            packed = b"".join((v & 0xFFFFFFFF).to_bytes(4, "little") for v in prompt)
-            return len(prompt), block_hashes(packed)
         data = json.dumps(prompt).encode()
     return prompt_tokens(data), block_hashes(data)

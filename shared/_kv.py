@@ -15,7 +15,9 @@ costs one wrong guess, never a wrong answer.
 
 from __future__ import annotations
 
+import sys
 import zlib
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,20 +33,43 @@ __all__ = [
 ]
 
 BYTES_PER_TOKEN = 4
+assert array("I").itemsize == BYTES_PER_TOKEN  # token ids are packed as C unsigned ints
 BLOCK_TOKENS = 16
 BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 
 
 def prompt_bytes(body: Mapping[str, Any]) -> bytes:
     """The prompt as the engine sees it: each chat turn as ``role\\ncontent\\n`` (the text
-    parts of list content joined), or a completion's first prompt. Empty for token ids."""
+    parts of list content joined), or a completion's first prompt; a prompt of token ids as
+    four bytes each (the rule's token; equal ids alike). Empty for anything else."""
     parts: list[str] = []
     for role, pieces in prompt_turns(body):
         if role is None:
             parts.append(pieces[0])
             break
         parts.append(f"{role}\n{''.join(pieces)}\n")
+    if not parts:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            return _token_bytes(prompt)
     return "".join(parts).encode("utf-8", "surrogatepass")
+
+
+def _token_bytes(ids: list[Any]) -> bytes:
+    """Token ids, four little-endian bytes each (ids past 32 bits by their low 32); empty
+    when they are not all integers. The middleware indexed nothing of such a prompt while the
+    emulator cached it, so its answers taught the whole prompt as prefill."""
+    try:
+        packed = array("I", ids)  # in C: its own check that every id is an integer
+    except OverflowError:  # a negative id, or one past 32 bits
+        if not all(isinstance(v, int) for v in ids):
+            return b""
+        packed = array("I", [v & 0xFFFFFFFF for v in ids])
+    except TypeError:
+        return b""
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def prompt_tokens(data: bytes) -> int:

@@ -13,12 +13,14 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from promptlb.emulator._prompt import prompt_blocks as emulator_blocks
 from promptlb.middleware._affinity import Affinity
 from promptlb.middleware._config import load_config
 from promptlb.middleware._model_aware import ModelAware
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import (
+    INDEX_BLOCKS,
     INDEX_BYTES,
     INDEX_TOKENS,
     PrefixIndex,
@@ -411,6 +413,19 @@ def test_guard_blocks_are_hashed_over_the_prompt_not_its_json() -> None:
     one = reader.build("/v1/chat/completions", compact).route.blocks
     two = reader.build("/v1/chat/completions", spaced).route.blocks
     assert one == two and len(one) >= 5
+
+
+def test_a_prompt_of_token_ids_is_indexed_as_the_emulator_caches_it() -> None:
+    # The emulator cached 187 blocks of 3,000 ids; the middleware indexed none, and taught
+    # the whole prompt as prefill on every answer.
+    config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    ids = list(range(3000))
+    indexed = reader.build("/v1/completions", {"model": "m", "prompt": ids}).route.blocks
+    tokens, cached = emulator_blocks(ids, chat=False)
+    assert tokens == 3000 and len(cached) == 187
+    # Every coarse block is the engine block at its end: the same prefix, by the same hash.
+    assert indexed == tuple(cached[INDEX_BLOCKS - 1 :: INDEX_BLOCKS]) and len(indexed) == 11
 
 
 def test_independent_replicas_send_a_new_prefix_to_the_same_node(node: MakeNode) -> None:
