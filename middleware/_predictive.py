@@ -419,10 +419,15 @@ class Predictive:
         index = self.index
         if index is None:
             return
-        if request.blocks:
-            depth = index.matches(request.blocks, (node,), self._tick).get(node.name, 0)
-            self._remember(request, node, depth)
-        index.placed(node, request.blocks)
+        if not request.blocks:
+            index.placed(node, request.blocks)  # for the others' count of its load
+            return
+        # A pick of ours, on the clock too: recorded at the last pick's tick, the ring's
+        # placements shared one stamp, and trimming kept the first sent, not the last.
+        self._tick += 1
+        depth = index.matches(request.blocks, (node,), self._tick).get(node.name, 0)
+        self._remember(request, node, depth)
+        index.record(node, request.blocks, self._tick)
 
     def _remember(self, request: RouteRequest, node: NodeView, depth: int) -> None:
         uncached = self._uncached

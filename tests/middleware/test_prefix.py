@@ -529,6 +529,24 @@ def test_a_session_placed_by_affinity_teaches_prefill_from_what_was_not_cached(
     assert inner._uncached[id(turn), "a"][1] == turn.input_tokens - 6 * INDEX_TOKENS
 
 
+def test_placements_by_affinity_keep_the_most_recently_sent_prefixes(node: MakeNode) -> None:
+    # Placed at the last pick's tick, the ring's placements all shared one stamp, and the
+    # index trimmed by first insertion: a hot prefix, re-sent every sixth request, went first.
+    strategy = Predictive(PowerOfTwoChoices())
+    assert strategy.index is not None
+    strategy.index.capacity = 16
+    a = node("a")
+    hot = chat("h" * CHUNK * 2, 5)
+    found = 0
+    for i in range(400):
+        if i % 6 == 0:
+            found += strategy.index.matches(hot.blocks, [a], i).get("a", 0) == 2
+            strategy.placed(hot, a)
+        else:
+            strategy.placed(chat(f"{i:04d}" * (CHUNK // 4), 5), a)
+    assert found >= 66  # of 67: all but the first (was 50)
+
+
 def test_a_session_placed_through_model_aware_teaches_the_inner_predictive(
     node: MakeNode,
 ) -> None:
