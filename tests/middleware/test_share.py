@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -354,27 +355,35 @@ def test_a_record_longer_than_a_reader_takes_is_cut_not_refused() -> None:
     assert (other, short) == ("b", (1, 2))  # the rest of the entry is learnt
 
 
+def raising_rounds(
+    replica: IndexShare, monkeypatch: pytest.MonkeyPatch, raises: Callable[[int], bool]
+) -> list[int]:
+    """``replica``'s exchanges replaced by one that counts them (``[count]``, returned) and
+    raises a bug on the ``n``-th where ``raises(n)``."""
+    rounds = [0]
+
+    async def exchange() -> None:
+        rounds[0] += 1
+        if raises(rounds[0]):
+            raise KeyError("a reply of a shape this version does not know")
+
+    monkeypatch.setattr(replica, "exchange", exchange)
+    return rounds
+
+
 async def test_a_round_that_raises_a_bug_is_counted_and_the_next_runs(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     metrics = Metrics(lambda: None)
     replica = share(redis_server.url, PrefixIndex(), metrics, every=0.02)
-    rounds = 0
-
-    async def exchange() -> None:
-        nonlocal rounds
-        rounds += 1
-        if rounds == 1:
-            raise KeyError("a reply of a shape this version does not know")
-
-    monkeypatch.setattr(replica, "exchange", exchange)
+    rounds = raising_rounds(replica, monkeypatch, lambda n: n == 1)
     replica.start()
     try:
         for _ in range(100):
-            if rounds >= 3:
+            if rounds[0] >= 3:
                 break
             await asyncio.sleep(0.02)
-        assert rounds >= 3  # sharing went on after the bad round
+        assert rounds[0] >= 3  # sharing went on after the bad round
         assert errors(metrics, "bug") == 1
         assert any("index share round failed" in r.message for r in caplog.records)
     finally:
@@ -387,22 +396,15 @@ async def test_rounds_that_keep_raising_back_off_and_log_once(
     # Every 20 ms a traceback and a round, for ever, while a reply's shape was misread.
     metrics = Metrics(lambda: None)
     replica = share(redis_server.url, PrefixIndex(), metrics, every=0.02)
-    rounds = 0
-
-    async def exchange() -> None:
-        nonlocal rounds
-        rounds += 1
-        raise KeyError("a reply of a shape this version does not know")
-
-    monkeypatch.setattr(replica, "exchange", exchange)
+    rounds = raising_rounds(replica, monkeypatch, lambda n: True)
     replica.start()
     try:
         await asyncio.sleep(0.6)  # 30 rounds at the configured pace
     finally:
         await replica.stop()
-    assert 2 <= rounds <= 10, rounds  # backed off as for an outage: 20, 40, 80, 160 ms...
+    assert 2 <= rounds[0] <= 10, rounds  # backed off as for an outage: 20, 40, 80, 160 ms...
     # Each counted, for the alert (but the last hand-on at the stop, which is not a round).
-    assert errors(metrics, "bug") == rounds - 1
+    assert errors(metrics, "bug") == rounds[0] - 1
     assert len([r for r in caplog.records if "round failed" in r.message]) == 1
 
 

@@ -146,6 +146,17 @@ def models_reply(*names: str) -> Reply:
     return lambda request: web.json_response({"data": [{"id": n} for n in names]})
 
 
+def changing_metrics(first: str) -> tuple[dict[str, Reply], dict[str, str]]:
+    """Routes of a model server whose /metrics answers ``metrics["text"]``, ``first`` at
+    first: the test changes it as it goes."""
+    metrics = {"text": first}
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/metrics": lambda request: web.Response(text=metrics["text"]),
+    }
+    return routes, metrics
+
+
 def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.exc_info]
 
@@ -451,11 +462,7 @@ async def test_an_out_of_range_engine_count_drops_the_engine_and_logs_once(
     caplog: pytest.LogCaptureFixture,
     sidecar_beside: SidecarBeside,
 ) -> None:
-    metrics = {"text": GOOD}
-    routes: dict[str, Reply] = {
-        "/health": text("ok"),
-        "/metrics": lambda request: web.Response(text=metrics["text"]),
-    }
+    routes, metrics = changing_metrics(GOOD)
     with caplog.at_level(logging.INFO, "promptlb.sidecar"):
         async with sidecar_beside(routes) as (_, live):
             await until(lambda: live.engine is not None)
@@ -505,11 +512,7 @@ async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
         "vllm:num_requests_running {}\nvllm:num_requests_waiting 0\n"
         "# TYPE vllm:generation_tokens_total counter\n"
     )
-    metrics = {"text": load.format(1) + "vllm:generation_tokens_total 0\n"}
-    routes: dict[str, Reply] = {
-        "/health": text("ok"),
-        "/metrics": lambda request: web.Response(text=metrics["text"]),
-    }
+    routes, metrics = changing_metrics(load.format(1) + "vllm:generation_tokens_total 0\n")
     with caplog.at_level(logging.INFO, "promptlb.sidecar"):
         async with sidecar_beside(routes) as (_, live):
             await until(lambda: live.engine is not None)
@@ -533,11 +536,7 @@ async def test_an_engine_whose_counter_moves_as_requests_end_reports_no_burst(
         "llamacpp:requests_processing {}\nllamacpp:requests_deferred 0\n"
         "# TYPE llamacpp:tokens_predicted_total counter\n"
     )
-    metrics = {"text": load.format(1) + "llamacpp:tokens_predicted_total 0\n"}
-    routes: dict[str, Reply] = {
-        "/health": text("ok"),
-        "/metrics": lambda request: web.Response(text=metrics["text"]),
-    }
+    routes, metrics = changing_metrics(load.format(1) + "llamacpp:tokens_predicted_total 0\n")
     async with sidecar_beside(routes) as (_, live):
         await until(lambda: live.engine is not None)
         metrics["text"] = load.format(2) + "llamacpp:tokens_predicted_total 1000\n"
