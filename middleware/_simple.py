@@ -39,11 +39,11 @@ class RoundRobin(Static):
     name = "round_robin"
 
     def __init__(self) -> None:
-        # A turn per model and class: one counter over every model sent a RAG app's embeddings
-        # call and its chat call to the even and the odd places of their two nodes each, and
-        # half the nodes got nothing, for good; under model_aware, alternating classes did the
-        # same to their own node lists. (A retry's shorter list shares its request's turn.)
-        self._next: dict[str | tuple[str, str], int] = {}
+        # A turn per model: one counter over every model sent a RAG app's embeddings call and
+        # its chat call to the even and the odd places of their two nodes each, and half the
+        # nodes got nothing, for good. (Per model and class, two classes' turns started alike
+        # and landed on one node together; a retry's shorter list shares its model's turn.)
+        self._next: dict[str, int] = {}
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
@@ -52,8 +52,7 @@ class RoundRobin(Static):
         if n == 0:
             raise NoNodeAvailable(request.model)
         turns = self._next
-        cls = request.prompt_class
-        key = (request.model, cls) if cls else request.model
+        key = request.model
         i = turns.get(key)
         if i is None:
             if len(turns) >= _TURNS:  # model names are the clients' (nodes may take any)
