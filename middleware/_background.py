@@ -178,6 +178,8 @@ class Evidence:
 
     async def _gossip(self, node: Node) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.gossip_timeout)
+        # A newcomer is polled before it joins (`check`): only a listed node can be dropped.
+        listed = self._table.nodes.get(node.name) is node
         async with self._gate:
             try:
                 async with self._session.get(
@@ -192,7 +194,7 @@ class Evidence:
                         raise SnapshotError(
                             f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
                         )
-                if self._table.nodes.get(node.name) is not node:
+                if listed and self._table.nodes.get(node.name) is not node:
                     return  # dropped during the round (a pod gone): nothing to keep of it
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
@@ -207,10 +209,11 @@ class Evidence:
                     self._freshness.check(snapshot)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 node.snapshot_errors += 1
-                if self._table.nodes.get(node.name) is not node:
+                if listed and self._table.nodes.get(node.name) is not node:
                     return  # gone during the round: its problems went with it
                 kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
-                self._metrics.snapshot_errors.labels(node.name, kind).inc()
+                if listed:  # a newcomer's series would be made for a node that may not join
+                    self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return
         self._problem(node, "snapshot", None)

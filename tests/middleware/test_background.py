@@ -468,6 +468,31 @@ async def test_a_pod_discovery_drops_takes_its_logged_problems_with_it(
     assert not [k for k in evidence._problems if k[0] == "10.0.0.7:8000"]
 
 
+async def test_a_newcomer_joins_with_the_snapshot_its_check_fetched(
+    monkeypatch: pytest.MonkeyPatch, serve: Serve, snap: MakeSnapshot
+) -> None:
+    # A node is polled before it joins the table: a round that kept only listed nodes' answers
+    # dropped every newcomer's first snapshot, and it joined with its load unknown.
+    async def snapshot(request: web.Request) -> web.Response:
+        return web.Response(body=encode(snap("127.0.0.1:8000", running=3)))
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+
+    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 8000))]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    async with serve(app) as url, aiohttp.ClientSession() as session:
+        port = int(url.rsplit(":", 1)[1])
+        config = dns_config(name="models", port=8000, sidecar_port=port)
+        lb = Balancer(config)
+        evidence = Evidence(config, lb.table, session, lb.metrics)
+        await evidence.discover()
+        joined = lb.table.nodes["127.0.0.1:8000"].snapshot
+        assert joined is not None and joined.engine is not None and joined.engine.running == 3
+
+
 async def test_a_round_still_out_when_its_pod_is_dropped_leaves_nothing_of_it_behind(
     monkeypatch: pytest.MonkeyPatch, serve: Serve
 ) -> None:
