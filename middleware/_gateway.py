@@ -69,12 +69,14 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
 
     class Guarded(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _unread = False  # the timer is the unread body's, not a request's headers'
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(timeout, self._too_slow)
 
         def _disarm(self) -> None:
+            self._unread = False
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
@@ -87,7 +89,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             # A pipelined request behind an answer still being written: a 408 would land in
             # the middle of that answer, so the connection just closes; so does one still
             # sending a body that was answered already.
-            if cycle is None or (cycle.response_complete and not cycle.more_body):
+            if cycle is None or (cycle.response_complete and not self._unread):
                 self.transport.write(_TIMED_OUT)
             self.transport.close()
 
@@ -103,11 +105,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             if cycle is None or (cycle.response_complete and not cycle.more_body):
                 self._arm()
             elif cycle.response_complete:  # the rest of a body its answer did not wait for
+                if self._header_timer is None:
+                    self._unread = True
                 self._arm(header_timeout * _UNREAD_FACTOR)
             super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            if self._unread:  # the next request's headers get a deadline of their own
+                self._disarm()
             self._arm()
 
         def on_headers_complete(self) -> None:
