@@ -637,8 +637,10 @@ class Predictive:
             # An upper bound, not the length: one 32,768 among answers of a few hundred (a
             # client's "as much as it takes") drove b to nothing for a thousand answers and
             # the class's length to 500,000. Taught at most a few times the class's usual.
-            usual = self._history.get((request.model, request.prompt_class))
-            if usual is not None and out > _OUT_SPREAD * usual:
+            usual = self._history.get(
+                (request.model, request.prompt_class), float(self.default_output_tokens)
+            )  # (a class's first answer against the default length)
+            if out > _OUT_SPREAD * usual:
                 out = _OUT_SPREAD * usual
             self._learn_class(request, out)
         decode = None

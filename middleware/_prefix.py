@@ -40,7 +40,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Any
 
-from promptlb.shared import BLOCK_BYTES, BLOCK_TOKENS, block_hashes, prompt_bytes
+from promptlb.shared import BLOCK_BYTES, BLOCK_TOKENS, BYTES_PER_TOKEN, block_hashes, prompt_bytes
 
 from ._view import NodeView
 
@@ -91,7 +91,10 @@ def body_blocks(body: Mapping[str, Any], size: int) -> tuple[int, ...]:
     longer than the newlines that replace it), so a body under one coarse block has none, and
     most short requests skip the walk."""
     if size < INDEX_BYTES:
-        return ()
+        ids = body.get("prompt")
+        # Token ids are four bytes each as the engine's prompt, more than their JSON ("7,").
+        if type(ids) is not list or len(ids) * BYTES_PER_TOKEN < INDEX_BYTES:
+            return ()
     return prompt_blocks(prompt_bytes(body))
 
 

@@ -93,6 +93,13 @@ def test_a_max_tokens_far_beyond_the_usual_teaches_a_bounded_length(node: MakeNo
     assert strategy.expected_output(request(None)) < 16 * 400  # the usual length stands
     model = strategy.model_of("a")
     assert model is not None and model.theta[1] / 100 > 0.1 * B  # was 0.0
+    # A class's first answer too: held against the default length.
+    fresh = Predictive(PowerOfTwoChoices())
+    fresh.observe(request(10_000_000, 200), a, truth(256, 200), A + C * 200, 0)
+    teach(fresh, a, 50, rng)
+    assert fresh.expected_output(request(None)) < 16 * 400
+    learnt = fresh.model_of("a")
+    assert learnt is not None and learnt.theta[1] / 100 > 0.5 * B
 
 
 def test_a_streamed_answer_splits_decode_from_the_head_so_a_wrong_wait_spares_the_rate() -> None:

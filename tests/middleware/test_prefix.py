@@ -421,11 +421,16 @@ def test_a_prompt_of_token_ids_is_indexed_as_the_emulator_caches_it() -> None:
     config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
     reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
     ids = list(range(3000))
-    indexed = reader.build("/v1/completions", {"model": "m", "prompt": ids}).route.blocks
+    route = reader.build("/v1/completions", {"model": "m", "prompt": ids}).route
     tokens, cached = emulator_blocks(ids, chat=False)
     assert tokens == 3000 and len(cached) == 187
     # Every coarse block is the engine block at its end: the same prefix, by the same hash.
-    assert indexed == tuple(cached[INDEX_BLOCKS - 1 :: INDEX_BLOCKS]) and len(indexed) == 11
+    assert route.blocks == tuple(cached[INDEX_BLOCKS - 1 :: INDEX_BLOCKS])
+    assert len(route.blocks) == 11
+    assert route.input_tokens == 3000  # counted, not its JSON's length over four (4,229)
+    # Shorter as JSON ("7," each) than as the engine's prompt: still one coarse block.
+    short = reader.build("/v1/completions", {"model": "m", "prompt": [7] * 300}).route
+    assert len(short.blocks) == 1 and short.input_tokens == 300
 
 
 def test_independent_replicas_send_a_new_prefix_to_the_same_node(node: MakeNode) -> None:
