@@ -26,12 +26,18 @@ PSS_EVERY_S = 2.0
 def is_loopback(address: str | None) -> bool:
     """Whether a peer's address is this host's loopback (IPv4, IPv6, or IPv4 as IPv6)."""
     try:
-        ip = ipaddress.ip_address(address or "")
+        return _unmapped(ipaddress.ip_address(address or "")).is_loopback
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+
+
+def _unmapped(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``::ffff:127.0.0.1`` as ``127.0.0.1``: one host, whichever way a socket spells it."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def is_local_host(host: str | None) -> bool:
@@ -44,11 +50,9 @@ def is_local_host(host: str | None) -> bool:
     if host == "localhost":
         return True
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        address = _unmapped(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
         return False  # a name: not resolved here, and not assumed ours
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
     # 0.0.0.0 and :: (a server's bind address, often copied into its URL) reach this host.
     if address.is_loopback or address.is_unspecified:
         return True
@@ -172,6 +176,7 @@ class ProcessCollector:
             self._previous = None
         self._proc = None
         self._history.clear()
+        self.pss = None  # another process's, or none: read afresh
         pid = self._pid
         if pid is None and self._port:
             now = self._clock()
@@ -255,6 +260,7 @@ class ProcessCollector:
         except psutil.Error as exc:
             self.reason = f"model-server process {proc.pid}: {exc}"
             self._proc = None
+            self.pss = None  # not the gone process's, for a memory limit to be held against
             if isinstance(exc, psutil.NoSuchProcess):  # gone between the check and the read
                 self.restarted = True
                 self._previous = None

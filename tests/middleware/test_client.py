@@ -270,9 +270,12 @@ async def test_a_call_under_way_through_a_reload_keeps_its_dispatcher(serve: Ser
         assert new is not old
         go_on.set()
         await call
-        await asyncio.sleep(0.05)  # the store is written in the background
         body = {"model": "m", "messages": HI, "temperature": 0}
         key = old.key(app._live.reader.build("/v1/chat/completions", body), "m")
-        assert key is not None
-        assert old.cache is not None and await old.cache.get(key) is not None
+        assert key is not None and old.cache is not None
+        for _ in range(200):  # the store is written in the background
+            if await old.cache.get(key) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert await old.cache.get(key) is not None
         assert new.cache is not None and await new.cache.get(key) is None

@@ -663,7 +663,7 @@ async def test_a_sidecar_whose_nvml_hangs_at_start_still_serves_and_stops(
     monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
     try:
         with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(15):  # startup hung for good; shutdown waits 2 s
                 async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
                     await until(lambda: live.host is not None and live.server_ok)
                     assert live.gpus == ()

@@ -99,6 +99,8 @@ def test_bad_gpu_device_lists_are_config_errors(devices: tuple[str, ...]) -> Non
     "url",
     [
         "http://127.0.0.1:8000?x=1",  # the routes went after it: ...?x=1/health
+        "http://127.0.0.1:8000?",
+        "http://127.0.0.1:8000/?",
         "http://127.0.0.1:8000/#frag",
         "http://127.0.0.1:8000/v1",  # the OpenAI base URL: /v1/v1/models
         "http://127.0.0.1:8000/v1/",

@@ -122,9 +122,16 @@ def test_against_a_limit_a_forked_servers_shared_pages_count_once() -> None:
         limit = 160 << 20
         free = memory_free(proportional.pss, limit)
         assert free is not None and free > 32 << 20  # the RSS sum: nearly none
-    finally:
         for process in psutil.Process(child.pid).children(recursive=True):
             process.kill()
+        child.kill()
+        child.wait(timeout=5)
+        # Gone: nothing held against the limit, not the dead tree's last reading.
+        assert proportional.sample(now=0.5) == (None, None) and proportional.pss is None
+    finally:
+        with contextlib.suppress(psutil.Error):
+            for process in psutil.Process(child.pid).children(recursive=True):
+                process.kill()
         child.kill()
         child.wait(timeout=5)
 
