@@ -85,6 +85,18 @@ def dns_config(**discovery: Any) -> Config:
     )
 
 
+def resolve_to(monkeypatch: pytest.MonkeyPatch, *addresses: str) -> dict[str, list[str]]:
+    """DNS answers ``addresses`` (port 8000) from now on; change ``["now"]`` of what is
+    returned to change them."""
+    answers = {"now": list(addresses)}
+
+    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000)) for a in answers["now"]]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    return answers
+
+
 async def test_dns_discovered_sidecars_keep_their_own_scheme() -> None:
     """Model servers behind https do not make the sidecars (plain HTTP) https too."""
     lb = Balancer(dns_config(name="127.0.0.1", port=8443, scheme="https"))
@@ -450,12 +462,7 @@ async def test_a_pod_discovery_drops_takes_its_logged_problems_with_it(
 ) -> None:
     # Under discovery a pod's address comes back with a new pod: its problem, still held for
     # the old one, was never logged again, and the entries grew with churn until a reload.
-    answers = {"now": ["10.0.0.7"]}
-
-    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000)) for a in answers["now"]]
-
-    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    answers = resolve_to(monkeypatch, "10.0.0.7")
     config = dns_config(name="models", port=8000, sidecar_port=None)
     lb = Balancer(config)
     evidence = Evidence(config, lb.table, None, lb.metrics)  # type: ignore[arg-type]
@@ -479,10 +486,7 @@ async def test_a_newcomer_joins_with_the_snapshot_its_check_fetched(
     app = web.Application()
     app.router.add_get("/snapshot", snapshot)
 
-    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 8000))]
-
-    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    resolve_to(monkeypatch, "127.0.0.1")
     async with serve(app) as url, aiohttp.ClientSession() as session:
         port = int(url.rsplit(":", 1)[1])
         config = dns_config(name="models", port=8000, sidecar_port=port)
@@ -506,12 +510,7 @@ async def test_a_round_still_out_when_its_pod_is_dropped_leaves_nothing_of_it_be
 
     app = web.Application()
     app.router.add_get("/snapshot", snapshot)
-    answers = {"now": ["127.0.0.1"]}
-
-    async def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 8000)) for a in answers["now"]]
-
-    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    answers = resolve_to(monkeypatch, "127.0.0.1")
     async with serve(app) as url, aiohttp.ClientSession() as session:
         port = int(url.rsplit(":", 1)[1])
         config = dns_config(name="models", port=8000, sidecar_port=port)
