@@ -528,10 +528,12 @@ async def test_a_token_counter_leaping_out_of_range_leaves_tps_out(
 
 
 async def test_an_engine_whose_counter_moves_as_requests_end_reports_no_burst(
-    sidecar_beside: SidecarBeside,
+    monkeypatch: pytest.MonkeyPatch, sidecar_beside: SidecarBeside
 ) -> None:
     # llama.cpp counts an answer's tokens when it ends: one scrape interval's rate was a burst
-    # of the whole answer, which the gateways took for the node's speed.
+    # of the whole answer, which the gateways took for the node's speed. Its rate comes over
+    # the window (30 s; 0.5 s here).
+    monkeypatch.setattr(sidecar_app, "END_COUNTER_WINDOW_S", 0.5)
     load = (
         "llamacpp:requests_processing {}\nllamacpp:requests_deferred 0\n"
         "# TYPE llamacpp:tokens_predicted_total counter\n"
@@ -547,6 +549,17 @@ async def test_an_engine_whose_counter_moves_as_requests_end_reports_no_burst(
             seen.append(live.engine.tps)
             await asyncio.sleep(0.02)
         assert seen == [None] * 10, seen
+        # Answers of 100 tokens ending every 50 ms (2,000 tokens/s) for a second: once the
+        # readings span the window, that rate, not a reading's burst of 5,000 or 0.
+        total, rates = 1000, []
+        for _ in range(20):
+            total += 100
+            metrics["text"] = load.format(2) + f"llamacpp:tokens_predicted_total {total}\n"
+            await asyncio.sleep(0.05)
+            assert live.engine is not None
+            rates.append(live.engine.tps)
+        late = [r for r in rates[-6:] if r is not None]
+        assert late and all(500 <= r <= 3000 for r in late), rates  # (room for a slow machine)
 
 
 async def test_an_engines_own_throughput_gauge_is_its_tps(sidecar_beside: SidecarBeside) -> None:
