@@ -43,16 +43,30 @@ class RoundRobin(Static):
         # its chat call to the even and the odd places of their two nodes each, and half the
         # nodes got nothing, for good. (Per model and class, two classes' turns started alike
         # and landed on one node together; a retry's shorter list shares its model's turn.)
-        self._next: dict[str, int] = {}
+        self._next: dict[str | tuple[str, str], int] = {}
 
     def pick(
         self, request: RouteRequest, candidates: Sequence[NodeView], rng: random.Random
     ) -> NodeView:
+        return self.pick_in_group("", request, candidates, rng)
+
+    def pick_in_group(
+        self,
+        group: str,
+        request: RouteRequest,
+        candidates: Sequence[NodeView],
+        rng: random.Random,
+    ) -> NodeView:
+        """`pick` among candidates a wrapper narrowed to ``group`` (model_aware's route): a turn
+        of their own. Sharing the model's, classes that alternate landed each on the same place
+        of its own list, and half of each list's nodes got nothing. (Classes that share one
+        list keep one turn: from two, they met on one node; plain round robin's p99 on the
+        class-tagged scenarios went 37.8 -> 41.9 s.)"""
         n = len(candidates)
         if n == 0:
             raise NoNodeAvailable(request.model)
         turns = self._next
-        key = request.model
+        key = (request.model, group) if group else request.model
         i = turns.get(key)
         if i is None:
             if len(turns) >= _TURNS:  # model names are the clients' (nodes may take any)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -118,6 +119,28 @@ def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
     only = [node("x"), node("y")]
     request = RouteRequest(model="m", prompt_class="code")
     assert {strategy.pick(request, only, rng).name for _ in range(8)} == {"x", "y"}
+
+
+def test_alternating_classes_each_take_turns_over_their_own_nodes(node: MakeNode) -> None:
+    # One round-robin turn per model: code, chat, code, chat... sent every code request to
+    # the even place of its list and every chat to the odd one, and half the nodes idled.
+    strategy = make_strategy(
+        "model_aware", routes={"code": ["coder"], "simple_qa": ["light"]}, inner="round_robin"
+    )
+    nodes = [
+        node("c1", tags={"coder"}),
+        node("c2", tags={"coder"}),
+        node("l1", tags={"light"}),
+        node("l2", tags={"light"}),
+    ]
+    rng = random.Random(2)
+    code = RouteRequest(model="m", prompt_class="code")
+    chat = RouteRequest(model="m", prompt_class="simple_qa")
+    got: Counter[str] = Counter()
+    for _ in range(100):
+        got[strategy.pick(code, nodes, rng).name] += 1
+        got[strategy.pick(chat, nodes, rng).name] += 1
+    assert got == {"c1": 50, "c2": 50, "l1": 50, "l2": 50}
 
 
 def test_bad_model_aware_options_are_config_errors() -> None:
