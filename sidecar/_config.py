@@ -130,7 +130,7 @@ class SidecarConfig:
         # Paths are appended to it (/health, /v1/models, /metrics): a query or fragment ended
         # up before them, and an OpenAI base URL's /v1 doubled (/v1/v1/models), so the node
         # never became ready, with only a 404 to say why.
-        if parts.query or parts.fragment or "?" in self.model_url or "#" in self.model_url:
+        if "?" in self.model_url or "#" in self.model_url:  # an empty one too
             raise ConfigError("model_url", self.model_url, "a URL without a query or fragment")
         if parts.path.rstrip("/").endswith("/v1"):
             raise ConfigError(

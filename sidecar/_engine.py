@@ -204,6 +204,7 @@ def _fraction(value: float | None) -> float | None:
 
 
 def _rate(value: float | None) -> float | None:
+    """Tokens/s a snapshot can carry: 0..1e9, else unknown."""
     return value if value is None or 0.0 <= value <= MAX_TPS else None
 
 
@@ -254,6 +255,5 @@ class TokenRate:
         first_at, first = readings[0]
         if len(readings) < 2 or now - first_at < self.window_s:
             return None
-        tps = (total - first) / (now - first_at)
         # A counter that leaps by more than 1e9 tokens/s is broken, not busy: unknown, not wrong.
-        return tps if 0.0 <= tps <= MAX_TPS else None
+        return _rate((total - first) / (now - first_at))

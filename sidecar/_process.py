@@ -207,13 +207,16 @@ class ProcessCollector:
         return self._proc
 
     @staticmethod
+    def _children(proc: psutil.Process) -> list[psutil.Process]:
+        try:
+            return proc.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    @staticmethod
     def _tree_rss(proc: psutil.Process) -> int:
         rss = int(proc.memory_info().rss)
-        try:
-            children = proc.children(recursive=True)
-        except psutil.Error:
-            children = []
-        for child in children:
+        for child in ProcessCollector._children(proc):
             # A child may exit between the listing and the reading, or not be ours to read.
             with contextlib.suppress(psutil.Error):
                 rss += int(child.memory_info().rss)
@@ -221,22 +224,18 @@ class ProcessCollector:
 
     @staticmethod
     def _tree_pss(proc: psutil.Process) -> int | None:
-        total = 0
         try:
-            processes = [proc, *proc.children(recursive=True)]
-        except psutil.Error:
-            processes = [proc]
-        for each in processes:
+            total = int(proc.memory_full_info().pss)
+        except psutil.Error:  # AccessDenied: smaps is the owner's (or root's) to read
+            return None
+        for child in ProcessCollector._children(proc):
             try:
-                total += int(each.memory_full_info().pss)
-            except psutil.AccessDenied:  # smaps is the owner's (or root's) to read
-                if each is proc:
-                    return None
+                total += int(child.memory_full_info().pss)
+            except psutil.AccessDenied:
                 with contextlib.suppress(psutil.Error):
-                    total += int(each.memory_info().rss)
+                    total += int(child.memory_info().rss)
             except psutil.Error:
-                if each is proc:
-                    return None
+                pass  # exited since the listing
         return total
 
     @property
@@ -252,8 +251,7 @@ class ProcessCollector:
     def sample(self, now: float | None = None) -> tuple[int | None, float | None]:
         self.restarted = False
         proc = self._process()
-        if proc is None:
-            self.pss = None
+        if proc is None:  # (`_process` let the last one's PSS go)
             return (None, None)
         try:
             rss = self._tree_rss(proc)
