@@ -171,6 +171,11 @@ class Evidence:
             self._problems[key] = same
             log.warning("node %s: %s: %s", node.name, kind, message)
 
+    def _dropped(self, node: Node) -> bool:
+        """Whether ``node``, listed when a round began, has left the table since (a pod
+        discovery dropped): what the round finds of it is kept nowhere."""
+        return self._table.nodes.get(node.name) is not node
+
     # -- gossip ----------------------------------------------------------------------------
     async def gossip_round(self) -> None:
         nodes = [n for n in self._table.nodes.values() if n.config.sidecar]
@@ -194,7 +199,7 @@ class Evidence:
                         raise SnapshotError(
                             f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
                         )
-                if listed and self._table.nodes.get(node.name) is not node:
+                if listed and self._dropped(node):
                     return  # dropped during the round (a pod gone): nothing to keep of it
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
@@ -209,7 +214,7 @@ class Evidence:
                     self._freshness.check(snapshot)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 node.snapshot_errors += 1
-                if listed and self._table.nodes.get(node.name) is not node:
+                if listed and self._dropped(node):
                     return  # gone during the round: its problems went with it
                 kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
                 if listed:  # a newcomer's series would be made for a node that may not join
@@ -231,7 +236,7 @@ class Evidence:
         listed = self._table.nodes.get(node.name) is node  # (a newcomer is checked unlisted)
         if sidecar:
             verdict = await self._probe(f"{sidecar}/health", self._sidecar_headers, sidecar=True)
-            if listed and self._table.nodes.get(node.name) is not node:
+            if listed and self._dropped(node):
                 return  # dropped during the check: its problems went with it
             # The sidecar is evidence, not the gatekeeper: when it cannot say (down, or answering
             # what its /health never answers), the model server is asked directly, and the node
@@ -243,7 +248,7 @@ class Evidence:
             )
         if verdict is None:
             verdict = await self._probe(f"{node.config.url}{health.path}", {}, sidecar=False)
-            if listed and self._table.nodes.get(node.name) is not node:
+            if listed and self._dropped(node):
                 return
         assert verdict is not None
         ok, detail = verdict

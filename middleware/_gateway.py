@@ -104,9 +104,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             cycle = self.cycle
             if cycle is None or (cycle.response_complete and not cycle.more_body):
                 self._arm()
-            elif cycle.response_complete:  # the rest of a body its answer did not wait for
-                if self._header_timer is None:
-                    self._unread = True
+            elif cycle.response_complete and self._header_timer is None:
+                self._unread = True  # the rest of a body its answer did not wait for
                 self._arm(header_timeout * _UNREAD_FACTOR)
             super().data_received(data)
 

@@ -636,7 +636,7 @@ class Predictive:
         if request.max_tokens is not None and request.max_tokens > 0:
             # An upper bound, not the length: one 32,768 among answers of a few hundred (a
             # client's "as much as it takes") drove b to nothing for a thousand answers and
-            # the class's length to 500,000. Taught at most a few times the class's usual.
+            # the class's length to 500,000. Taught at most `_OUT_SPREAD` times the usual.
             usual = self._history.get(
                 (request.model, request.prompt_class), float(self.default_output_tokens)
             )  # (a class's first answer against the default length)
