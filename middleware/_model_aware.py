@@ -4,7 +4,7 @@ strategy pick among them. Pure, like every strategy: the class is already on the
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from promptlb.shared import ConfigError
 
@@ -43,7 +43,7 @@ class ModelAware:
         self._narrowed: dict[str, tuple[Sequence[NodeView], Sequence[NodeView], str]] = {}
         # An inner strategy that keeps state per list of candidates (round robin's turn) is
         # told which route's list it is given.
-        self._in_group = getattr(inner, "pick_in_group", None)
+        self._in_group: _GroupPick | None = getattr(inner, "pick_in_group", None)
 
     @property
     def scoring(self) -> Scoring | None:
@@ -58,7 +58,7 @@ class ModelAware:
     ) -> NodeView:
         narrowed, group = self._narrow(request, candidates)
         if group and self._in_group is not None:
-            return self._in_group(group, request, narrowed, rng)  # type: ignore[no-any-return]
+            return self._in_group(group, request, narrowed, rng)
         return self.inner.pick(request, narrowed, rng)
 
     def placed(self, request: RouteRequest, node: NodeView) -> None:
@@ -116,6 +116,8 @@ class ModelAware:
 
 
 _CLASSES_KEPT = 64
+# `RoundRobin.pick_in_group`: a pick among the candidates of one route.
+_GroupPick = Callable[[str, RouteRequest, Sequence[NodeView], random.Random], NodeView]
 
 
 def _names(value: object, *, empty: bool = False) -> bool:
