@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import socket
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,23 @@ def resolve_to(monkeypatch: pytest.MonkeyPatch, *addresses: str) -> dict[str, li
 
     monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
     return answers
+
+
+@asynccontextmanager
+async def discovered(
+    serve: Serve, snapshot: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> AsyncIterator[tuple[Balancer, Evidence]]:
+    """A balancer under DNS discovery (see `resolve_to`) whose nodes' sidecars answer
+    ``/snapshot`` with ``snapshot``, and its evidence after one discovery."""
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url, aiohttp.ClientSession() as session:
+        port = int(url.rsplit(":", 1)[1])
+        config = dns_config(name="models", port=8000, sidecar_port=port)
+        lb = Balancer(config)
+        evidence = Evidence(config, lb.table, session, lb.metrics)
+        await evidence.discover()
+        yield lb, evidence
 
 
 async def test_dns_discovered_sidecars_keep_their_own_scheme() -> None:
@@ -483,16 +502,8 @@ async def test_a_newcomer_joins_with_the_snapshot_its_check_fetched(
     async def snapshot(request: web.Request) -> web.Response:
         return web.Response(body=encode(snap("127.0.0.1:8000", running=3)))
 
-    app = web.Application()
-    app.router.add_get("/snapshot", snapshot)
-
     resolve_to(monkeypatch, "127.0.0.1")
-    async with serve(app) as url, aiohttp.ClientSession() as session:
-        port = int(url.rsplit(":", 1)[1])
-        config = dns_config(name="models", port=8000, sidecar_port=port)
-        lb = Balancer(config)
-        evidence = Evidence(config, lb.table, session, lb.metrics)
-        await evidence.discover()
+    async with discovered(serve, snapshot) as (lb, _):
         joined = lb.table.nodes["127.0.0.1:8000"].snapshot
         assert joined is not None and joined.engine is not None and joined.engine.running == 3
 
@@ -508,15 +519,8 @@ async def test_a_round_still_out_when_its_pod_is_dropped_leaves_nothing_of_it_be
         await answered.wait()
         return web.Response(status=500)
 
-    app = web.Application()
-    app.router.add_get("/snapshot", snapshot)
     answers = resolve_to(monkeypatch, "127.0.0.1")
-    async with serve(app) as url, aiohttp.ClientSession() as session:
-        port = int(url.rsplit(":", 1)[1])
-        config = dns_config(name="models", port=8000, sidecar_port=port)
-        lb = Balancer(config)
-        evidence = Evidence(config, lb.table, session, lb.metrics)
-        await evidence.discover()
+    async with discovered(serve, snapshot) as (lb, evidence):
         polling = asyncio.create_task(evidence.gossip_round())
         await asyncio.sleep(0.1)  # the poll is out
         answers["now"] = ["127.0.0.2"]

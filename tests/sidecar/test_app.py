@@ -597,6 +597,15 @@ async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
 # --- host and GPU sampling ------------------------------------------------------------------------
 
 
+def sample_gpus_from(
+    monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml, within: float | None = None
+) -> None:
+    """Sidecars built from now on read ``nvml``, each GPU sample given ``within`` seconds."""
+    if within is not None:
+        monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", within)
+    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
+
+
 async def test_gpus_are_sampled_off_the_event_loop(
     monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml, sidecar_beside: SidecarBeside
 ) -> None:
@@ -608,7 +617,7 @@ async def test_gpus_are_sampled_off_the_event_loop(
         return utilisation(h)
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", traced)
-    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
+    sample_gpus_from(monkeypatch, nvml)
     async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
         await until(lambda: live.gpus)
         assert [g.i for g in decode(live.encoded()).gpus] == [0, 1]
@@ -634,8 +643,7 @@ async def test_a_hung_gpu_leaves_the_gpus_out_and_the_host_readings_going(
         return utilisation(h)
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetUtilizationRates", maybe_hang)
-    monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", 0.2)
-    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
+    sample_gpus_from(monkeypatch, nvml, within=0.2)
     hosts: list[object] = []
     with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
         async with sidecar_beside({"/health": text("ok")}, gpu=True) as (_, live):
@@ -672,8 +680,7 @@ async def test_a_sidecar_whose_nvml_hangs_at_start_still_serves_and_stops(
         init()
 
     monkeypatch.setattr(nvml, "nvmlInit", hang)
-    monkeypatch.setattr(sidecar_app, "GPU_SAMPLE_S", 0.2)
-    monkeypatch.setattr(sidecar_app, "GpuCollector", lambda **kwargs: GpuCollector(nvml, **kwargs))
+    sample_gpus_from(monkeypatch, nvml, within=0.2)
     try:
         with caplog.at_level(logging.WARNING, "promptlb.sidecar"):
             async with asyncio.timeout(15):  # startup hung for good; shutdown waits 2 s
