@@ -393,12 +393,12 @@ async def test_the_request_after_an_unread_body_gets_its_own_header_deadline(
             conn.settimeout(1.5)  # three header timeouts, under the body's four
             heard = b""
             with contextlib.suppress(OSError):
-                while chunk := conn.recv(65536):
+                while chunk := conn.recv(65536):  # the 404's body, if it came apart, and the 408
                     heard += chunk
             return heard
 
     heard = await asyncio.to_thread(next_request)
-    assert heard.startswith(b"HTTP/1.1 408"), heard[:200]
+    assert b"HTTP/1.1 408" in heard, heard[:200]
 
 
 def test_the_gateway_refuses_a_bad_header_timeout() -> None:
