@@ -18,7 +18,7 @@ from promptlb.middleware._affinity import Affinity
 from promptlb.middleware._config import load_config
 from promptlb.middleware._model_aware import ModelAware
 from promptlb.middleware._nodes import NodeTable
-from promptlb.middleware._predictive import Predictive
+from promptlb.middleware._predictive import HOT_SLACK, Predictive
 from promptlb.middleware._prefix import (
     INDEX_BLOCKS,
     INDEX_BYTES,
@@ -649,3 +649,31 @@ def test_a_long_body_gets_its_blocks() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * (3 * INDEX_BYTES)}]}
     size = len(json.dumps(body))
     assert len(body_blocks(body, size)) == 3
+
+
+def test_guard_a_hot_prefix_does_not_pile_onto_a_node_that_never_queues(node: MakeNode) -> None:
+    """SGLang #14305, on an engine that runs everything it gets and never reports a waiting
+    queue: its slots are never learnt, the wait it is expected to cost stays nothing, and the
+    holder of a hot prefix won every pick (120 of 120 long requests, none answered yet). Its
+    cache counts only while its load is within the bound of the least loaded node's."""
+    strategy = Predictive(PowerOfTwoChoices())
+    names = "abc"
+    warm(strategy, [node(n, running=0) for n in names], 0.0005)
+    hot = "p" * CHUNK * 48  # 1,024 tokens: 0.5 s of prefill on a node without it
+    rng = random.Random(5)
+    ours = dict.fromkeys(names, 0)
+    for second in range(24):  # a snapshot a second, five picks between them, nothing answered
+        seen = dict(ours)
+        for i in range(5):
+            views = [
+                node(
+                    n,
+                    seq=second + 1,
+                    running=seen[n],
+                    in_flight=ours[n],
+                    in_flight_at_snapshot=seen[n],
+                )
+                for n in names
+            ]
+            ours[strategy.pick(chat(hot, 5 + 5 * second + i), views, rng).name] += 1
+    assert max(ours.values()) <= 2 * min(ours.values()) + HOT_SLACK + 1
