@@ -43,6 +43,9 @@ class CacheEntry:
     model: str  # the model that produced it
     created: float  # time.time() when stored
     content_type: str = "application/json"
+    # False for an answer assembled from a stream that carried no usage (the client did not ask
+    # for it): not served as a whole answer, which has one (`Dispatcher` asks the node instead).
+    usage: bool = True
 
     def fresh(self, now: float, ttl: float) -> bool:
         """Younger than ``ttl`` by the wall clock of the replica that stored it. An entry from
@@ -52,9 +55,10 @@ class CacheEntry:
         return -CLOCK_SKEW <= age <= ttl
 
     def pack(self) -> bytes:
-        packed: bytes = msgpack.packb(
-            {"b": self.body, "m": self.model, "c": self.created, "t": self.content_type}
-        )
+        fields = {"b": self.body, "m": self.model, "c": self.created, "t": self.content_type}
+        if not self.usage:  # left out otherwise: what an older replica stored and reads
+            fields["u"] = False
+        packed: bytes = msgpack.packb(fields)
         return packed
 
     @classmethod
@@ -74,7 +78,7 @@ class CacheEntry:
             or not isinstance(kind, str)
         ):
             raise ValueError("not a cache entry: bad fields")
-        return cls(body, model, float(created), kind)
+        return cls(body, model, float(created), kind, raw.get("u") is not False)
 
 
 _EXACT = 2**53  # every integer up to it is a float exactly
@@ -289,12 +293,17 @@ class RedisCache:
             return None
 
     async def put(self, key: str, entry: CacheEntry) -> None:
+        try:
+            data = entry.pack()
+        except ValueError:  # (a lone surrogate in a string): no sick Redis, so no backoff
+            self._on_error("corrupt")
+            return
         probe = None if self._closed else self._skip()
         if probe is None:
             return
         try:
             async with asyncio.timeout(self.timeout):
-                await self._client.set(self.prefix + key, entry.pack(), px=self.ttl_ms)
+                await self._client.set(self.prefix + key, data, px=self.ttl_ms)
         except self._refusals:
             self._refused()
             return

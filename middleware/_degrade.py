@@ -194,6 +194,11 @@ class Dispatcher:
                 # the family's key when it stood in) never poses as the primary's fresh answer.
                 if entry is not None and entry.model != request.model and entry.model in hops:
                     entry = None
+                # A stream kept without its usage is no whole answer to a client that may bill
+                # by it (`resp.usage` was None on such hits only): the node answers, and its
+                # answer, with usage, takes the entry's place. Stale, in an outage, it is served.
+                if entry is not None and not entry.usage and not route.stream:
+                    entry = None
                 if entry is not None and entry.fresh(time.time(), cfg.ttl):
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)

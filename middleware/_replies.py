@@ -80,13 +80,20 @@ def keep(
     if complete is None:
         return
     content_type = "application/json"
+    usage = True
     if isinstance(recorder, Body):
         # A 200 carrying an error is no answer to serve again (parsed only when it may be one:
         # inside a JSON string the quotes are escaped, so most answers skip the parse).
         if b'"error"' in complete and carries_error(parsed_body(complete)):
             return
         content_type = up.response.headers.get("Content-Type", content_type)
-    entry = CacheEntry(complete, answer.model, time.time(), content_type)
+        if not content_type.isascii():
+            # aiohttp reads a header's bytes that are no UTF-8 as lone surrogates, which
+            # msgpack cannot pack: the write failed, and a Redis backend backed off as if down.
+            return
+    else:
+        usage = recorder.has_usage
+    entry = CacheEntry(complete, answer.model, time.time(), content_type, usage)
     store(answer.store_key, entry)
 
 

@@ -125,6 +125,8 @@ class StreamAssembler:
                     # cache's sake; just do not keep this one.
                     self._give_up()
                     return
+                if self._failed:  # given up on this event: the chunk's rest is not assembled
+                    return
                 if self._size > self.max_bytes:
                     self._give_up()
                     return
@@ -149,7 +151,11 @@ class StreamAssembler:
         except ValueError:
             self._give_up()
             return
-        if not isinstance(event, dict) or "error" in event:
+        # An error as `_replies.carries_error` reads one: OpenAI's (not a null "error", which
+        # the Responses API's objects carry) or vLLM's older {"object": "error"}.
+        if not isinstance(event, dict) or (
+            event.get("error") is not None or event.get("object") == "error"
+        ):
             self._give_up()
             return
         for key in ("id", "created", "model", "system_fingerprint"):
@@ -180,6 +186,11 @@ class StreamAssembler:
                 self._size += into["text"].add(choice["text"])
             if choice.get("finish_reason"):
                 into["finish_reason"] = choice["finish_reason"]
+
+    @property
+    def has_usage(self) -> bool:
+        """Whether the stream carried its usage (``stream_options.include_usage``)."""
+        return self._usage is not None
 
     def result(self) -> bytes | None:
         if self._failed or not self._done or not self._choices:

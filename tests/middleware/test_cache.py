@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 import redis.asyncio
 from openai.types.chat import ChatCompletionChunk
@@ -372,5 +373,56 @@ async def test_a_call_from_before_the_failure_cancelled_during_the_probe_starts_
                 await probe
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
+    finally:
+        await cache.close()
+
+
+def test_an_entry_marked_without_usage_round_trips_and_an_older_one_has_it() -> None:
+    bare = CacheEntry(b"{}", "big", 1.0, usage=False)
+    assert CacheEntry.unpack(bare.pack()) == bare
+    older = msgpack.packb({"b": b"{}", "m": "big", "c": 1.0, "t": "application/json"})
+    assert CacheEntry.unpack(older).usage  # stored before the mark: a node's whole answer
+
+
+def test_a_stream_tells_whether_it_carried_its_usage() -> None:
+    with_usage, without = StreamAssembler(chat=True), StreamAssembler(chat=True)
+    feed(with_usage, sse(CHAT_STREAM))
+    feed(without, sse(CHAT_STREAM[:-1]))
+    assert with_usage.has_usage and not without.has_usage
+    assert without.result() is not None  # still kept, for streaming clients
+
+
+def test_an_error_event_in_either_shape_stops_the_assembly_and_a_null_one_does_not() -> None:
+    # vLLM's older {"object": "error"} was assembled around and kept; the Responses API's
+    # "error": null on a good event gave the answer up.
+    old_vllm = StreamAssembler(chat=True)
+    feed(old_vllm, sse([CHAT_STREAM[0], {"object": "error", "message": "boom"}, *CHAT_STREAM[1:]]))
+    assert old_vllm.result() is None
+    nulls = StreamAssembler(chat=True)
+    feed(nulls, sse([{**event, "error": None} for event in CHAT_STREAM]))
+    assert json.loads(nulls.result() or b"null")["choices"][0]["message"]["content"] == (
+        "the quick brown fox"
+    )
+
+
+def test_what_follows_an_error_in_the_same_chunk_is_not_assembled() -> None:
+    # Given up on the error, the rest of the chunk was assembled again, text held for nothing.
+    assembler = StreamAssembler(chat=True)
+    assembler.feed(sse([{"error": {"message": "boom"}}, chat_chunk({"content": "x" * 100})]))
+    assert assembler._choices == {} and assembler._size == 0
+
+
+async def test_an_entry_redis_cannot_take_is_dropped_without_taking_redis_out(
+    redis_server: RedisServer,
+) -> None:
+    # A header byte that is no UTF-8 reaches the entry as a lone surrogate, which msgpack
+    # refuses: counted as a failed write, it skipped Redis for every request for a second.
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, on_error=errors.append)
+    try:
+        await cache.put("k", entry("kept", 1.0))
+        await cache.put("odd", CacheEntry(b"{}", "big", 1.0, "application/json; x=\udcff"))
+        assert errors == ["corrupt"]
+        assert await cache.get("k") == entry("kept", 1.0) and errors == ["corrupt"]
     finally:
         await cache.close()
