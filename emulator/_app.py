@@ -23,7 +23,7 @@ from promptlb.shared import BLOCK_TOKENS
 
 from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
-from ._faults import Faults, check_faults
+from ._faults import Faults, check_faults, holds
 from ._forecast import Forecast
 from ._kv import KVCache, prefilled
 from ._metrics import Stats, VllmMetrics
@@ -66,7 +66,9 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     """The request's JSON object, or the 400 that says why there is none."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, LookupError):
+        # (LookupError: a charset in the content type that Python does not know, which
+        # escaped as a plain-text 500.)
         return _error(400, "request body is not valid JSON", "invalid_request_error")
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object", "invalid_request_error")
@@ -83,6 +85,26 @@ def _asked_tokens(body: dict[str, Any]) -> int | None:
         asked = body.get("max_completion_tokens")
     if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
         return asked
+    return None
+
+
+def _bad_length(body: dict[str, Any], n_in: int, n_out: int, limit: int) -> web.Response | None:
+    """vLLM's 400s for the answer's length: one asked that is no whole number of at least one
+    (0 was served 64 tokens), and a prompt and answer past the context, here the KV cache's
+    tokens (vLLM's context is never longer than its cache): an answer of 10^9 tokens took its
+    scratch out of the cache and emptied every cached prefix."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        asked = body.get(key)
+        if asked is not None and (
+            isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
+        ):
+            return _error(400, f"{key} must be at least 1, got {asked!r}.", "invalid_request_error")
+    if n_in + n_out > limit:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested"
+            f" {n_in + n_out} tokens ({n_in} in the messages, {n_out} in the completion)."
+        )
+        return _error(400, message, "invalid_request_error")
     return None
 
 
@@ -104,17 +126,27 @@ class _Handlers:
         if state.hung_after(seen):
             await asyncio.get_running_loop().create_future()  # until the client gives up
         await state.faults.running.wait()  # a runtime hang: until it is lifted or the client goes
+        poison = state.faults.poison
+        if poison and holds(await request.read(), poison):
+            # Where a server fails on it: once loaded and running (a hung node answered it at
+            # once, a loading one 500 for 503), and counted as the node's error.
+            state.stats.errors += 1
+            return _error(500, "emulated crash on a poison request", "internal_server_error")
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
-        model = body.get("model", cfg.models[0])
+        model = body.get("model") or cfg.models[0]  # null or "": the served model, as vLLM's
         if model not in cfg.models:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
         faults = state.faults
         if faults.error_rate and state.rng.random() < faults.error_rate:
             state.stats.errors += 1
             return _error(500, "emulated internal error", "internal_server_error")
-        faults.leak(state.stats.leaked)
+        if not faults.leak(state.stats.leaked):
+            # A server out of memory fails its requests (were the kernel's OOM killer not
+            # faster); the mapping's OSError was a plain-text 500.
+            state.stats.errors += 1
+            return _error(500, "out of memory", "internal_server_error")
         return body
 
     def _output_tokens(self, body: dict[str, Any]) -> int:
@@ -156,10 +188,16 @@ class _Handlers:
             return _error(400, f"`{field_name}` is required", "invalid_request_error")
         cfg, state = self.cfg, self.state
         n_in, blocks = prompt_blocks(prompt, chat=chat)
+        limit = state.kv.capacity * BLOCK_TOKENS
         n_out = self._output_tokens(body)
+        if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
+            n_out = max(1, min(n_out, limit - n_in))
+        refused = _bad_length(body, n_in, n_out, limit)
+        if refused is not None:
+            return refused
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
         rate = cfg.tokens_per_s / slow
-        model = body.get("model", cfg.models[0])
+        model = body.get("model") or cfg.models[0]
         stream = body.get("stream") is True
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -326,7 +364,7 @@ class _Handlers:
             {
                 "object": "list",
                 "data": data,
-                "model": body.get("model", cfg.models[0]),
+                "model": body.get("model") or cfg.models[0],
                 "usage": {"prompt_tokens": n_in, "total_tokens": n_in},
             }
         )

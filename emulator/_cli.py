@@ -10,7 +10,6 @@ from promptlb.shared._serve import config_or_exit, serve
 
 from ._app import STATE, create_app
 from ._config import EmulatorConfig
-from ._faults import guard_poison
 
 __all__ = ["main"]
 
@@ -142,5 +141,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     app = create_app(config)
     faults = app[STATE].faults
     faults.poison = args.poison
-    guard_poison(app, faults)
     serve(app, config.host, config.port, "promptlb-emulator")

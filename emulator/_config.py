@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 from promptlb.shared import ConfigError
 
+from ._faults import MAX_LEAK_MB
+
 __all__ = ["EmulatorConfig"]
 
 
@@ -71,6 +73,8 @@ class EmulatorConfig:
         for key in ("ttft_ms", "prefill_tokens_per_s", "output_spread", "load_time_s"):
             _positive(key, getattr(self, key), zero=True)
         _positive("leak_mb_per_req", self.leak_mb_per_req, zero=True)
+        if self.leak_mb_per_req > MAX_LEAK_MB:
+            raise ConfigError("leak_mb_per_req", self.leak_mb_per_req, f"at most {MAX_LEAK_MB}")
         if not isinstance(self.error_rate, int | float) or not 0.0 <= self.error_rate <= 1.0:
             raise ConfigError("error_rate", self.error_rate, "a probability in 0..1")
 

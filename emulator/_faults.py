@@ -10,11 +10,12 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
-__all__ = ["Faults", "check_faults", "guard_poison"]
+__all__ = ["MAX_LEAK_MB", "Faults", "check_faults", "holds"]
 
 _MiB = 1024 * 1024
+# A request's leak at most: a gigabyte a request (1e9 was taken) failed every request after
+# on a mapping the system refused.
+MAX_LEAK_MB = 1024
 
 
 @dataclass(slots=True)
@@ -49,18 +50,23 @@ class Faults:
             "poison": self.poison,
         }
 
-    def leak(self, into: list[mmap.mmap]) -> None:
-        """A request's share of the leak, kept in ``into`` until ``free_leaked``. Mapped pages
-        of its own: a freed heap buffer raised glibc's mmap threshold, and after the first
-        ``free_leaked`` later leaks came from the heap and freeing them gave no RSS back."""
+    def leak(self, into: list[mmap.mmap]) -> bool:
+        """A request's share of the leak, kept in ``into`` until ``free_leaked``; False when
+        the system has no memory left for it. Mapped pages of its own: a freed heap buffer
+        raised glibc's mmap threshold, and after the first ``free_leaked`` later leaks came
+        from the heap and freeing them gave no RSS back."""
         if self.leak_mb_per_req:
             # A page at least: a leak under one byte mapped 0 bytes, which mmap refuses, and
             # every request answered 500.
             size = max(mmap.PAGESIZE, int(self.leak_mb_per_req * _MiB))
-            leak = mmap.mmap(-1, size)
+            try:
+                leak = mmap.mmap(-1, size)
+            except OSError:
+                return False
             for offset in range(0, size, mmap.PAGESIZE):  # touch every page: real RSS
                 leak[offset] = 1
             into.append(leak)
+        return True
 
     def update(self, body: dict[str, Any]) -> None:
         """Apply a faults update that `check_faults` passed (``free_leaked`` is the stats')."""
@@ -100,8 +106,8 @@ def check_faults(body: dict[str, Any]) -> str | None:
             return "`slow_factor` must be a number > 0"
     if "leak_mb_per_req" in body:
         value = _number(body["leak_mb_per_req"])
-        if value is None or value < 0:
-            return "`leak_mb_per_req` must be a number >= 0"
+        if value is None or not 0 <= value <= MAX_LEAK_MB:
+            return f"`leak_mb_per_req` must be a number in 0..{MAX_LEAK_MB}"
     if "error_rate" in body:
         value = _number(body["error_rate"])
         if value is None or not 0 <= value <= 1:
@@ -111,26 +117,8 @@ def check_faults(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _holds(body: bytes, marker: str) -> bool:
+def holds(body: bytes, marker: str) -> bool:
+    """Whether a request's body holds the poison ``marker``, as UTF-8 or as JSON escapes it
+    (\u00ef: aiohttp's and the openai client's json): the same prompt either way, which only
+    one of the two matched."""
     return marker.encode() in body or json.dumps(marker)[1:-1].encode() in body
-
-
-def guard_poison(app: web.Application, faults: Faults) -> None:
-    """Answer 500 to a generation request whose body holds ``faults.poison``, in front of the
-    handlers (an aiohttp middleware, added before the app is served): kept apart from the
-    request handlers, which read the prompt for the capacity model."""
-
-    @web.middleware
-    async def poison(request: web.Request, handler: Any) -> web.StreamResponse:
-        marker = faults.poison
-        generating = request.method == "POST" and request.path.startswith("/v1/")
-        # read() keeps the body, so the handler's json() still finds it. The marker as UTF-8
-        # or as JSON escapes it (\u00ef: aiohttp's and the openai client's json): the same
-        # prompt either way, which only one of the two matched.
-        if marker and generating and _holds(await request.read(), marker):
-            error = {"message": "emulated crash on a poison request", "code": 500}
-            return web.json_response({"error": error}, status=500)
-        response: web.StreamResponse = await handler(request)
-        return response
-
-    app.middlewares.append(poison)

@@ -428,6 +428,13 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/embeddings", b"{not json"),
         ("/v1/embeddings", b'{"input": []}'),
         ("/v1/embeddings", b'{"input": 5}'),
+        # vLLM refuses these; 0, a negative, a fraction or true were served as if not asked.
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": 0}'),
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": -3}'),
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": 2.5}'),
+        ("/v1/completions", b'{"prompt": "x", "max_completion_tokens": true}'),
+        # Past the context (here the KV cache's tokens): 10^9 tokens emptied the cache.
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}'),
     ],
 )
 async def test_bad_requests_are_openai_style_400(
@@ -679,6 +686,44 @@ def test_a_token_id_prompt_takes_a_block_per_16_ids() -> None:
     n, blocks = prompt_blocks(list(range(1000, 1032)), chat=False)
     assert (n, len(blocks)) == (32, 2)
     assert prompt_blocks(list(range(1000, 1032)), chat=False) == (n, blocks)  # equal ids alike
+
+
+async def test_an_answer_past_the_context_is_refused_and_leaves_the_cache_as_it_was(
+    start_emulator: StartEmulator,
+) -> None:
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "100000", "--kv-blocks", "64")
+    prompt = {"prompt": "a shared prefix " * 200}  # about 800 tokens: 50 of the 64 blocks
+    url = f"{emu.url}/v1/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        assert (await _post(session, url, {**prompt, "max_tokens": 8}))[0] == 200
+        status, err = await _post(session, url, {**prompt, "max_tokens": 10**9})
+        assert status == 400 and "maximum context length is 1024 tokens" in err["error"]["message"]
+        assert (await _post(session, url, {**prompt, "max_tokens": 8}))[0] == 200
+        metrics = await _metrics(session, emu.url)
+        # Not asked, the answer is what the context leaves: no 400 for what was not asked.
+        assert (await _post(session, url, prompt))[0] == 200
+    hits = metrics["vllm:prefix_cache_hits_total"]
+    assert hits >= 48 * 16  # the second ask found the first's blocks: nothing was evicted
+
+
+async def test_a_null_model_is_the_served_one_as_in_vllm(shared_emulator: Emulator) -> None:
+    body = {"model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        status, answer = await _post(session, f"{shared_emulator.url}/v1/chat/completions", body)
+    assert status == 200 and answer["model"] == "emulated"
+
+
+async def test_a_charset_python_does_not_know_is_a_400_not_a_crash(
+    shared_emulator: Emulator,
+) -> None:
+    headers = {"Content-Type": "application/json; charset=bogus"}
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(
+            f"{shared_emulator.url}/v1/chat/completions", data=b"{}", headers=headers
+        ) as resp,
+    ):
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == 400
 
 
 def test_an_explicit_null_max_tokens_does_not_hide_max_completion_tokens() -> None:

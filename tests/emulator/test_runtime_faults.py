@@ -139,6 +139,7 @@ async def test_error_rate_can_be_switched_on(start_emulator: StartEmulator) -> N
         ({"slow_factor": True}, "slow_factor"),
         ({"hang": 1}, "hang"),
         ({"leak_mb_per_req": -4}, "leak_mb_per_req"),
+        ({"leak_mb_per_req": 1e9}, "leak_mb_per_req"),  # then every request failed
         ({"error_rate": 1.5}, "error_rate"),
         ({"free_leaked": "yes"}, "free_leaked"),
         ({"crash": True}, "crash"),
@@ -204,6 +205,28 @@ async def test_a_poison_matches_its_prompt_however_the_json_writes_it(
         headers = {"Content-Type": "application/json"}
         async with session.post(url, data=raw, headers=headers) as plain:
             assert plain.status == 500
+
+
+async def test_a_poison_waits_out_a_hang_and_counts_as_the_nodes_error(
+    start_emulator: StartEmulator,
+) -> None:
+    """Checked in front of everything, a hung node answered the poison at once (and a loading
+    one 500 for 503), never counted in its requests or errors."""
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    body = {"messages": [{"role": "user", "content": "poisoned"}], "max_tokens": 2}
+    url = f"{emu.url}/v1/chat/completions"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _faults(session, emu.url, {"poison": "poisoned", "hang": True})
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await session.post(url, json=body)
+        await _faults(session, emu.url, {"hang": False})
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 500
+            assert (await resp.json())["error"]["message"] == "emulated crash on a poison request"
+        async with session.get(f"{emu.url}/_emulator/stats") as resp:
+            stats = await resp.json()
+    assert stats["requests"] == 2 and stats["errors"] == 1
 
 
 async def test_the_oracle_takes_a_loading_or_hung_after_node_for_no_candidate(
