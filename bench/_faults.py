@@ -58,6 +58,13 @@ class Tally:
     statuses: dict[int, int] = field(default_factory=dict)
 
 
+def _let_go(old: Service | None) -> None:
+    """The process a restart replaces, stopped (if the step has not killed it) and its log
+    and pipe let go: each kill-and-start of the suite left them behind."""
+    if old is not None:
+        old.stop()
+
+
 class Cluster:
     """The processes, restartable on their own ports so that the gateway's config holds."""
 
@@ -73,6 +80,7 @@ class Cluster:
 
     def start_model(self, name: str) -> None:
         port = str(self.ports[name][0])
+        _let_go(self.models.get(name))
         self.models[name] = start_service(
             *("emulator", "--model", "m", "--port", port, "--slots", "512"),
             *("--ttft-ms", "30", "--tokens-per-s", "400"),
@@ -83,6 +91,7 @@ class Cluster:
 
     def start_sidecar(self, name: str) -> None:
         model, port = self.ports[name]
+        _let_go(self.sidecars.get(name))
         self.sidecars[name] = start_service(
             "sidecar",
             *("--port", str(port), "--model-url", f"http://127.0.0.1:{model}"),
@@ -170,10 +179,16 @@ async def node_states(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
 
 
 async def until(check: Callable[[], Awaitable[bool]], limit: float) -> float | None:
-    """Seconds until ``check`` holds, polled every 50 ms; None if it never did."""
+    """Seconds until ``check`` holds, polled every 50 ms; None if it never did. A check that
+    cannot be read (the gateway's status slow to answer under the fault, or of another shape)
+    does not hold yet: one timeout in a flood ended the whole suite and lost its report."""
     started = time.monotonic()
     while time.monotonic() - started < limit:
-        if await check():
+        try:
+            held = await check()
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError):
+            held = False
+        if held:
             return time.monotonic() - started
         await asyncio.sleep(0.05)
     return None

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,10 @@ class Cluster:
     # restart (in a worker thread) must still find it. Stopping twice is harmless.
     services: list[Service] = field(default_factory=list)
     stopping: bool = False
+    # One restart of a node at a time: a recover's restart runs on in its thread when its run
+    # ends (cancelling the task does not stop the thread), and the next run's reset started
+    # the same node on the same port beside it; one of the two failed to listen.
+    _restarting: dict[str, threading.Lock] = field(default_factory=dict)
 
     def _track(self, service: Service) -> Service:
         self.services.append(service)
@@ -145,10 +150,11 @@ class Cluster:
 
     def restart(self, name: str) -> None:
         """The node's emulator again, on the port its sidecar and every router point at."""
-        node = self.nodes[name]
-        self.crash(name)
-        port = str(node.model.port)
-        node.model = self._track(start_command("emulator", [*node.argv, "--port", port]))
+        with self._restarting.setdefault(name, threading.Lock()):  # (setdefault: atomic)
+            node = self.nodes[name]
+            self.crash(name)
+            port = str(node.model.port)
+            node.model = self._track(start_command("emulator", [*node.argv, "--port", port]))
 
     async def set_faults(
         self, http: aiohttp.ClientSession, name: str, body: dict[str, Any]
@@ -304,7 +310,11 @@ async def wait_ready(http: aiohttp.ClientSession, target: Target, count: int) ->
     seen: Any = None
     for url in target.bases:  # every replica of a +shared run
         while True:
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            # (KeyError, TypeError: a 200 of another shape, a gateway still coming up behind
+            # something else: asked again, not the run lost.)
+            with contextlib.suppress(
+                aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError
+            ):
                 async with http.get(url + "/_promptlb/status") as response:
                     seen = await response.json()
                 nodes = seen["nodes"]

@@ -3,8 +3,11 @@ what the issue holds the gateway to for each."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import aiohttp
+from promptlb.bench._faults import Cluster, until
 from promptlb.bench._faultsuite import SOAK, run_faults, selected
 
 from tests.conftest import need_binary
@@ -40,3 +43,36 @@ def test_a_partial_run_names_faults_by_parts_of_their_names_in_any_case() -> Non
     assert selected("kill a node", ["leak", "kill"])
     assert not selected("kill a node", ["leak"])
     assert selected(SOAK, ["Streams"]) and not selected(SOAK, ["leak"])  # the closing soak
+
+
+async def test_a_check_that_cannot_be_read_does_not_hold_yet() -> None:
+    # One status read timing out under a flood ended the whole fault suite, report and all.
+    answers: list[object] = [aiohttp.ClientConnectionError("refused"), TimeoutError(), True]
+
+    async def check() -> bool:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return bool(answer)
+
+    took = await until(check, 5.0)
+    assert took is not None and not answers
+    assert await until(lambda: _never(), 0.12) is None
+
+
+async def _never() -> bool:
+    raise KeyError("nodes")
+
+
+def test_a_node_started_again_lets_the_one_it_replaces_go(tmp_path: Path) -> None:
+    # Each kill-and-start of the suite left the old process's log file and pipe behind.
+    cluster = Cluster(tmp_path, "redis-server")
+    cluster.start_model("a")
+    first = cluster.models["a"]
+    first.kill()
+    try:
+        cluster.start_model("a")
+        assert not os.path.exists(first.log_path) and first.proc.stdout is not None
+        assert first.proc.stdout.closed
+    finally:
+        cluster.models["a"].stop()

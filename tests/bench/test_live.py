@@ -7,11 +7,14 @@ import argparse
 import asyncio
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from promptlb.bench import _live, _peers
 from promptlb.bench._live import (
     Cluster,
@@ -20,12 +23,15 @@ from promptlb.bench._live import (
     plan,
     scaled,
     sidecar_args,
+    wait_ready,
 )
 from promptlb.bench._livereport import Run
 from promptlb.bench._loadgen import Result
 from promptlb.bench._report import crash_lines, crashes
 from promptlb.bench._scenario import load_scenario
 from promptlb.shared import ConfigError
+
+from tests.conftest import Serve
 
 
 def test_plan_runs_ours_and_reports_missing_peers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,3 +294,42 @@ def test_a_live_run_where_every_run_failed_writes_nothing(
     with pytest.raises(SystemExit, match="no run succeeded, nothing written"):
         _live.run_cluster(args)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_restarts_of_one_node_at_once_leave_it_up_on_its_port(tmp_path: Path) -> None:
+    # A recover's restart runs on in its thread after its run is cancelled; the next run's
+    # reset restarted the same node beside it, on the same port, and one failed to listen.
+    path = tmp_path / "one.toml"
+    path.write_text(
+        'duration = "1s"\n[workload]\nload = 0.5\n[[workload.mix]]\nname = "q"\n'
+        "prompt_tokens = 10\nmax_tokens = 5\n"
+        '[[nodes]]\nname = "n"\nttft_ms = 5\n',
+        encoding="utf-8",
+    )
+    cluster = Cluster(load_scenario(str(path)))
+    cluster.start()
+    try:
+        port = cluster.nodes["n"].model.port
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(cluster.restart, ["n", "n"]))  # raises if either failed
+        node = cluster.nodes["n"]
+        assert node.alive and node.model.port == port
+        with urllib.request.urlopen(node.model.url + "/health", timeout=5) as response:
+            assert response.status == 200
+    finally:
+        cluster.stop()
+
+
+async def test_a_status_of_another_shape_is_asked_again_not_the_run_lost(serve: Serve) -> None:
+    # A 200 without "nodes" (something else answering first) raised KeyError and lost the run.
+    answers = [{}, {"nodes": [{"state": "ready", "snapshot_trusted": True}]}]
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(answers.pop(0) if len(answers) > 1 else answers[0])
+
+    app = web.Application()
+    app.router.add_get("/_promptlb/status", status)
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        target = _peers.Target("gw", "promptlb", "predictive", url, stop=lambda: None)
+        await asyncio.wait_for(wait_ready(http, target, 1), 10)
+    assert len(answers) == 1
