@@ -564,6 +564,18 @@ async def test_the_oracle_endpoint_tells_the_true_wait_and_cache(
     assert after["wait_s"] == 0 and after["cached_tokens"] == busy["cached_tokens"]
 
 
+async def test_the_oracle_sees_slots_held_by_embeddings(start_emulator: StartEmulator) -> None:
+    # Embeddings hold slots but stayed out of the forecast: a wait of 0 on a full node.
+    emu = start_emulator("--slots", "1", "--ttft-ms", "3000")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        embedding = asyncio.create_task(_post(http, f"{emu.url}/v1/embeddings", {"input": "x"}))
+        await asyncio.sleep(0.5)
+        _, busy = await _post(http, f"{emu.url}/_emulator/oracle", {"prompt": "hi"})
+        assert (await embedding)[0] == 200
+        _, after = await _post(http, f"{emu.url}/_emulator/oracle", {"prompt": "hi"})
+    assert 2.0 < busy["wait_s"] <= 3.0 and after["wait_s"] == 0
+
+
 async def test_a_request_left_during_its_prefill_leaves_only_what_it_computed(
     start_emulator: StartEmulator,
 ) -> None:
