@@ -368,9 +368,12 @@ class Balancer:
             code = upstream.response.status
             # A first token only where the answer streams: a whole answer's first byte comes
             # with its last, and made TTFT (its histogram, its alert) the generation's time.
+            # And only from an answer: a 400's or a 503's error body is no token (a stream
+            # refused at once read as the fastest first tokens, in the histogram and in the
+            # node's TTFT that the strategies read).
             ttft = (
                 upstream.first_byte_at - upstream.started
-                if upstream.first_byte_at is not None and route.stream
+                if upstream.first_byte_at is not None and route.stream and 200 <= code < 300
                 else None
             )
             ok = code < 500 and code != 429 and not upstream.failed
@@ -441,8 +444,8 @@ class Balancer:
         self.table.record_result(node, ok, latency if ok else None, ttft, now)
         if ok:
             metrics.latency.observe(latency)
-            if ttft is not None:
-                metrics.ttft.observe(ttft)
+        if ttft is not None:  # a stream that broke after its first token had that token
+            metrics.ttft.observe(ttft)
         return latency
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import subprocess
@@ -393,6 +394,40 @@ async def test_ttft_is_a_streams_first_byte_and_a_timed_out_try_is_in_the_histog
         late = {**streamed, "max_tokens": 99}
         assert (await http.post("/v1/chat/completions", json=late)).status_code == 504
         assert (seen("latency"), seen("ttft")) == (3, 2)  # at the time it was given up
+
+
+async def test_ttft_counts_answers_first_tokens_not_error_bodies_and_not_less_for_a_break(
+    serve: Serve,
+) -> None:
+    """A stream refused with a 400 at once was the fastest "first token" there was (in the
+    histogram and in the node's TTFT the strategies read), and a stream broken after its
+    first token was left out of the histogram."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("max_tokens") == 0:
+            return web.json_response({"error": {"message": "max_tokens"}}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(0.05)
+        await response.write(b'data: {"choices": [{"delta": {"content": "ok"}}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()  # broken off after the first token
+        return response
+
+    retry = {"retry": {"attempts": 1}}
+    async with gateway_over(serve, {"/v1/chat/completions": chat}, **retry) as (app, http):
+        count = app.balancer.metrics.registry.get_sample_value
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        refused = await http.post("/v1/chat/completions", json={**body, "max_tokens": 0})
+        assert refused.status_code == 400
+        assert (count("promptlb_ttft_seconds_count", {"node": "n"}) or 0.0) == 0
+        assert app.balancer.table.nodes["n"].view.ewma_ttft_s is None
+        with contextlib.suppress(httpx.HTTPError):
+            await http.post("/v1/chat/completions", json=body)
+        await asyncio.sleep(0.1)
+        assert count("promptlb_ttft_seconds_count", {"node": "n"}) == 1
+        assert count("promptlb_ttft_seconds_sum", {"node": "n"}) >= 0.05
 
 
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
