@@ -427,7 +427,7 @@ async def test_ttft_counts_answers_first_tokens_not_error_bodies_and_not_less_fo
             await http.post("/v1/chat/completions", json=body)
         await asyncio.sleep(0.1)
         assert count("promptlb_ttft_seconds_count", {"node": "n"}) == 1
-        assert count("promptlb_ttft_seconds_sum", {"node": "n"}) >= 0.05
+        assert (count("promptlb_ttft_seconds_sum", {"node": "n"}) or 0.0) >= 0.05
 
 
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
