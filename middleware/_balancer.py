@@ -672,6 +672,11 @@ class Try:
                         last = f"a node answered {code}"
                         if code == 429:
                             lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
+                            if suspect is not None:
+                                # Another status came between: the held 5xx was its node's
+                                # (a third node's same 5xx booked both as the request's).
+                                lb._fault(suspect)
+                                suspect = None
                         else:
                             if suspect is not None:
                                 lb._fault(suspect)

@@ -422,13 +422,25 @@ class NodeTable:
         node.request_faults += 1
 
     def _may_eject(self, node: Node, now: float) -> bool:
-        # The nodes that could take a request this one could: a node that names no model takes
-        # any (see `_rebuild`), so it shares a pool with every node. Otherwise model-less nodes
-        # would each have an empty pool and all of them could be ejected at once.
-        models = node.models
-        pool = [n for n in self.nodes.values() if not models or not n.models or n.models & models]
-        ejected = sum(1 for n in pool if now < n.ejected_until)
-        return ejected < ejection_cap(len(pool), self._config.outlier.max_ejection_percent)
+        """Whether ejecting ``node`` keeps every model it serves within the cap of ejected
+        nodes: each model's own pool (its nodes and those that name no model, which take any;
+        see `_rebuild`), not their union, which let both nodes of a two-node model go while a
+        model they shared one of had room. A node that names no model is in every model's pool
+        and in the pool of models no node names (model-less nodes each with an empty pool of
+        their own could all be ejected at once)."""
+        nodes = list(self.nodes.values())
+        if node.models:
+            models: set[str] = set(node.models)
+        else:
+            models = {m for n in nodes for m in n.models}
+            models.add("")  # the models no node names: the model-less nodes alone
+        percent = self._config.outlier.max_ejection_percent
+        for model in models:
+            pool = [n for n in nodes if not n.models or model in n.models]
+            ejected = sum(1 for n in pool if now < n.ejected_until)
+            if ejected >= ejection_cap(len(pool), percent):
+                return False
+        return True
 
     # -- the hot path ----------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -489,6 +501,9 @@ class NodeTable:
             for node in kept:
                 for model in node.models & bare:
                     candidates.setdefault(model, []).append(node.view)
+            # Those that name no model take any, as the ready ones would: a cluster of such
+            # nodes was a 503 for the whole ejection.
+            wildcard = [node.view for node in kept if not node.models]
         self._candidates = candidates
         self._serving = None  # built when a scrape asks: not on the request's path
         self._wildcard = wildcard

@@ -121,8 +121,14 @@ class Admission:
                 if remaining <= 0:
                     raise QueueTimeout(model)
                 if future is None or future.done():
+                    woken = future is not None  # (done: only a wake sets it)
                     future = loop.create_future()
-                    self._waiters.append((model, future))
+                    if woken:
+                        # Woken, and the room taken before it ran: its place in the line is
+                        # the front, not the back behind every later waiter.
+                        self._waiters.appendleft((model, future))
+                    else:
+                        self._waiters.append((model, future))
                     if len(self._waiters) > 4 * cfg.queue_size + 16:
                         self._waiters = deque(w for w in self._waiters if not w[1].done())
                 await asyncio.wait((future,), timeout=min(remaining, _POLL))

@@ -584,3 +584,42 @@ async def test_a_5xx_then_another_failure_charges_the_first_node(serve: Serve) -
         assert [table[n].failures for n in "abc"] == [1, 1, 1]
         assert [table[n].request_faults for n in "abc"] == [0, 0, 0]
         await app.dispatcher.stop()
+
+
+async def test_a_5xx_then_a_429_charges_the_first_node(serve: Serve) -> None:
+    """A answers 500, B 429, C the same 500: a 429 between them is another status, so A's
+    500 was A's; it stayed pending, and C's made both look like the request's fault."""
+    from aiohttp import web
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "same"}}, status=500)
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=429)
+
+    async def noop(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not reached")
+
+    apps = {name: web.Application() for name in "abc"}
+    for name, app_ in apps.items():
+        app_.router.add_post("/v1/chat/completions", busy if name == "b" else fail)
+    async with serve(apps["a"]) as a, serve(apps["b"]) as b, serve(apps["c"]) as c:
+        nodes = [{"name": n, "url": u} for n, u in (("a", a), ("c", c), ("b", b))]
+        config = {
+            "nodes": nodes,
+            "strategy": "round_robin",
+            "health": {"enabled": False},
+            "retry": {"attempts": 3},
+        }
+        app = PromptLBMiddleware(noop, config=config)
+        strategy: Any = app.balancer.strategy
+        strategy._next = {"m": 0}  # a, then b, then c (as the test above)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})
+        table = app.balancer.table.nodes
+        assert got.status_code == 500 and got.headers["x-promptlb-node"] == "c"
+        assert got.headers["x-promptlb-attempts"] == "3"
+        assert [table[n].failures for n in "abc"] == [1, 1, 1]
+        assert [table[n].request_faults for n in "abc"] == [0, 0, 0]
+        await app.dispatcher.stop()

@@ -532,6 +532,42 @@ def test_a_model_whose_every_node_is_ejected_keeps_those_whose_health_passes() -
     assert names(t, 4.0) == set()  # unhealthy too: not kept
 
 
+def test_an_ejected_node_that_names_no_model_is_kept_when_nothing_else_serves() -> None:
+    # Panic routing was built from the nodes' models: a node that names none (a valid config)
+    # was a 503 for every request for the whole ejection.
+    nodes = (NodeConfig(name="any", url="http://127.0.0.1:9000"),)
+    clock = Clock()
+    config = Config(nodes=nodes, outlier=OutlierConfig(consecutive_failures=2))
+    t = NodeTable(config, clock=clock)
+    node = t.nodes["any"]
+    t.record_health(node, True, "ok", 0.0)
+    for _ in range(2):
+        t.record_result(node, False, None, None, 1.0)
+    clock.now = 2.0
+    assert node.ejected_until == 31.0 and t.state_of(node) == "ejected"
+    assert [v.name for v in t.candidates("m") or ()] == ["any"] and t.serving(node)
+
+
+def test_the_ejection_cap_holds_for_each_model_not_for_the_models_together() -> None:
+    # m1 on a and b, m2 on b to e: the pool of b was all five nodes, and at 50% both of m1's
+    # nodes went.
+    served = {"a": ("m1",), "b": ("m1", "m2"), "c": ("m2",), "d": ("m2",), "e": ("m2",)}
+    nodes = tuple(
+        NodeConfig(name=n, url=f"http://127.0.0.1:{9000 + i}", models=m)
+        for i, (n, m) in enumerate(served.items())
+    )
+    config = OutlierConfig(consecutive_failures=2, max_ejection_percent=50)
+    clock = Clock()
+    t = NodeTable(Config(nodes=nodes, outlier=config), clock=clock)
+    clock.now = 1.0
+    for node in t.nodes.values():
+        t.record_health(node, True, "ok", 0.0)
+    for name in ("a", "a", "b", "b"):
+        t.record_result(t.nodes[name], False, None, None, 1.0)
+    assert t.nodes["a"].ejected_until and not t.nodes["b"].ejected_until
+    assert [v.name for v in t.candidates("m1") or ()] == ["b"]
+
+
 def test_an_ejected_node_stays_out_while_its_model_has_another() -> None:
     t = table(2, outlier=OutlierConfig(consecutive_failures=2, base_ejection_time=30))
     n0 = t.nodes["n0"]

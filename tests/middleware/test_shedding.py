@@ -134,3 +134,31 @@ async def test_a_wake_goes_to_the_oldest_waiter_whose_model_has_room(
     adm.wake()
     await asyncio.wait_for(on_a, 5)
     assert adm.waiting == 0
+
+
+async def test_a_woken_waiter_beaten_to_the_room_keeps_its_place_at_the_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Woken, it found the room taken by a newcomer before it ran, and queued again at the
+    back: behind every later waiter, toward its timeout while they went in."""
+    monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
+    adm = admission(enabled=True, max_in_flight=1, queue_timeout=20)
+    node = adm._table.nodes["a"].view
+    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
+    node.in_flight = 1
+    first = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    node.in_flight = 0
+    adm.wake()  # the first is woken ...
+    node.in_flight = 1  # ... and a newcomer takes the room before it runs
+    await asyncio.sleep(0.01)
+    assert not first.done() and not second.done()
+    node.in_flight = 0
+    adm.wake()
+    await asyncio.wait_for(first, 5)  # the first again, not the second
+    assert not second.done()
+    node.in_flight = 0
+    adm.wake()
+    await asyncio.wait_for(second, 5)
