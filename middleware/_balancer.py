@@ -406,13 +406,22 @@ class Balancer:
         if route.stream and headless:
             metrics.ttft.observe(latency)
 
-    def _needs_longer(self, node: Node, route: RouteRequest, given: float) -> bool:
+    def _needs_longer(
+        self, node: Node, route: RouteRequest, given: float, started: float | None = None
+    ) -> bool:
         """Whether generating the request's ``max_tokens`` at the node's decode rate takes
         longer than the ``given`` seconds: then running out of them is the request's doing.
-        Without a ``max_tokens`` nothing says so, and the node answers for the time."""
+        Without a ``max_tokens`` nothing says so, and the node answers for the time; nor does
+        it when a snapshot that came during the try (begun at ``started``) shows its engine
+        running nothing: it was not generating the answer at all (a hung node, whose health
+        checks pass, was excused every time a long answer was asked of it, never ejected)."""
         asked = route.max_tokens
         if asked is None:
             return False
+        if started is not None and node.snapshot_at > started:
+            engine = node.snapshot.engine if node.snapshot is not None else None
+            if engine is not None and engine.running == 0:
+                return False
         return asked / (node.decode_rate or self._assumed_rate) > given
 
     def _fault(self, suspect: tuple[Node, float, int]) -> None:
@@ -614,7 +623,7 @@ class Try:
                             # sets): the node's doing, whatever the request asks (a 504, as
                             # nginx answers a connect timeout).
                             status, last = 504, "timed out connecting to a node"
-                        elif not route.stream and lb._needs_longer(node, route, given):
+                        elif not route.stream and lb._needs_longer(node, route, given, started):
                             # A non-streamed answer comes whole: at the node's speed this one
                             # could not have come in time, and would not elsewhere either.
                             status = 504

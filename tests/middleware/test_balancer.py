@@ -20,7 +20,7 @@ from promptlb.middleware._request import Request, RequestReader
 from promptlb.shared import ConfigError
 
 from tests.conftest import Serve
-from tests.middleware.conftest import chat_node
+from tests.middleware.conftest import MakeSnapshot, chat_node
 
 
 def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_them() -> None:
@@ -288,6 +288,50 @@ async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
                 async with lb.open(request) as up:
                     assert up.node.name == "ok" and up.response.status == 200
             assert lb.table.nodes["dead"].view.error_rate > 0  # charged to the node
+        finally:
+            await lb.stop()
+
+
+async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
+    serve: Serve, snap: MakeSnapshot
+) -> None:
+    # A node that takes requests and generates nothing (health passing), asked a long
+    # non-streamed answer: "takes longer than a try" excused it every time, no retry, no
+    # failure, never ejected, while its snapshots showed its engine running nothing.
+    async def hung(request: web.Request) -> web.Response:
+        await asyncio.sleep(2)  # far past the try's 0.5 s (and the server's cleanup waits)
+        return web.json_response({"choices": []})
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response({"choices": []})
+
+    async with serve(chat_node(hung)) as stuck, serve(chat_node(chat)) as url:
+        config = Config(
+            nodes=(
+                NodeConfig(name="hung", url=stuck, models=("m",)),
+                NodeConfig(name="ok", url=url, models=("m",)),
+            ),
+            health=HealthConfig(enabled=False),
+            strategy="round_robin",
+            retry=RetryConfig(attempts=2, per_try_timeout=0.5),
+        )
+        lb = Balancer(config)
+        reader = RequestReader(config, lb.admission)
+        body = {"model": "m", "messages": [], "max_tokens": 2_000}  # 100 s at 20 tokens/s
+        node = lb.table.nodes["hung"]
+
+        async def idle_engine_seen() -> None:
+            await asyncio.sleep(0.2)  # during the try: its engine runs nothing
+            lb.table.record_snapshot(node, snap("hung", running=0), time.monotonic())
+
+        try:
+            for _ in range(2):  # round robin: the hung node is tried first once
+                seen = asyncio.create_task(idle_engine_seen())
+                request = reader.build("/v1/chat/completions", body)
+                async with lb.open(request) as up:
+                    assert up.node.name == "ok" and up.response.status == 200
+                await seen
+            assert node.failures == 1 and node.request_faults == 0
         finally:
             await lb.stop()
 
