@@ -542,53 +542,14 @@ def test_the_gateway_refuses_a_bad_graceful_shutdown(capsys: pytest.CaptureFixtu
     assert "bad config" in err and "--graceful-shutdown" not in err
 
 
-async def test_a_5xx_then_another_failure_charges_the_first_node(serve: Serve) -> None:
-    """A answers 500, B cannot be reached, C answers the same 500: no two tries in a row
-    failed the request alike, so A's 500 was A's (it used to stay pending, and C's made both
-    look like the request's fault)."""
-    from aiohttp import web
-
-    async def fail(request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "same"}}, status=500)
-
-    async def noop(scope: Any, receive: Any, send: Any) -> None:
-        raise AssertionError("not reached")
-
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        dead = probe.getsockname()[1]
-    app_a, app_c = web.Application(), web.Application()
-    app_a.router.add_post("/v1/chat/completions", fail)
-    app_c.router.add_post("/v1/chat/completions", fail)
-    async with serve(app_a) as a, serve(app_c) as c:
-        nodes = [
-            {"name": "a", "url": a},
-            {"name": "c", "url": c},
-            {"name": "b", "url": f"http://127.0.0.1:{dead}"},
-        ]
-        config = {
-            "nodes": nodes,
-            "strategy": "round_robin",
-            "health": {"enabled": False},
-            "retry": {"attempts": 3},
-        }
-        app = PromptLBMiddleware(noop, config=config)
-        strategy: Any = app.balancer.strategy
-        # Round robin from the first node, over the ones not tried yet: a, then b, then c.
-        strategy._next = {"m": 0}  # its turn per model
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})
-        table = app.balancer.table.nodes
-        assert got.status_code == 500 and got.headers["x-promptlb-node"] == "c"
-        assert [table[n].failures for n in "abc"] == [1, 1, 1]
-        assert [table[n].request_faults for n in "abc"] == [0, 0, 0]
-        await app.dispatcher.stop()
-
-
-async def test_a_5xx_then_a_429_charges_the_first_node(serve: Serve) -> None:
-    """A answers 500, B 429, C the same 500: a 429 between them is another status, so A's
-    500 was A's; it stayed pending, and C's made both look like the request's fault."""
+@pytest.mark.parametrize("between", ["unreachable", "429"])
+async def test_a_5xx_then_another_failure_charges_the_first_node(
+    serve: Serve, between: str
+) -> None:
+    """A answers 500, B fails otherwise (cannot be reached, or answers 429), C answers the
+    same 500: no two tries in a row failed the request alike, so A's 500 was A's (it used to
+    stay pending, and C's made both look like the request's fault; behind a 429 until
+    2026-12-07)."""
     from aiohttp import web
 
     async def fail(request: web.Request) -> web.Response:
@@ -600,11 +561,21 @@ async def test_a_5xx_then_a_429_charges_the_first_node(serve: Serve) -> None:
     async def noop(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not reached")
 
-    apps = {name: web.Application() for name in "abc"}
-    for name, app_ in apps.items():
-        app_.router.add_post("/v1/chat/completions", busy if name == "b" else fail)
-    async with serve(apps["a"]) as a, serve(apps["b"]) as b, serve(apps["c"]) as c:
-        nodes = [{"name": n, "url": u} for n, u in (("a", a), ("c", c), ("b", b))]
+    def app_of(handler: Any) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        return app
+
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(serve(app_of(fail)))
+        c = await stack.enter_async_context(serve(app_of(fail)))
+        if between == "429":
+            b = await stack.enter_async_context(serve(app_of(busy)))
+        else:
+            with socket.socket() as probe:  # a port nothing listens on
+                probe.bind(("127.0.0.1", 0))
+                b = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        nodes = [{"name": "a", "url": a}, {"name": "c", "url": c}, {"name": "b", "url": b}]
         config = {
             "nodes": nodes,
             "strategy": "round_robin",
@@ -613,7 +584,8 @@ async def test_a_5xx_then_a_429_charges_the_first_node(serve: Serve) -> None:
         }
         app = PromptLBMiddleware(noop, config=config)
         strategy: Any = app.balancer.strategy
-        strategy._next = {"m": 0}  # a, then b, then c (as the test above)
+        # Round robin from the first node, over the ones not tried yet: a, then b, then c.
+        strategy._next = {"m": 0}  # its turn per model
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             got = await http.post("/v1/chat/completions", json={"model": "m", "prompt": "x"})

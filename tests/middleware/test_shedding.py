@@ -11,6 +11,7 @@ from promptlb.middleware._config_degrade import SheddingConfig
 from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._refusals import Shed
 from promptlb.middleware._shedding import Admission, QueueTimeout
+from promptlb.middleware._view import NodeView
 
 from tests.middleware.conftest import MakeNode
 
@@ -93,14 +94,20 @@ async def test_queue_sheds_sheddable_at_once_and_times_out_standard() -> None:
     assert adm.waiting == 0
 
 
-async def test_a_waiter_is_woken_when_a_request_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The recheck every 50 ms would also let it in: far apart, the wake is what is measured (at
-    # 50 ms the bound sat on the poll it was to rule out, half a millisecond from it).
+def full_node(monkeypatch: pytest.MonkeyPatch) -> tuple[Admission, NodeView]:
+    """An admission in front of one node at its one place, with waiters woken only by a
+    wake: the recheck every 50 ms would also let them in (far apart, the wake is what is
+    measured: at 50 ms a bound sat on the poll it was to rule out)."""
     monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
     adm = admission(enabled=True, max_in_flight=1, queue_timeout=20)
     node = adm._table.nodes["a"].view
     adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
     node.in_flight = 1
+    return adm, node
+
+
+async def test_a_waiter_is_woken_when_a_request_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    adm, node = full_node(monkeypatch)
     waiter = asyncio.ensure_future(adm.admit("m", "standard"))
     await asyncio.sleep(0.01)
     assert not waiter.done()
@@ -141,11 +148,7 @@ async def test_a_woken_waiter_beaten_to_the_room_keeps_its_place_at_the_front(
 ) -> None:
     """Woken, it found the room taken by a newcomer before it ran, and queued again at the
     back: behind every later waiter, toward its timeout while they went in."""
-    monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
-    adm = admission(enabled=True, max_in_flight=1, queue_timeout=20)
-    node = adm._table.nodes["a"].view
-    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
-    node.in_flight = 1
+    adm, node = full_node(monkeypatch)
     first = asyncio.ensure_future(adm.admit("m", "standard"))
     await asyncio.sleep(0.01)
     second = asyncio.ensure_future(adm.admit("m", "standard"))
