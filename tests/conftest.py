@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import settings
 from promptlb.emulator import Service, start_redis, start_service
 
 Launcher = Callable[..., Service]
@@ -20,6 +21,11 @@ Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
 
 __all__ = ["Launcher", "RedisServer", "Serve", "Service", "sidecar_args"]
 
+
+# No per-example deadline for any property test: one scheduling stall on a loaded 2-core CI
+# machine fails hypothesis's default 200 ms (most tests already said so one by one).
+settings.register_profile("promptlb", deadline=None)
+settings.load_profile("promptlb")
 
 # Far past the slowest test (a cluster run, about a minute on a loaded machine): a test that
 # hangs (code that stops cancelling what it should) ends the run with every thread's stack

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -7,6 +8,7 @@ from typing import Any
 import pytest
 from promptlb.middleware import Config, NodeConfig, load_config
 from promptlb.middleware._live import build_live
+from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
 NODE = "[[nodes]]\nname = 'a'\nurl = 'http://127.0.0.1:8000'\n"
@@ -388,13 +390,20 @@ def test_model_aware_options_of_the_wrong_shape_are_config_errors(
 def test_a_class_of_its_own_is_a_route_under_a_classifier_or_class_header() -> None:
     config = load_config(
         {
-            "nodes": [{"name": "a", "url": "http://a:1"}],
+            "nodes": [
+                {"name": "a", "url": "http://a:1"},
+                {"name": "cpu", "url": "http://cpu:1", "tags": ["cpu"]},
+            ],
             "strategy": "model_aware",
             "class_header": "x-class",
             "strategy_options": {"routes": {"batch": ["cpu"]}},
         }
     )
-    build_live(config, None)
+    live = build_live(config, None)  # not refused: a class the header may name is a route
+    views = [node.view for node in live.balancer.table.nodes.values()]
+    batch = RouteRequest(model="m", prompt_class="batch")
+    rng = random.Random(1)
+    assert {live.balancer.strategy.pick(batch, views, rng).name for _ in range(20)} == {"cpu"}
 
 
 def test_a_token_file_that_is_not_text_is_a_config_error(tmp_path: Path) -> None:

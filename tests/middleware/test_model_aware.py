@@ -56,14 +56,14 @@ def test_the_last_user_turn_decides_and_prompts_work_too() -> None:
 
 
 def test_a_4k_prompt_classifies_in_microseconds() -> None:
-    body = chat(("The meeting notes say the budget grew and the team " * 80)[:4096])
+    notes = ("The meeting notes say the budget grew and the team " * 80)[:4000]
+    body = chat(notes + " Now write a limerick about it.")
     runs = 2000
     started = time.perf_counter()
-    for _ in range(runs):
-        classify(body)
+    classes = {classify(body) for _ in range(runs)}
     per_call = (time.perf_counter() - started) / runs
-    print(f"classify 4k chars: {per_call * 1e6:.1f} us")  # the 50 us goal, reported
-    assert per_call < 0.005  # a sanity bound, not the goal: the loop really ran the regexes
+    print(f"classify 4k chars: {per_call * 1e6:.1f} us")  # the 50 us goal, reported, not held
+    assert classes == {"creative"}  # the instruction at the end of a long turn, read each time
 
 
 def broken_classifier(body: Any) -> object:

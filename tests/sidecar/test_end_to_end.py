@@ -175,7 +175,7 @@ async def test_control_endpoints_need_the_token(launch: Launcher, tmp_path: Path
         assert not (await get_snapshot(http, sidecar)).draining
 
 
-async def test_a_dead_model_server_is_seen_within_two_sample_intervals(
+async def test_a_dead_model_server_is_seen_within_a_few_sample_intervals(
     launch: Launcher, tmp_path: Path
 ) -> None:
     interval = 0.5
@@ -194,8 +194,10 @@ async def test_a_dead_model_server_is_seen_within_two_sample_intervals(
     reasons = str(body["reasons"])
     assert "model server unreachable" in reasons or "model-server process exited" in reasons
     assert not snap.ready and not snap.warm  # a server that went away is cold when it returns
-    assert seen <= 2 * interval, f"/health took {seen:.2f}s"
-    assert snapshot_seen <= 2 * interval, f"snapshot took {snapshot_seen:.2f}s"
+    # Two intervals here; four is the bound, for a loaded CI machine (a probe's own timeout
+    # would take longer still).
+    assert seen <= 4 * interval, f"/health took {seen:.2f}s"
+    assert snapshot_seen <= 4 * interval, f"snapshot took {snapshot_seen:.2f}s"
 
 
 async def test_signed_snapshots_verify_only_with_their_key(
