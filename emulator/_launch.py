@@ -141,11 +141,31 @@ def start_redis(
     """A throwaway ``redis-server`` (no persistence) on a free loopback port, once it answers
     with its own pid; its `Service.url` is ``redis://127.0.0.1:PORT/0``. Redis has no port 0
     of its own, so the port is one the kernel just handed out, unless ``port`` is given (a
-    Redis brought back where its clients were told to find it)."""
-    if port is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+    Redis brought back where its clients were told to find it). A port it chose and another
+    process took before Redis bound it is given up for another, twice at most."""
+    if port is not None:
+        return _start_redis(binary, workdir, timeout, port)
+    for attempt in range(3):
+        try:
+            return _start_redis(binary, workdir, timeout, _free_port())
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("not reached")
+
+
+class _PortTaken(RuntimeError):
+    """Redis could not bind the port: another process holds it."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _start_redis(binary: str, workdir: str, timeout: float, port: int) -> Service:
     started_at = time.monotonic()
     with tempfile.NamedTemporaryFile(prefix="promptlb-redis-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(
@@ -165,7 +185,10 @@ def start_redis(
         if proc.poll() is not None or time.monotonic() > deadline:
             why = _read(log.name)  # before stop() removes the log
             service.stop()
-            raise RuntimeError(f"redis-server did not start on port {port}:\n{why}")
+            taken = "address already in use" in why.lower()
+            raise (_PortTaken if taken else RuntimeError)(
+                f"redis-server did not start on port {port}:\n{why}"
+            )
         time.sleep(0.02)
     _LIVE.add(service)
     return service

@@ -4,11 +4,12 @@ once stopped or killed."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import redis
-from promptlb.emulator import start_redis
+from promptlb.emulator import _launch, start_redis
 
 from tests.conftest import need_binary
 
@@ -54,3 +55,26 @@ def test_a_port_another_redis_holds_is_refused_with_ours_saying_why(tmp_path: Pa
         assert "in use" in str(failed.value).lower() or "bind" in str(failed.value).lower()
     finally:
         stranger.stop()
+
+
+def test_a_port_taken_before_redis_binds_it_is_given_up_for_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The port is chosen, let go, then bound by Redis: another process taking it between was
+    # a "did not start" for the whole fixture.
+    binary = need_binary("redis-server", "redis-server")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        ports = [taken]
+        real = _launch._free_port
+        monkeypatch.setattr(_launch, "_free_port", lambda: ports.pop() if ports else real())
+        service = start_redis(binary, str(tmp_path))
+        try:
+            assert service.port != taken and not ports
+            client = redis.Redis.from_url(service.url)
+            assert client.ping()
+            client.close()
+        finally:
+            service.stop()
