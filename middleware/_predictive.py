@@ -553,7 +553,10 @@ class Predictive:
             if load <= HOT_SLACK:
                 break
             if bound < 0.0:
-                bound = 2 * min(node.effective_queue for node in looked) + HOT_SLACK
+                # Over the nodes timed whose load is known: one without a snapshot (our own
+                # requests alone, often none) or a cold one that cannot take it is no measure.
+                known = [n.effective_queue for n in looked if n.snapshot and n.name in times]
+                bound = 2 * min(known) + HOT_SLACK if known else math.inf
             if load <= bound:
                 break
             if credit is held:

@@ -677,3 +677,16 @@ def test_guard_a_hot_prefix_does_not_pile_onto_a_node_that_never_queues(node: Ma
             ]
             ours[strategy.pick(chat(hot, 5 + 5 * second + i), views, rng).name] += 1
     assert max(ours.values()) <= 2 * min(ours.values()) + HOT_SLACK + 1
+
+
+def test_the_hot_prefix_bound_is_read_off_nodes_whose_load_is_known(node: MakeNode) -> None:
+    # A node without a snapshot reads our own requests alone (none), and put the bound at 8:
+    # a holder as loaded as its peer lost its edge and the prefix spread for no gain.
+    strategy = Predictive(PowerOfTwoChoices())
+    warm(strategy, [node(n, running=0) for n in "abc"], 0.0005)
+    hot = "p" * CHUNK * 48
+    rng = random.Random(6)
+    views = [node("a", running=12), node("b", running=12), node("c")]
+    holder = strategy.pick(chat(hot, 5), views, rng).name
+    got = Counter(strategy.pick(chat(hot, 6 + i), views, rng).name for i in range(40))
+    assert got[holder] >= 36
