@@ -63,6 +63,9 @@ _CLIENT_ADDRESS = frozenset({"x-forwarded-for", "forwarded", "x-real-ip"})
 _NAMES_KEPT = 256
 _UNSEEN = ""  # not a header name: no name is empty
 _OURS = "x-promptlb-"  # promptlb's control headers: for the gateway (a priority token is a secret)
+# A snapshot received this long after a try began, showing its engine running nothing, says
+# the node is not generating the try's answer (`Balancer._needs_longer`).
+_IDLE_PROOF_S = 1.0
 
 
 @dataclass(slots=True)
@@ -361,9 +364,17 @@ class Balancer:
         elif aborted or upstream.client_slow:
             # Given up by the caller, or out of time waiting on the client: not the node's doing.
             self.metrics.of(node).outcome("aborted").inc()
-        elif upstream.failed and upstream.overran and self._needs_longer(node, route, whole):
+        elif (
+            upstream.failed
+            and upstream.overran
+            and self._needs_longer(node, route, whole, upstream.started)
+        ):
             # The stream ran out of time generating what it asked for: its size, not the node.
-            self._finish(node, ok=None, started=upstream.started, ttft=None)
+            # Its first token was one all the same.
+            first = upstream.first_byte_at
+            answered = route.stream and 200 <= upstream.response.status < 300
+            ttft = first - upstream.started if first is not None and answered else None
+            self._finish(node, ok=None, started=upstream.started, ttft=ttft)
         else:
             code = upstream.response.status
             # A first token only where the answer streams: a whole answer's first byte comes
@@ -418,7 +429,9 @@ class Balancer:
         asked = route.max_tokens
         if asked is None:
             return False
-        if started is not None and node.snapshot_at > started:
+        # Received a margin after the start: a sample taken just before the request reached
+        # the engine arrives after the try began and shows it idle.
+        if started is not None and node.snapshot_at > started + _IDLE_PROOF_S:
             engine = node.snapshot.engine if node.snapshot is not None else None
             if engine is not None and engine.running == 0:
                 return False
@@ -449,6 +462,8 @@ class Balancer:
         metrics.outcome(outcome).inc()
         if ok is None:
             self.table.record_request_fault(node)
+            if ttft is not None:  # (a stream cut at a deadline its size explains)
+                metrics.ttft.observe(ttft)
             return latency
         self.table.record_result(node, ok, latency if ok else None, ttft, now)
         if ok:

@@ -292,14 +292,21 @@ async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
             await lb.stop()
 
 
+@pytest.mark.parametrize(("seen_after", "charged"), [(1.3, True), (0.2, False)])
 async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
-    serve: Serve, snap: MakeSnapshot
+    serve: Serve, snap: MakeSnapshot, seen_after: float, charged: bool
 ) -> None:
     # A node that takes requests and generates nothing (health passing), asked a long
     # non-streamed answer: "takes longer than a try" excused it every time, no retry, no
-    # failure, never ejected, while its snapshots showed its engine running nothing.
+    # failure, never ejected, while its snapshots showed its engine running nothing. A
+    # snapshot that came just after the try began may have been read before it: no proof.
+    lb: Balancer
+
     async def hung(request: web.Request) -> web.Response:
-        await asyncio.sleep(2)  # far past the try's 0.5 s (and the server's cleanup waits)
+        await asyncio.sleep(seen_after)  # then a snapshot: its engine runs nothing
+        node = lb.table.nodes["hung"]
+        lb.table.record_snapshot(node, snap("hung", running=0), time.monotonic())
+        await asyncio.sleep(3.0 - seen_after)  # past the try's 2 s
         return web.json_response({"choices": []})
 
     async def chat(request: web.Request) -> web.Response:
@@ -313,25 +320,25 @@ async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
             ),
             health=HealthConfig(enabled=False),
             strategy="round_robin",
-            retry=RetryConfig(attempts=2, per_try_timeout=0.5),
+            retry=RetryConfig(attempts=2, per_try_timeout=2.0),
         )
         lb = Balancer(config)
         reader = RequestReader(config, lb.admission)
         body = {"model": "m", "messages": [], "max_tokens": 2_000}  # 100 s at 20 tokens/s
-        node = lb.table.nodes["hung"]
-
-        async def idle_engine_seen() -> None:
-            await asyncio.sleep(0.2)  # during the try: its engine runs nothing
-            lb.table.record_snapshot(node, snap("hung", running=0), time.monotonic())
-
+        strategy: Any = lb.strategy
+        strategy._next = {"m": 0}  # round robin: the hung node first
         try:
-            for _ in range(2):  # round robin: the hung node is tried first once
-                seen = asyncio.create_task(idle_engine_seen())
-                request = reader.build("/v1/chat/completions", body)
+            request = reader.build("/v1/chat/completions", body)
+            if charged:
                 async with lb.open(request) as up:
                     assert up.node.name == "ok" and up.response.status == 200
-                await seen
-            assert node.failures == 1 and node.request_faults == 0
+            else:
+                with pytest.raises(UpstreamError) as refused:
+                    async with lb.open(request):
+                        pass
+                assert refused.value.status == 504  # the request's size, not the node
+            node = lb.table.nodes["hung"]
+            assert (node.failures, node.request_faults) == ((1, 0) if charged else (0, 1))
         finally:
             await lb.stop()
 

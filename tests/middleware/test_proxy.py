@@ -8,6 +8,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,7 +22,7 @@ from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware import _proxy as proxy
 
 from tests.conftest import Launcher, Serve
-from tests.middleware.conftest import chat_node, gateway_over
+from tests.middleware.conftest import MakeSnapshot, chat_node, gateway_over
 
 
 @pytest.fixture
@@ -428,6 +429,41 @@ async def test_ttft_counts_answers_first_tokens_not_error_bodies_and_not_less_fo
         await asyncio.sleep(0.1)
         assert count("promptlb_ttft_seconds_count", {"node": "n"}) == 1
         assert (count("promptlb_ttft_seconds_sum", {"node": "n"}) or 0.0) >= 0.05
+
+
+@pytest.mark.parametrize("engine_idle", [False, True])
+async def test_a_stream_cut_at_its_deadline_is_excused_by_its_size_unless_nothing_ran(
+    serve: Serve, snap: MakeSnapshot, engine_idle: bool
+) -> None:
+    """A long stream cut at its total deadline is the request's size, not the node's, and its
+    first token is one all the same (it was left out of the TTFT histogram); unless a
+    snapshot during it showed the node's engine running nothing (it was excused anyway)."""
+    gateway: PromptLBMiddleware
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"delta": {"content": "ok"}}]}\n\n')
+        await asyncio.sleep(1.3)
+        if engine_idle:
+            table = gateway.balancer.table
+            table.record_snapshot(table.nodes["n"], snap("n", running=0), time.monotonic())
+        await asyncio.sleep(2.0)  # past the 1.6 s deadline
+        return response
+
+    retry = {"retry": {"attempts": 1, "total_timeout": "1.6s"}}
+    async with gateway_over(serve, {"/v1/chat/completions": chat}, **retry) as (app, http):
+        gateway = app
+        count = app.balancer.metrics.registry.get_sample_value
+        body = {"model": "m", "messages": [], "stream": True, "max_tokens": 2000}
+        with contextlib.suppress(httpx.HTTPError):
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    pass
+        await asyncio.sleep(0.1)
+        node = app.balancer.table.nodes["n"]
+        assert (node.failures, node.request_faults) == ((1, 0) if engine_idle else (0, 1))
+        assert count("promptlb_ttft_seconds_count", {"node": "n"}) == 1
 
 
 async def test_the_query_string_is_part_of_the_cache_key(serve: Serve) -> None:
