@@ -26,7 +26,7 @@ from ._config_degrade import CACHE_HOP, CacheConfig, FallbackConfig
 from ._refusals import Exhausted, NoNodeAvailable, Refusal, Shed, UnknownModel, UpstreamError
 from ._request import Request, caller_names
 from ._shedding import QueueTimeout
-from ._sse import replayable
+from ._sse import replayable, wants_usage
 
 __all__ = ["Dispatcher"]
 
@@ -194,10 +194,15 @@ class Dispatcher:
                 # the family's key when it stood in) never poses as the primary's fresh answer.
                 if entry is not None and entry.model != request.model and entry.model in hops:
                     entry = None
-                # A stream kept without its usage is no whole answer to a client that may bill
-                # by it (`resp.usage` was None on such hits only): the node answers, and its
-                # answer, with usage, takes the entry's place. Stale, in an outage, it is served.
-                if entry is not None and not entry.usage and not route.stream:
+                # A stream kept without its usage is no fresh answer to a client that may bill
+                # by it, whole or streamed with include_usage (`resp.usage` was None on such
+                # hits only): the node answers, and its answer, with usage, takes the entry's
+                # place. Stale, in an outage, it is served.
+                if (
+                    entry is not None
+                    and not entry.usage
+                    and (not route.stream or wants_usage(request.body))
+                ):
                     entry = None
                 if entry is not None and entry.fresh(time.time(), cfg.ttl):
                     metrics.cache.labels("fresh_hit").inc()

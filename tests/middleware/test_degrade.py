@@ -263,32 +263,53 @@ async def test_a_streamed_answer_is_cached_and_replayed_to_the_openai_client(
     assert whole.choices[0].message.content == text
 
 
-async def test_a_stream_kept_without_usage_is_no_fresh_whole_answer(
-    cluster: MakeCluster, fast: Flags, hello: Messages
+@pytest.mark.parametrize("asker", ["whole", "stream with usage"])
+async def test_a_stream_kept_without_usage_is_no_fresh_answer_to_one_that_bills_by_it(
+    cluster: MakeCluster, fast: Flags, hello: Messages, asker: str
 ) -> None:
-    # Assembled from a stream that did not ask for usage, it was served to the next
-    # non-streaming caller with none: `resp.usage` None on cache hits only.
+    # Assembled from a stream that did not ask for usage, it was served to the next caller
+    # that needed it with none: `resp.usage` None, or no usage chunk, on cache hits only.
     c = cluster({"a": fast}, HEALTH + "[cache]\nserve_fresh = true\n")
     chat = c.client().chat.completions
     streamed = await chat.create(
         model="m", messages=hello, max_tokens=9, temperature=0, stream=True
     )
     text = "".join([ch.choices[0].delta.content or "" async for ch in streamed if ch.choices])
-    await asyncio.sleep(0.2)  # stored after the answer
-    first = await chat.with_raw_response.create(
-        model="m", messages=hello, max_tokens=9, temperature=0
-    )
-    assert "x-promptlb-cache" not in first.headers  # the node answered
-    assert first.parse().usage is not None and first.parse().choices[0].message.content == text
-    await asyncio.sleep(0.2)
-    again = await chat.with_raw_response.create(
-        model="m", messages=hello, max_tokens=9, temperature=0
-    )
-    assert again.headers["x-promptlb-cache"] == "hit" and again.parse().usage is not None
-    replay = await chat.with_raw_response.create(
-        model="m", messages=hello, max_tokens=9, temperature=0, stream=True
-    )
-    assert replay.headers["x-promptlb-cache"] == "hit"  # streams are replayed either way
+    async with asyncio.timeout(10):  # stored after the answer: replayed once it is there
+        while True:
+            replay = await chat.with_raw_response.create(
+                model="m", messages=hello, max_tokens=9, temperature=0, stream=True
+            )
+            if replay.headers.get("x-promptlb-cache") == "hit":
+                break
+            await asyncio.sleep(0.05)
+    if asker == "whole":
+        first = await chat.with_raw_response.create(
+            model="m", messages=hello, max_tokens=9, temperature=0
+        )
+        assert "x-promptlb-cache" not in first.headers  # the node answered
+        assert first.parse().usage is not None
+        assert first.parse().choices[0].message.content == text
+    else:
+        billed = await chat.with_raw_response.create(
+            model="m",
+            messages=hello,
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert "x-promptlb-cache" not in billed.headers  # the node answered
+        assert [chunk.usage async for chunk in billed.parse() if chunk.usage]
+    async with asyncio.timeout(10):  # the node's answer, with usage, took the entry's place
+        while True:
+            again = await chat.with_raw_response.create(
+                model="m", messages=hello, max_tokens=9, temperature=0
+            )
+            if again.headers.get("x-promptlb-cache") == "hit":
+                break
+            await asyncio.sleep(0.05)
+    assert again.parse().usage is not None
 
 
 async def test_a_long_token_by_token_stream_is_kept_by_its_answer_not_its_events(
