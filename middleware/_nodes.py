@@ -427,18 +427,25 @@ class NodeTable:
         see `_rebuild`), not their union, which let both nodes of a two-node model go while a
         model they shared one of had room. A node that names no model is in every model's pool
         and in the pool of models no node names (model-less nodes each with an empty pool of
-        their own could all be ejected at once)."""
-        nodes = list(self.nodes.values())
-        if node.models:
-            models: set[str] = set(node.models)
-        else:
-            models = {m for n in nodes for m in n.models}
-            models.add("")  # the models no node names: the model-less nodes alone
+        their own could all be ejected at once). One pass over the nodes: asked on every
+        failure of a node the cap holds back."""
+        size: dict[str, int] = {}
+        out: dict[str, int] = {}
+        any_size = any_out = 0  # the nodes that name no model
+        for n in self.nodes.values():
+            gone = 1 if now < n.ejected_until else 0
+            if not n.models:
+                any_size += 1
+                any_out += gone
+            for name in n.models:
+                size[name] = size.get(name, 0) + 1
+                out[name] = out.get(name, 0) + gone
+        # "" stands for the models no node names: their pool is the model-less nodes alone.
+        models: list[str] = list(node.models) if node.models else [*size, ""]
         percent = self._config.outlier.max_ejection_percent
         for model in models:
-            pool = [n for n in nodes if not n.models or model in n.models]
-            ejected = sum(1 for n in pool if now < n.ejected_until)
-            if ejected >= ejection_cap(len(pool), percent):
+            pool = any_size + size.get(model, 0)
+            if any_out + out.get(model, 0) >= ejection_cap(pool, percent):
                 return False
         return True
 

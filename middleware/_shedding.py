@@ -41,7 +41,9 @@ class Admission:
         self._token = token.encode() if token else None
         # (model, future) in arrival order, over every model: a wake goes to the oldest whose
         # model has room.
-        self._waiters: deque[tuple[str, asyncio.Future[None]]] = deque()
+        # (arrival, model, future), oldest first: the arrival keeps a woken waiter's place.
+        self._waiters: deque[tuple[int, str, asyncio.Future[None]]] = deque()
+        self._arrivals = 0
         self.waiting = 0
 
     def priority(self, header: bytes | None, token: bytes | None, client: Any) -> Priority:
@@ -115,6 +117,8 @@ class Admission:
         deadline = loop.time() + cfg.queue_timeout
         self.waiting += 1
         future: asyncio.Future[None] | None = None
+        self._arrivals += 1
+        arrival = self._arrivals
         try:
             while self._is_saturated(model):
                 remaining = deadline - loop.time()
@@ -124,13 +128,14 @@ class Admission:
                     woken = future is not None  # (done: only a wake sets it)
                     future = loop.create_future()
                     if woken:
-                        # Woken, and the room taken before it ran: its place in the line is
-                        # the front, not the back behind every later waiter.
-                        self._waiters.appendleft((model, future))
+                        # Woken, and the room taken before it ran: back in its place by its
+                        # arrival, not at the back behind every later waiter (nor at the very
+                        # front, ahead of an older one woken with it).
+                        self._requeue((arrival, model, future))
                     else:
-                        self._waiters.append((model, future))
+                        self._waiters.append((arrival, model, future))
                     if len(self._waiters) > 4 * cfg.queue_size + 16:
-                        self._waiters = deque(w for w in self._waiters if not w[1].done())
+                        self._waiters = deque(w for w in self._waiters if not w[2].done())
                 await asyncio.wait((future,), timeout=min(remaining, _POLL))
         finally:
             self.waiting -= 1
@@ -142,10 +147,10 @@ class Admission:
         of all, waiting on another model still saturated, was woken instead, found no room and
         queued again at the back, while the one that could go waited for its poll."""
         waiters = self._waiters
-        while waiters and waiters[0][1].done():
+        while waiters and waiters[0][2].done():
             waiters.popleft()
         full: set[str] = set()
-        for i, (model, future) in enumerate(waiters):
+        for i, (_, model, future) in enumerate(waiters):
             if future.done() or model in full:
                 continue
             if self._is_saturated(model):
@@ -154,6 +159,15 @@ class Admission:
             del waiters[i]
             future.set_result(None)
             return
+
+    def _requeue(self, waiter: tuple[int, str, asyncio.Future[None]]) -> None:
+        """Back in the line by arrival (a short scan: the line is bounded by the queue)."""
+        waiters = self._waiters
+        for i, other in enumerate(waiters):
+            if other[0] > waiter[0]:
+                waiters.insert(i, waiter)
+                return
+        waiters.append(waiter)
 
     def _is_saturated(self, model: str) -> bool:
         candidates: Sequence[NodeView] | None = self._table.candidates(model)

@@ -165,3 +165,31 @@ async def test_a_woken_waiter_beaten_to_the_room_keeps_its_place_at_the_front(
     node.in_flight = 0
     adm.wake()
     await asyncio.wait_for(second, 5)
+
+
+async def test_two_woken_waiters_beaten_to_their_rooms_keep_their_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each put back at the very front, the younger went ahead of the older woken with it.
+    monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
+    adm = admission(enabled=True, max_in_flight=2, queue_timeout=20)
+    node = adm._table.nodes["a"].view
+    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
+    node.in_flight = 2
+    older = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    younger = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    node.in_flight = 0
+    adm.wake()
+    adm.wake()  # both woken ...
+    node.in_flight = 2  # ... and newcomers take both rooms before they run
+    await asyncio.sleep(0.01)
+    assert not older.done() and not younger.done()
+    node.in_flight = 1
+    adm.wake()
+    await asyncio.wait_for(older, 5)
+    assert not younger.done()
+    node.in_flight = 1
+    adm.wake()
+    await asyncio.wait_for(younger, 5)
