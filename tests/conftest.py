@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import shutil
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -85,6 +86,15 @@ def launch() -> Iterator[Launcher]:
     yield _launch
     for service in reversed(started):
         service.stop()
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A loopback port whose connects are refused for the whole test: bound, never listening
+    (a port let go after a probe could be taken by another process before it was used)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
 
 
 @pytest.fixture

@@ -244,27 +244,30 @@ async def test_slow_clients_are_cut_off_while_others_are_served(
     def start(head: bytes, drip: bytes) -> asyncio.Future[tuple[float, bytes]]:
         return loop.run_in_executor(pool, _slow_client, port, head, drip)
 
-    slow = [start(SLOW_HEADERS, b"x-slow: 1\r\n") for _ in range(10)]
-    slow_bodies = [start(SLOW_BODY, b" ") for _ in range(5)]
-    served = 0
-    async with aiohttp.ClientSession() as http:
-        started = time.monotonic()
-        while time.monotonic() - started < 2.5:
-            status, _, _ = await post(
-                http, gateway.url, {"model": "m", "messages": hello, "max_tokens": 2}
-            )
-            assert status == 200
-            served += 1
-    header_results = await asyncio.gather(*slow)
-    body_results = await asyncio.gather(*slow_bodies)
-    pool.shutdown()
+    try:
+        slow = [start(SLOW_HEADERS, b"x-slow: 1\r\n") for _ in range(10)]
+        slow_bodies = [start(SLOW_BODY, b" ") for _ in range(5)]
+        served = 0
+        async with aiohttp.ClientSession() as http:
+            started = time.monotonic()
+            while time.monotonic() - started < 2.5:
+                status, _, _ = await post(
+                    http, gateway.url, {"model": "m", "messages": hello, "max_tokens": 2}
+                )
+                assert status == 200
+                served += 1
+        header_results = await asyncio.gather(*slow)
+        body_results = await asyncio.gather(*slow_bodies)
+    finally:  # a failed assert above left its threads to the interpreter's exit
+        pool.shutdown(wait=False, cancel_futures=True)
     assert served > 5
-    # Cut off at the deadline (1 s), although each sent something every 0.5 s.
+    # Cut off at the deadline (1 s), although each sent something every 0.5 s (uncut, a
+    # client drips for 20 s); the upper bound leaves room for a loaded machine.
     for took, answer in header_results:
-        assert 0.9 < took < 2.5, took
+        assert 0.9 < took < 4.0, took
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     for took, answer in body_results:
-        assert 0.9 < took < 2.5, took
+        assert 0.9 < took < 4.0, took
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         head, _, body = answer.partition(b"\r\n\r\n")
         assert b"connection: close" in head.lower()
@@ -544,7 +547,7 @@ def test_the_gateway_refuses_a_bad_graceful_shutdown(capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize("between", ["unreachable", "429"])
 async def test_a_5xx_then_another_failure_charges_the_first_node(
-    serve: Serve, between: str
+    serve: Serve, refused_port: int, between: str
 ) -> None:
     """A answers 500, B fails otherwise (cannot be reached, or answers 429), C answers the
     same 500: no two tries in a row failed the request alike, so A's 500 was A's (it used to
@@ -572,9 +575,7 @@ async def test_a_5xx_then_another_failure_charges_the_first_node(
         if between == "429":
             b = await stack.enter_async_context(serve(app_of(busy)))
         else:
-            with socket.socket() as probe:  # a port nothing listens on
-                probe.bind(("127.0.0.1", 0))
-                b = f"http://127.0.0.1:{probe.getsockname()[1]}"
+            b = f"http://127.0.0.1:{refused_port}"
         nodes = [{"name": "a", "url": a}, {"name": "c", "url": c}, {"name": "b", "url": b}]
         config = {
             "nodes": nodes,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -157,10 +156,8 @@ async def test_client_only_headers_do_not_reach_the_node(upstream: tuple[str, Se
     assert "cookie" not in second
 
 
-async def test_an_error_body_names_no_node_address() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # nothing listens here once closed
+async def test_an_error_body_names_no_node_address(refused_port: int) -> None:
+    port = refused_port
     app = gateway(f"http://127.0.0.1:{port}", health={"enabled": False})
     response = await post_raw(app, chat())
     await app.balancer.stop()

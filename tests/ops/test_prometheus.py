@@ -197,7 +197,10 @@ models = ["small"]
     statuses = asyncio.run(_traffic(gateway.url, big.url, small.url))
     assert statuses.get("429", 0) >= 1, statuses  # shed
     assert statuses["200"] >= 24 + 4 + 4, statuses  # answers, fallbacks, cache answers
-    time.sleep(3)  # a few scrapes after the last request
+    # A scrape after the last request (the tries answered 200: 12 on each node, 4 fallbacks;
+    # the cache answers are no tries), waited for, then a few more for the rates.
+    assert _wait_for(prom, 'sum(promptlb_requests_total{outcome="200"}) >= 28'), prom.log()
+    time.sleep(2)
 
     # Every target up, and the gateway's view of its nodes.
     assert sorted(_values(prom.query("up"))) == [1.0, 1.0, 1.0]

@@ -22,15 +22,9 @@ class _NoName(AbstractResolver):
         pass
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def test_a_refused_connection_is_a_server_gone() -> None:
+async def test_a_refused_connection_is_a_server_gone(refused_port: int) -> None:
     async with aiohttp.ClientSession() as session:
-        result = await probe(session, f"http://127.0.0.1:{_closed_port()}", 2.0)
+        result = await probe(session, f"http://127.0.0.1:{refused_port}", 2.0)
     assert not result.ok and result.gone
 
 

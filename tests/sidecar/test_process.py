@@ -26,10 +26,8 @@ def test_the_listener_of_a_port_is_found() -> None:
         assert find_listener(server.getsockname()[1]) == os.getpid()
 
 
-def test_a_port_nobody_listens_on_gives_no_rss() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def test_a_port_nobody_listens_on_gives_no_rss(refused_port: int) -> None:
+    port = refused_port
     collector = ProcessCollector(pid=None, port=port)
     assert collector.sample() == (None, None)
     assert f"port {port}" in collector.reason
