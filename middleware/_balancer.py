@@ -429,13 +429,19 @@ class Balancer:
         asked = route.max_tokens
         if asked is None:
             return False
-        # Received a margin after the start: a sample taken just before the request reached
-        # the engine arrives after the try began and shows it idle.
-        if started is not None and node.snapshot_at > started + _IDLE_PROOF_S:
-            engine = node.snapshot.engine if node.snapshot is not None else None
-            if engine is not None and engine.running == 0:
-                return False
+        if started is not None and self._engine_idle(node, started):
+            return False
         return asked / (node.decode_rate or self._assumed_rate) > given
+
+    @staticmethod
+    def _engine_idle(node: Node, started: float) -> bool:
+        """Whether a snapshot received `_IDLE_PROOF_S` after a try on ``node`` began (one
+        received sooner may have been read before the request reached the engine) shows its
+        engine with nothing running or waiting: it is not working on the try at all."""
+        if node.snapshot_at <= started + _IDLE_PROOF_S or node.snapshot is None:
+            return False
+        engine = node.snapshot.engine
+        return engine is not None and engine.running == 0 and engine.waiting == 0
 
     def _fault(self, suspect: tuple[Node, float, int]) -> None:
         node, started, code = suspect
@@ -664,8 +670,14 @@ class Try:
                         continue
                     except BaseException:
                         # Cancelled before the headers (a hedge's loser, a client gone): the
-                        # try holds no place on the node any more.
+                        # try holds no place on the node any more. Not the node's failure,
+                        # unless its engine was seen doing nothing meanwhile: a hung node whose
+                        # health passes lost every hedge race, uncharged, never ejected.
                         lb._let_go(node)
+                        if lb._engine_idle(node, started):
+                            lb._finish(
+                                node, ok=False, started=started, ttft=None, outcome="timeout"
+                            )
                         raise
                     finally:
                         if len(tried) > 1:

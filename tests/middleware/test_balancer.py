@@ -343,6 +343,48 @@ async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
             await lb.stop()
 
 
+@pytest.mark.parametrize("engine_seen_idle", [True, False])
+async def test_a_try_given_up_before_its_headers_is_the_nodes_only_if_its_engine_sat_idle(
+    serve: Serve, snap: MakeSnapshot, engine_seen_idle: bool
+) -> None:
+    # A hedge's loser, or a client gone: not the node's failure; but a hung node (health
+    # passing) lost every hedge race uncharged and was never ejected, while its snapshots
+    # showed its engine doing nothing.
+    lb: Balancer
+
+    async def hung(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.3)
+        if engine_seen_idle:
+            node = lb.table.nodes["n"]
+            lb.table.record_snapshot(node, snap("n", running=0), time.monotonic())
+        await asyncio.sleep(1.5)
+        return web.json_response({"choices": []})
+
+    async with serve(chat_node(hung)) as url:
+        config = Config(
+            nodes=(NodeConfig(name="n", url=url, models=("m",)),),
+            health=HealthConfig(enabled=False),
+        )
+        lb = Balancer(config)
+        reader = RequestReader(config, lb.admission)
+
+        async def ask() -> None:
+            request = reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+            async with lb.open(request):
+                pass
+
+        try:
+            asking = asyncio.create_task(ask())
+            await asyncio.sleep(1.6)
+            asking.cancel()  # given up on, before any header
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+            node = lb.table.nodes["n"]
+            assert node.failures == (1 if engine_seen_idle else 0) and node.view.in_flight == 0
+        finally:
+            await lb.stop()
+
+
 async def test_a_reloaded_connect_timeout_is_the_one_tries_use(unanswered_port: int) -> None:
     # The session, with the first config's connect timeout, passes to the new balancer: the
     # new timeout was logged as changed and never used.
