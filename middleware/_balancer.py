@@ -433,14 +433,18 @@ class Balancer:
             return False
         return asked / (node.decode_rate or self._assumed_rate) > given
 
-    @staticmethod
-    def _engine_idle(node: Node, started: float) -> bool:
-        """Whether a snapshot received `_IDLE_PROOF_S` after a try on ``node`` began (one
-        received sooner may have been read before the request reached the engine) shows its
-        engine with nothing running or waiting: it is not working on the try at all."""
-        if node.snapshot_at <= started + _IDLE_PROOF_S or node.snapshot is None:
+    def _engine_idle(self, node: Node, started: float) -> bool:
+        """Whether the node's snapshot, received `_IDLE_PROOF_S` after a try on it began (one
+        received sooner may have been read before the request reached the engine) and not
+        stale, shows its engine with nothing running or waiting: at the end of a long try,
+        it is not working on it at all."""
+        snap = node.snapshot
+        at = node.snapshot_at
+        if snap is None or at <= started + _IDLE_PROOF_S:
             return False
-        engine = node.snapshot.engine
+        if time.monotonic() - at > self.config.stale_after:  # no load evidence (design.md)
+            return False
+        engine = snap.engine
         return engine is not None and engine.running == 0 and engine.waiting == 0
 
     def _fault(self, suspect: tuple[Node, float, int]) -> None:
@@ -670,14 +674,8 @@ class Try:
                         continue
                     except BaseException:
                         # Cancelled before the headers (a hedge's loser, a client gone): the
-                        # try holds no place on the node any more. Not the node's failure,
-                        # unless its engine was seen doing nothing meanwhile: a hung node whose
-                        # health passes lost every hedge race, uncharged, never ejected.
+                        # try holds no place on the node any more.
                         lb._let_go(node)
-                        if lb._engine_idle(node, started):
-                            lb._finish(
-                                node, ok=False, started=started, ttft=None, outcome="timeout"
-                            )
                         raise
                     finally:
                         if len(tried) > 1:

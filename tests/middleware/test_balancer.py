@@ -292,7 +292,7 @@ async def test_a_connect_timeout_is_the_nodes_and_retried_whatever_max_tokens(
             await lb.stop()
 
 
-@pytest.mark.parametrize(("seen_after", "charged"), [(1.3, True), (0.2, False)])
+@pytest.mark.parametrize(("seen_after", "charged"), [(1.3, True), (0.0, False)])
 async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
     serve: Serve, snap: MakeSnapshot, seen_after: float, charged: bool
 ) -> None:
@@ -306,7 +306,7 @@ async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
         await asyncio.sleep(seen_after)  # then a snapshot: its engine runs nothing
         node = lb.table.nodes["hung"]
         lb.table.record_snapshot(node, snap("hung", running=0), time.monotonic())
-        await asyncio.sleep(3.0 - seen_after)  # past the try's 2 s
+        await asyncio.sleep(4.0 - seen_after)  # past the try's 3 s
         return web.json_response({"choices": []})
 
     async def chat(request: web.Request) -> web.Response:
@@ -320,7 +320,8 @@ async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
             ),
             health=HealthConfig(enabled=False),
             strategy="round_robin",
-            retry=RetryConfig(attempts=2, per_try_timeout=2.0),
+            # 3 s: the snapshot at 1.3 s lands in the try even if the handler starts late.
+            retry=RetryConfig(attempts=2, per_try_timeout=3.0),
         )
         lb = Balancer(config)
         reader = RequestReader(config, lb.admission)
@@ -339,48 +340,6 @@ async def test_a_long_answer_a_node_is_not_generating_is_the_nodes_timeout(
                 assert refused.value.status == 504  # the request's size, not the node
             node = lb.table.nodes["hung"]
             assert (node.failures, node.request_faults) == ((1, 0) if charged else (0, 1))
-        finally:
-            await lb.stop()
-
-
-@pytest.mark.parametrize("engine_seen_idle", [True, False])
-async def test_a_try_given_up_before_its_headers_is_the_nodes_only_if_its_engine_sat_idle(
-    serve: Serve, snap: MakeSnapshot, engine_seen_idle: bool
-) -> None:
-    # A hedge's loser, or a client gone: not the node's failure; but a hung node (health
-    # passing) lost every hedge race uncharged and was never ejected, while its snapshots
-    # showed its engine doing nothing.
-    lb: Balancer
-
-    async def hung(request: web.Request) -> web.Response:
-        await asyncio.sleep(1.3)
-        if engine_seen_idle:
-            node = lb.table.nodes["n"]
-            lb.table.record_snapshot(node, snap("n", running=0), time.monotonic())
-        await asyncio.sleep(1.5)
-        return web.json_response({"choices": []})
-
-    async with serve(chat_node(hung)) as url:
-        config = Config(
-            nodes=(NodeConfig(name="n", url=url, models=("m",)),),
-            health=HealthConfig(enabled=False),
-        )
-        lb = Balancer(config)
-        reader = RequestReader(config, lb.admission)
-
-        async def ask() -> None:
-            request = reader.build("/v1/chat/completions", {"model": "m", "messages": []})
-            async with lb.open(request):
-                pass
-
-        try:
-            asking = asyncio.create_task(ask())
-            await asyncio.sleep(1.6)
-            asking.cancel()  # given up on, before any header
-            with contextlib.suppress(asyncio.CancelledError):
-                await asking
-            node = lb.table.nodes["n"]
-            assert node.failures == (1 if engine_seen_idle else 0) and node.view.in_flight == 0
         finally:
             await lb.stop()
 
