@@ -553,10 +553,7 @@ class Predictive:
             if load <= HOT_SLACK:
                 break
             if bound < 0.0:
-                # Over the nodes timed whose load is known: one without a snapshot (our own
-                # requests alone, often none) or a cold one that cannot take it is no measure.
-                known = [n.effective_queue for n in looked if n.snapshot and n.name in times]
-                bound = 2 * min(known) + HOT_SLACK if known else math.inf
+                bound = 2 * self._least_other_load(looked, times, first_node) + HOT_SLACK
             if load <= bound:
                 break
             if credit is held:
@@ -607,6 +604,23 @@ class Predictive:
         if rng.random() * (1.0 + r2 * r2) < 1.0:
             return first_node
         return second_node
+
+    @staticmethod
+    def _least_other_load(
+        looked: Sequence[NodeView], times: dict[str, float], holder: NodeView
+    ) -> float:
+        """The least load of the other nodes timed whose load is known: one without a snapshot
+        reads our own requests alone (often none: the bound at 8 spread a prefix between two
+        equally loaded holders), a cold one cannot take the request, and the holder is no
+        measure of itself. With none such, no bound: the others' unknown load already counts
+        as busy in their times."""
+        least = math.inf
+        for node in looked:
+            if node is not holder and node.snapshot is not None and node.name in times:
+                load = node.effective_queue
+                if load < least:
+                    least = load
+        return least
 
     @staticmethod
     def _least_busy(
