@@ -117,6 +117,7 @@ class Admission:
         deadline = loop.time() + cfg.queue_timeout
         self.waiting += 1
         future: asyncio.Future[None] | None = None
+        admitted = False
         self._arrivals += 1
         arrival = self._arrivals
         try:
@@ -137,10 +138,16 @@ class Admission:
                     if len(self._waiters) > 4 * cfg.queue_size + 16:
                         self._waiters = deque(w for w in self._waiters if not w[2].done())
                 await asyncio.wait((future,), timeout=min(remaining, _POLL))
+            admitted = True
         finally:
             self.waiting -= 1
-            if future is not None and not future.done():
-                future.cancel()
+            if future is not None:
+                if not future.done():
+                    future.cancel()
+                elif not admitted and not future.cancelled():
+                    # Woken, then gone (its client left) before it ran: the room it was
+                    # given goes to the next waiter, not to the next 50 ms poll.
+                    self.wake()
 
     def wake(self) -> None:
         """A request finished: the oldest waiter whose model has room now goes in. The oldest

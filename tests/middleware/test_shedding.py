@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -193,3 +194,22 @@ async def test_two_woken_waiters_beaten_to_their_rooms_keep_their_order(
     node.in_flight = 1
     adm.wake()
     await asyncio.wait_for(younger, 5)
+
+
+async def test_a_wake_given_to_a_waiter_that_then_left_passes_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Woken, then cancelled (its client gone) before it ran: the room it was given went to
+    # no one, and the next waiter sat out its poll.
+    adm, node = full_node(monkeypatch)
+    gone = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    next_one = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    node.in_flight = 0
+    adm.wake()  # to the first ...
+    gone.cancel()  # ... which leaves before it runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await gone
+    await asyncio.wait_for(next_one, 5)  # woken, not the 10 s poll
+    assert adm.waiting == 0
