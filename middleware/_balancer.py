@@ -63,8 +63,8 @@ _CLIENT_ADDRESS = frozenset({"x-forwarded-for", "forwarded", "x-real-ip"})
 _NAMES_KEPT = 256
 _UNSEEN = ""  # not a header name: no name is empty
 _OURS = "x-promptlb-"  # promptlb's control headers: for the gateway (a priority token is a secret)
-# A snapshot received this long after a try began, showing its engine running nothing, says
-# the node is not generating the try's answer (`Balancer._needs_longer`).
+# A snapshot received this long after a try began, showing its engine with nothing running or
+# waiting, says the node is not generating the try's answer (`Balancer._engine_idle`).
 _IDLE_PROOF_S = 1.0
 
 
@@ -423,8 +423,8 @@ class Balancer:
         """Whether generating the request's ``max_tokens`` at the node's decode rate takes
         longer than the ``given`` seconds: then running out of them is the request's doing.
         Without a ``max_tokens`` nothing says so, and the node answers for the time; nor does
-        it when a snapshot that came during the try (begun at ``started``) shows its engine
-        running nothing: it was not generating the answer at all (a hung node, whose health
+        it when the node's engine is seen idle since the try began at ``started``
+        (`_engine_idle`): it was not generating the answer at all (a hung node, whose health
         checks pass, was excused every time a long answer was asked of it, never ejected)."""
         asked = route.max_tokens
         if asked is None:
