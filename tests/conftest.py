@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import os
 import shutil
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from promptlb.emulator import Service, start_redis, start_service
 Launcher = Callable[..., Service]
 Serve = Callable[[web.Application], AbstractAsyncContextManager[str]]
 
-__all__ = ["Launcher", "RedisServer", "Serve", "Service", "sidecar_args"]
+__all__ = ["Launcher", "RedisServer", "Serve", "Service", "eventually", "sidecar_args"]
 
 
 # No per-example deadline for any property test: one scheduling stall on a loaded 2-core CI
@@ -86,6 +87,15 @@ def launch() -> Iterator[Launcher]:
     yield _launch
     for service in reversed(started):
         service.stop()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], limit: float = 10.0) -> None:
+    """Wait until ``check()`` holds, asking every 50 ms; fails the test after ``limit`` s.
+    For what happens in the background (a cache write, a request reaching its node): a fixed
+    sleep before the assert is a race on a loaded machine."""
+    async with asyncio.timeout(limit):
+        while not await check():  # noqa: ASYNC110 (a condition no event of ours signals)
+            await asyncio.sleep(0.05)
 
 
 @pytest.fixture

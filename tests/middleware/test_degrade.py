@@ -20,7 +20,7 @@ from promptlb.middleware._degrade import _first_success
 from promptlb.middleware._live import build_live
 from promptlb.middleware._refusals import Exhausted, UpstreamError
 
-from tests.conftest import RedisServer, Serve
+from tests.conftest import RedisServer, Serve, eventually
 from tests.middleware.conftest import Cluster, Flags, MakeCluster, Messages, gateway_over
 
 HEALTH = (
@@ -275,14 +275,14 @@ async def test_a_stream_kept_without_usage_is_no_fresh_answer_to_one_that_bills_
         model="m", messages=hello, max_tokens=9, temperature=0, stream=True
     )
     text = "".join([ch.choices[0].delta.content or "" async for ch in streamed if ch.choices])
-    async with asyncio.timeout(10):  # stored after the answer: replayed once it is there
-        while True:
-            replay = await chat.with_raw_response.create(
-                model="m", messages=hello, max_tokens=9, temperature=0, stream=True
-            )
-            if replay.headers.get("x-promptlb-cache") == "hit":
-                break
-            await asyncio.sleep(0.05)
+
+    async def stored() -> bool:  # after the answer: replayed once it is there
+        replay = await chat.with_raw_response.create(
+            model="m", messages=hello, max_tokens=9, temperature=0, stream=True
+        )
+        return replay.headers.get("x-promptlb-cache") == "hit"
+
+    await eventually(stored)
     if asker == "whole":
         first = await chat.with_raw_response.create(
             model="m", messages=hello, max_tokens=9, temperature=0
@@ -301,15 +301,14 @@ async def test_a_stream_kept_without_usage_is_no_fresh_answer_to_one_that_bills_
         )
         assert "x-promptlb-cache" not in billed.headers  # the node answered
         assert [chunk.usage async for chunk in billed.parse() if chunk.usage]
-    async with asyncio.timeout(10):  # the node's answer, with usage, took the entry's place
-        while True:
-            again = await chat.with_raw_response.create(
-                model="m", messages=hello, max_tokens=9, temperature=0
-            )
-            if again.headers.get("x-promptlb-cache") == "hit":
-                break
-            await asyncio.sleep(0.05)
-    assert again.parse().usage is not None
+
+    async def replaced() -> bool:  # the node's answer, with usage, took the entry's place
+        again = await chat.with_raw_response.create(
+            model="m", messages=hello, max_tokens=9, temperature=0
+        )
+        return again.headers.get("x-promptlb-cache") == "hit" and again.parse().usage is not None
+
+    await eventually(replaced)
 
 
 async def test_a_long_token_by_token_stream_is_kept_by_its_answer_not_its_events(
@@ -353,7 +352,11 @@ async def test_shedding_by_priority(cluster: MakeCluster, chat_body: ChatBody) -
     url = c.app.url
     # ~8 s: room for every step below on a loaded machine (at ~2 s they could outlast it).
     busy = asyncio.ensure_future(post(url, chat_body(max_tokens=80)))
-    await asyncio.sleep(0.3)  # the node is at its cap now: the pool is saturated
+
+    async def at_cap() -> bool:  # the node at its cap: the pool is saturated
+        return any(n["in_flight"] for n in (await c.status())["nodes"])
+
+    await eventually(at_cap)
     code, headers, _, elapsed = await post(url, chat_body(), {"x-promptlb-priority": "sheddable"})
     assert code == 429 and headers["retry-after"] == "2" and elapsed < 0.9  # at once, no wait
     code, headers, _, elapsed = await post(url, chat_body(), {"x-promptlb-priority": "standard"})
