@@ -95,15 +95,15 @@ async def test_queue_sheds_sheddable_at_once_and_times_out_standard() -> None:
     assert adm.waiting == 0
 
 
-def full_node(monkeypatch: pytest.MonkeyPatch) -> tuple[Admission, NodeView]:
-    """An admission in front of one node at its one place, with waiters woken only by a
-    wake: the recheck every 50 ms would also let them in (far apart, the wake is what is
-    measured: at 50 ms a bound sat on the poll it was to rule out)."""
+def full_node(monkeypatch: pytest.MonkeyPatch, places: int = 1) -> tuple[Admission, NodeView]:
+    """An admission in front of one node with every one of its ``places`` taken, and waiters
+    woken only by a wake: the recheck every 50 ms would also let them in (far apart, the
+    wake is what is measured: at 50 ms a bound sat on the poll it was to rule out)."""
     monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
-    adm = admission(enabled=True, max_in_flight=1, queue_timeout=20)
+    adm = admission(enabled=True, max_in_flight=places, queue_timeout=20)
     node = adm._table.nodes["a"].view
     adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
-    node.in_flight = 1
+    node.in_flight = places
     return adm, node
 
 
@@ -144,54 +144,28 @@ async def test_a_wake_goes_to_the_oldest_waiter_whose_model_has_room(
     assert adm.waiting == 0
 
 
-async def test_a_woken_waiter_beaten_to_the_room_keeps_its_place_at_the_front(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("places", [1, 2])
+async def test_woken_waiters_beaten_to_their_rooms_keep_their_places(
+    monkeypatch: pytest.MonkeyPatch, places: int
 ) -> None:
-    """Woken, it found the room taken by a newcomer before it ran, and queued again at the
-    back: behind every later waiter, toward its timeout while they went in."""
-    adm, node = full_node(monkeypatch)
-    first = asyncio.ensure_future(adm.admit("m", "standard"))
-    await asyncio.sleep(0.01)
-    second = asyncio.ensure_future(adm.admit("m", "standard"))
-    await asyncio.sleep(0.01)
-    node.in_flight = 0
-    adm.wake()  # the first is woken ...
-    node.in_flight = 1  # ... and a newcomer takes the room before it runs
-    await asyncio.sleep(0.01)
-    assert not first.done() and not second.done()
-    node.in_flight = 0
-    adm.wake()
-    await asyncio.wait_for(first, 5)  # the first again, not the second
-    assert not second.done()
-    node.in_flight = 0
-    adm.wake()
-    await asyncio.wait_for(second, 5)
-
-
-async def test_two_woken_waiters_beaten_to_their_rooms_keep_their_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Each put back at the very front, the younger went ahead of the older woken with it.
-    monkeypatch.setattr("promptlb.middleware._shedding._POLL", 10.0)
-    adm = admission(enabled=True, max_in_flight=2, queue_timeout=20)
-    node = adm._table.nodes["a"].view
-    adm._table.candidates = lambda model: [node]  # type: ignore[method-assign]
-    node.in_flight = 2
+    """Woken, and the room taken by a newcomer before it ran: a waiter queued again at the
+    back, behind every later one, toward its timeout while they went in (one place); put back
+    at the very front instead, the younger of two woken together went ahead (two places)."""
+    adm, node = full_node(monkeypatch, places)
     older = asyncio.ensure_future(adm.admit("m", "standard"))
     await asyncio.sleep(0.01)
     younger = asyncio.ensure_future(adm.admit("m", "standard"))
     await asyncio.sleep(0.01)
     node.in_flight = 0
-    adm.wake()
-    adm.wake()  # both woken ...
-    node.in_flight = 2  # ... and newcomers take both rooms before they run
+    for _ in range(places):
+        adm.wake()  # woken ...
+    node.in_flight = places  # ... and newcomers take the rooms before they run
     await asyncio.sleep(0.01)
     assert not older.done() and not younger.done()
-    node.in_flight = 1
+    node.in_flight = places - 1
     adm.wake()
-    await asyncio.wait_for(older, 5)
+    await asyncio.wait_for(older, 5)  # the older, not the younger
     assert not younger.done()
-    node.in_flight = 1
     adm.wake()
     await asyncio.wait_for(younger, 5)
 
