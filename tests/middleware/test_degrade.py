@@ -12,6 +12,7 @@ from typing import Any, cast
 import aiohttp
 import httpx
 import pytest
+import redis.asyncio
 from promptlb.middleware import Config, HealthConfig, NodeConfig
 from promptlb.middleware._answer import Answer
 from promptlb.middleware._balancer import Balancer, Try
@@ -106,8 +107,12 @@ async def test_a_slow_primary_falls_back_to_the_light_model_within_ttft(
         assert raw.headers["x-promptlb-degraded"] == "fallback"
         assert raw.headers["x-promptlb-model"] == "small"
         assert raw.headers["x-promptlb-node"] == "small"
+
     # The slow node was told to stop: its generation was cancelled, not left running.
-    await asyncio.sleep(0.2)
+    async def both_cancelled() -> bool:
+        return (await emulator_stats(c.nodes["big"].model.url))["cancelled"] >= 2
+
+    await eventually(both_cancelled)
     assert (await emulator_stats(c.nodes["big"].model.url))["cancelled"] == 2
 
 
@@ -199,7 +204,13 @@ async def test_requests_succeed_when_redis_dies_mid_test(
     c = cluster({"a": fast}, config)
     code, headers, first, _ = await post(c.app.url, chat_body())
     assert code == 200 and "x-promptlb-cache" not in headers
-    await asyncio.sleep(0.2)
+    stored = redis.asyncio.Redis.from_url(redis_server.url)
+
+    async def written() -> bool:  # the write is in the background, after the answer
+        return bool(await stored.keys("*"))
+
+    await eventually(written)
+    await stored.aclose()
     code, headers, again, _ = await post(c.app.url, chat_body())
     assert code == 200 and headers["x-promptlb-cache"] == "hit" and again == first
     redis_server.kill()
