@@ -31,6 +31,7 @@ from promptlb.bench._report import crash_lines, crashes
 from promptlb.bench._scenario import load_scenario
 from promptlb.shared import ConfigError
 
+from tests.bench.conftest import running_cluster
 from tests.conftest import Serve
 
 
@@ -299,16 +300,12 @@ def test_a_live_run_where_every_run_failed_writes_nothing(
 def test_two_restarts_of_one_node_at_once_leave_it_up_on_its_port(tmp_path: Path) -> None:
     # A recover's restart runs on in its thread after its run is cancelled; the next run's
     # reset restarted the same node beside it, on the same port, and one failed to listen.
-    path = tmp_path / "one.toml"
-    path.write_text(
+    scenario = (
         'duration = "1s"\n[workload]\nload = 0.5\n[[workload.mix]]\nname = "q"\n'
         "prompt_tokens = 10\nmax_tokens = 5\n"
-        '[[nodes]]\nname = "n"\nttft_ms = 5\n',
-        encoding="utf-8",
+        '[[nodes]]\nname = "n"\nttft_ms = 5\n'
     )
-    cluster = Cluster(load_scenario(str(path)))
-    cluster.start()
-    try:
+    with running_cluster(tmp_path / "one.toml", scenario) as cluster:
         port = cluster.nodes["n"].model.port
         with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(cluster.restart, ["n", "n"]))  # raises if either failed
@@ -316,8 +313,6 @@ def test_two_restarts_of_one_node_at_once_leave_it_up_on_its_port(tmp_path: Path
         assert node.alive and node.model.port == port
         with urllib.request.urlopen(node.model.url + "/health", timeout=5) as response:
             assert response.status == 200
-    finally:
-        cluster.stop()
 
 
 async def test_a_status_of_another_shape_is_asked_again_not_the_run_lost(serve: Serve) -> None:

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-from promptlb.bench._live import Cluster, start_gateway, wait_ready
+from promptlb.bench._live import start_gateway, wait_ready
 from promptlb.bench._livecache import share_lag, watch_kv
 from promptlb.bench._loadgen import replay
-from promptlb.bench._scenario import Arrival, load_scenario
+from promptlb.bench._scenario import Arrival
 
+from tests.bench.conftest import running_cluster
 from tests.conftest import Launcher, need_binary
 
 
@@ -47,16 +48,12 @@ async def test_a_shared_run_is_replicas_on_one_redis_taking_the_load_in_turn(
     """``predictive+shared`` live: two gateways sharing through a Redis of their own, the
     trace's requests alternating between them, and every process gone once it stops."""
     need_binary("redis-server", "redis-server")
-    path = tmp_path / "two.toml"
-    path.write_text(
+    scenario = (
         'duration = "3s"\nseed = 3\n[workload.prompts]\nkind = "chat"\ntenants = 2\n'
         "users = 2\nsystem_tokens = 600\n"
-        '[[nodes]]\nname = "n"\ncount = 2\nttft_ms = 5\ntokens_per_s = 2000\n',
-        encoding="utf-8",
+        '[[nodes]]\nname = "n"\ncount = 2\nttft_ms = 5\ntokens_per_s = 2000\n'
     )
-    cluster = Cluster(load_scenario(str(path)))
-    cluster.start()
-    try:
+    with running_cluster(tmp_path / "two.toml", scenario) as cluster:
         target = start_gateway("predictive+shared", cluster, tmp_path, replicas=2)
         try:
             text = (tmp_path / "gateway-predictive+shared.toml").read_text(encoding="utf-8")
@@ -85,6 +82,4 @@ async def test_a_shared_run_is_replicas_on_one_redis_taking_the_load_in_turn(
         finally:
             target.stop()
         assert _left(tmp_path) == []  # the Redis persisted nothing
-    finally:
-        cluster.stop()
     assert all(s.proc.poll() is not None for s in cluster.services)
