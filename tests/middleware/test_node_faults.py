@@ -274,6 +274,21 @@ async def test_slow_clients_are_cut_off_while_others_are_served(
         assert json.loads(body)["error"]["code"] == 408
 
 
+_POST_ELSEWHERE = b"POST /elsewhere HTTP/1.1\r\nHost: x\r\n"  # a route the gateway answers 404
+
+
+@contextlib.contextmanager
+def _answered(gateway: Service, request: bytes, status: bytes) -> Iterator[socket.socket]:
+    """A raw connection to ``gateway`` that sent ``request`` and read the start of its answer,
+    which has ``status``; what the test does next is on the open connection."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+        conn.sendall(request)
+        conn.settimeout(2)
+        answer = conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 " + status), answer[:100]
+        yield conn
+
+
 def _guarded_gateway(launch: Launcher, tmp_path: Path) -> Service:
     """A gateway before one emulated node, its header deadline at 500 ms."""
     model = launch("emulator", "--model", "m")
@@ -298,9 +313,7 @@ async def test_bare_newlines_between_requests_do_not_hold_a_connection(
     gateway = _guarded_gateway(launch, tmp_path)
 
     def trickle() -> float:
-        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
-            conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        with _answered(gateway, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"200") as conn:
             started = time.monotonic()
             while time.monotonic() - started < 4:
                 try:
@@ -329,11 +342,9 @@ async def test_the_rest_of_a_body_answered_early_is_not_cut_as_slow_headers(
     gateway = _guarded_gateway(launch, tmp_path)
 
     def upload() -> bytes:
-        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
-            conn.sendall(b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
-            conn.settimeout(2)
-            answer = conn.recv(65536)
-            assert answer.startswith(b"HTTP/1.1 404"), answer[:100]
+        with _answered(
+            gateway, _POST_ELSEWHERE + b"Content-Length: 100000\r\n\r\n", b"404"
+        ) as conn:
             conn.settimeout(0.05)
             heard = b""
             started = time.monotonic()
@@ -356,10 +367,8 @@ async def test_the_rest_of_a_body_answered_early_cannot_hold_the_connection_for_
     gateway = _guarded_gateway(launch, tmp_path)
 
     def upload() -> float:
-        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
-            declared = b"Content-Length: 1000000000000\r\n\r\n"
-            conn.sendall(b"POST /elsewhere HTTP/1.1\r\nHost: x\r\n" + declared)
-            assert conn.recv(65536).startswith(b"HTTP/1.1 404")
+        declared = b"Content-Length: 1000000000000\r\n\r\n"
+        with _answered(gateway, _POST_ELSEWHERE + declared, b"404") as conn:
             started = time.monotonic()
             while time.monotonic() - started < 8:
                 try:
@@ -386,10 +395,7 @@ async def test_the_request_after_an_unread_body_gets_its_own_header_deadline(
     gateway = _guarded_gateway(launch, tmp_path)
 
     def next_request() -> bytes:
-        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
-            conn.sendall(b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-            conn.settimeout(2)
-            assert conn.recv(65536).startswith(b"HTTP/1.1 404")
+        with _answered(gateway, _POST_ELSEWHERE + b"Content-Length: 10\r\n\r\n", b"404") as conn:
             conn.sendall(b"x" * 10)  # the body, after its answer
             time.sleep(0.3)
             conn.sendall(b"G")  # the next request's first byte, and no more
