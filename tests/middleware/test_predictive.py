@@ -212,12 +212,18 @@ def test_a_cold_start_behaves_as_p2c_until_requests_are_out(node: MakeNode) -> N
         )
 
 
-def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request(node: MakeNode) -> None:
+def warm_and_cold(node: MakeNode) -> tuple[Predictive, NodeView, NodeView, random.Random]:
+    """A strategy that has learnt node "warm" and not "cold", the usual length set at 100."""
     rng = random.Random(5)
     strategy = Predictive(PowerOfTwoChoices())
     warm, cold = node("warm", running=0), node("cold", running=0)
     teach(strategy, warm, 10, rng)
     strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
+    return strategy, warm, cold, rng
+
+
+def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request(node: MakeNode) -> None:
+    strategy, warm, cold, rng = warm_and_cold(node)
     assert strategy.pick(request(100), [warm, cold], rng) is cold
     assert strategy.pick(request(5000), [warm, cold], rng) is warm  # too long to probe with
     cold.in_flight = 1
@@ -226,11 +232,7 @@ def test_a_cold_node_gets_one_probe_at_a_time_and_no_long_request(node: MakeNode
 
 def test_a_cold_node_that_fails_its_tries_is_not_probed(node: MakeNode) -> None:
     # Only answers warm a node: one failing fast took every probe, each a request's first try.
-    rng = random.Random(5)
-    strategy = Predictive(PowerOfTwoChoices())
-    warm, cold = node("warm", running=0), node("cold", running=0)
-    teach(strategy, warm, 10, rng)
-    strategy.pick(request(100), [warm, cold], rng)  # sets the usual length
+    strategy, warm, cold, rng = warm_and_cold(node)
     cold.error_rate = 0.95
     assert all(strategy.pick(request(100), [warm, cold], rng) is warm for _ in range(50))
     cold.error_rate = 0.1  # a stray failure: still probed
