@@ -128,8 +128,7 @@ class ServiceModel:
         self.forget = forget
         self.prior = prior
         self.theta = [0.0, 0.0, 0.0]
-        # Row-major 3x3 covariance; a large diagonal says "know nothing yet".
-        self.p = [prior, 0.0, 0.0, 0.0, prior, 0.0, 0.0, 0.0, prior]
+        self.p = _prior(prior)
         self.count = 0
         self.mean_service = 0.0  # EWMA of the observed service time, seconds
         self.slots = 0  # learnt from snapshots: the running count when the engine had a queue
@@ -219,7 +218,7 @@ class ServiceModel:
         p[2] = p[6] = (p[2] + p[6]) * 0.5
         p[5] = p[7] = (p[5] + p[7]) * 0.5
         if p[0] <= 0.0 or p[4] <= 0.0 or p[8] <= 0.0:
-            self.p = [self.prior, 0.0, 0.0, 0.0, self.prior, 0.0, 0.0, 0.0, self.prior]
+            self.p = _prior(self.prior)
             return
         trace = p[0] + p[4] + p[8]
         if trace > _P_CAP:
@@ -252,6 +251,11 @@ class ServiceModel:
         if self.others is not None:
             self.trend += 0.3 * ((others - self.others) - self.trend)
         self.others = others
+
+
+def _prior(prior: float) -> list[float]:
+    """A row-major 3x3 covariance whose large diagonal says "know nothing yet"."""
+    return [prior, 0.0, 0.0, 0.0, prior, 0.0, 0.0, 0.0, prior]
 
 
 def _two_best(
