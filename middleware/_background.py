@@ -184,7 +184,7 @@ class Evidence:
     async def _gossip(self, node: Node) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.gossip_timeout)
         # A newcomer is polled before it joins (`check`): only a listed node can be dropped.
-        listed = self._table.nodes.get(node.name) is node
+        listed = not self._dropped(node)
         async with self._gate:
             try:
                 async with self._session.get(
@@ -233,7 +233,7 @@ class Evidence:
         health = self._config.health
         sidecar = node.config.sidecar if health.use_sidecar else None
         verdict = None
-        listed = self._table.nodes.get(node.name) is node  # (a newcomer is checked unlisted)
+        listed = not self._dropped(node)  # (a newcomer is checked unlisted)
         if sidecar:
             verdict = await self._probe(f"{sidecar}/health", self._sidecar_headers, sidecar=True)
             if listed and self._dropped(node):
