@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote_from_bytes
 
+from promptlb.shared import BYTES_PER_TOKEN
+
 from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
 from ._classify import Classifier, load_classifier
@@ -123,7 +125,7 @@ def route_of(
     if max_tokens is None:  # an explicit null must not hide max_completion_tokens
         max_tokens = body.get("max_completion_tokens")
     prompt = body.get("prompt")
-    tokens = size // 4
+    tokens = size // BYTES_PER_TOKEN
     if type(prompt) is list and prompt and type(prompt[0]) is int:
         tokens = len(prompt)  # token ids are counted: their JSON is 1.4-1.8 times as long
     return RouteRequest(
