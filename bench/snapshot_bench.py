@@ -82,7 +82,8 @@ def eight_gpu_snapshot() -> Snapshot:
         cpu=0.4375,
         mem=0.6211,
         gpus=eight_gpus(),
-        engine=EngineSample(running=24, waiting=7, kv_cache=0.8125, tps=1843.5),
+        # A reading from the collector's last tick, as the sidecar stamps it.
+        engine=EngineSample(running=24, waiting=7, kv_cache=0.8125, tps=1843.5, age_ms=180),
         rss=38_654_705_664,
         rss_slope=1024.0,
     )

@@ -63,8 +63,8 @@ _CLIENT_ADDRESS = frozenset({"x-forwarded-for", "forwarded", "x-real-ip"})
 _NAMES_KEPT = 256
 _UNSEEN = ""  # not a header name: no name is empty
 _OURS = "x-promptlb-"  # promptlb's control headers: for the gateway (a priority token is a secret)
-# A snapshot received this long after a try began, showing its engine with nothing running or
-# waiting, says the node is not generating the try's answer (`Balancer._engine_idle`).
+# An engine reading taken this long after a try began, showing nothing running or waiting,
+# says the node is not generating the try's answer (`Balancer._engine_idle`).
 _IDLE_PROOF_S = 1.0
 
 
@@ -434,18 +434,19 @@ class Balancer:
         return asked / (node.decode_rate or self._assumed_rate) > given
 
     def _engine_idle(self, node: Node, started: float) -> bool:
-        """Whether the node's snapshot, received `_IDLE_PROOF_S` after a try on it began (one
-        received sooner may have been read before the request reached the engine) and not
-        stale, shows its engine with nothing running or waiting: at the end of a long try,
-        it is not working on it at all."""
+        """Whether the node's snapshot, not stale, shows its engine with nothing running or
+        waiting in a reading taken `_IDLE_PROOF_S` after a try on it began (one taken sooner
+        may predate the request's reaching the engine): at the end of a long try, it is not
+        working on it at all."""
         snap = node.snapshot
-        at = node.snapshot_at
-        if snap is None or at <= started + _IDLE_PROOF_S:
+        if snap is None or snap.engine is None or snap.engine.running or snap.engine.waiting:
             return False
+        at = node.snapshot_at
         if time.monotonic() - at > self.config.stale_after:  # no load evidence (design.md)
             return False
-        engine = snap.engine
-        return engine is not None and engine.running == 0 and engine.waiting == 0
+        # A sidecar keeps its last reading through a late scrape (a busy engine answers
+        # /metrics late), and says how old it is.
+        return at - snap.engine.age_ms / 1000 > started + _IDLE_PROOF_S
 
     def _fault(self, suspect: tuple[Node, float, int]) -> None:
         node, started, code = suspect

@@ -12,12 +12,20 @@ from ._kv import (
 )
 from ._prompt import prompt_prefix, prompt_turns
 from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file, load_keys
-from ._snapshot import MAX_SNAPSHOT_BYTES, SCHEMA_VERSION, EngineSample, GpuSample, Snapshot
+from ._snapshot import (
+    MAX_AGE_MS,
+    MAX_SNAPSHOT_BYTES,
+    SCHEMA_VERSION,
+    EngineSample,
+    GpuSample,
+    Snapshot,
+)
 
 __all__ = [
     "BLOCK_BYTES",
     "BLOCK_TOKENS",
     "BYTES_PER_TOKEN",
+    "MAX_AGE_MS",
     "MAX_SNAPSHOT_BYTES",
     "SCHEMA_VERSION",
     "ConfigError",

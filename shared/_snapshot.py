@@ -21,6 +21,7 @@ import msgpack
 from ._errors import SnapshotError
 
 __all__ = [
+    "MAX_AGE_MS",
     "MAX_COUNT",
     "MAX_NAMES",
     "MAX_NAME_CHARS",
@@ -51,6 +52,7 @@ _MAX_GPUS = 64
 _MAX_INT = 2**63 - 1
 MAX_TPS = 1e9
 MAX_COUNT = 2**53  # counts beyond this are nonsense, and lose precision as floats
+MAX_AGE_MS = 86_400_000  # a day: a reading older than that is a writer's bug
 
 # msgpack's own limits, well above anything valid and far below anything harmful.
 _UNPACK_LIMITS: dict[str, int] = {
@@ -190,6 +192,11 @@ class EngineSample:
     # The KV cache's capacity in tokens (vLLM: its blocks times their size; SGLang: its token
     # pool): what a router's index of cached prefixes can hold for this node.
     kv_tokens: int | None = None
+    # How old the reading was when the snapshot was made, in whole milliseconds: a sidecar
+    # keeps its last reading through a late or failed scrape (a busy engine answers /metrics
+    # late), and a reader that asks "was this read after X?" needs to know. 0 from a writer
+    # that does not say.
+    age_ms: int = 0
 
     def __post_init__(self) -> None:
         kv, tps, cap = self.kv_cache, self.tps, self.kv_tokens
@@ -201,6 +208,8 @@ class EngineSample:
             and (kv is None or ((type(kv) is float or type(kv) is int) and 0 <= kv <= 1))
             and (tps is None or ((type(tps) is float or type(tps) is int) and 0 <= tps <= MAX_TPS))
             and (cap is None or (type(cap) is int and 1 <= cap <= MAX_COUNT))
+            and type(self.age_ms) is int
+            and 0 <= self.age_ms <= MAX_AGE_MS
         ):
             return
         _int("engine.running", self.running)
@@ -209,13 +218,16 @@ class EngineSample:
         _opt_float("engine.tps", self.tps, 0.0, MAX_TPS)
         if cap is not None:
             _int("engine.kv_tokens", cap, 1)
+        _int("engine.age_ms", self.age_ms, 0, MAX_AGE_MS)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
         if isinstance(raw, EngineSample):
             return raw
         if not isinstance(raw, Mapping):
-            raise _bad("engine", raw, "a map {running, waiting, kv_cache?, tps?, kv_tokens?}")
+            raise _bad(
+                "engine", raw, "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?}"
+            )
         try:
             return cls(
                 running=raw["running"],
@@ -223,6 +235,7 @@ class EngineSample:
                 kv_cache=raw.get("kv_cache"),
                 tps=raw.get("tps"),
                 kv_tokens=raw.get("kv_tokens"),
+                age_ms=raw.get("age_ms", 0),
             )
         except KeyError as exc:
             raise SnapshotError(f"snapshot field 'engine.{exc.args[0]}' is missing") from None
@@ -381,6 +394,8 @@ class Snapshot:
                 wire["engine"]["tps"] = engine.tps
             if engine.kv_tokens is not None:
                 wire["engine"]["kv_tokens"] = engine.kv_tokens
+            if engine.age_ms:
+                wire["engine"]["age_ms"] = engine.age_ms
         return wire
 
     @classmethod

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
@@ -293,6 +294,7 @@ class _Collectors:
             self._tokens.reset()
         else:
             self._failed_scrapes = 0
+            self.live.engine_read_at = time.monotonic()
         self.live.engine = engine
         self.live.changed()
 

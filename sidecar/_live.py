@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from promptlb.shared import EngineSample, GpuSample, Snapshot, encode
+from promptlb.shared import MAX_AGE_MS, EngineSample, GpuSample, Snapshot, encode
 
 from ._config import SidecarConfig
 from ._model_server import WarmupReport
@@ -48,6 +49,7 @@ class Live:
     host: tuple[float, float] | None = None
     gpus: tuple[GpuSample, ...] = ()
     engine: EngineSample | None = None
+    engine_read_at: float = 0.0  # time.monotonic() of the reading in `engine`
     rss: int | None = None
     rss_slope: float | None = None
     mem_free: int | None = None
@@ -100,11 +102,20 @@ class Live:
             cpu=self.host[0] if self.host else None,
             mem=self.host[1] if self.host else None,
             gpus=self.gpus,
-            engine=self.engine,
+            engine=self._aged_engine(),
             rss=self.rss,
             rss_slope=self.rss_slope,
             mem_free=self.mem_free,
         )
+
+    def _aged_engine(self) -> EngineSample | None:
+        engine = self.engine
+        if engine is None:
+            return None
+        # Kept through a late or failed scrape, the reading grows old while the other
+        # collectors' ticks keep the snapshot fresh: its age says when it was read.
+        age = round((time.monotonic() - self.engine_read_at) * 1000)
+        return dataclasses.replace(engine, age_ms=min(max(age, 0), MAX_AGE_MS))
 
     def encoded(self) -> bytes:
         if self._encoded is None:

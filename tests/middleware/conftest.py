@@ -216,7 +216,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
 
 SNAPSHOT_KEYS = frozenset(
     {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
-    | {"running", "waiting", "kv_cache", "tps", "kv_tokens"}
+    | {"running", "waiting", "kv_cache", "tps", "kv_tokens", "age_ms"}
 )
 
 
@@ -236,11 +236,17 @@ def _snapshot(
     kv_cache: float | None = None,
     tps: float | None = None,
     kv_tokens: int | None = None,
+    age_ms: int = 0,
 ) -> Snapshot:
     engine = None
     if running is not None:
         engine = EngineSample(
-            running=running, waiting=waiting, kv_cache=kv_cache, tps=tps, kv_tokens=kv_tokens
+            running=running,
+            waiting=waiting,
+            kv_cache=kv_cache,
+            tps=tps,
+            kv_tokens=kv_tokens,
+            age_ms=age_ms,
         )
     return Snapshot(
         node=name,

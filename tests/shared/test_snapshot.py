@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from promptlb.shared import (
+    MAX_AGE_MS,
     MAX_SNAPSHOT_BYTES,
     SCHEMA_VERSION,
     EngineSample,
@@ -135,6 +136,7 @@ engines = st.builds(
     kv_cache=st.none() | numbers(0, 1),
     tps=st.none() | numbers(0, 1e9),  # the schema bounds tokens/s at 1e9,
     kv_tokens=st.none() | st.integers(1, 2**53),
+    age_ms=st.integers(0, MAX_AGE_MS),
 )
 
 snapshots = st.builds(
@@ -305,6 +307,17 @@ def test_none_fields_are_left_off_the_wire() -> None:
     assert {"v", "node", "boot", "seq", "ts"} <= set(raw)
     assert set(raw).isdisjoint({"cpu", "mem", "gpus", "engine", "rss", "rss_slope", "kid", "sig"})
     assert set(raw) <= KNOWN_KEYS
+
+
+def test_an_engine_readings_age_travels_and_a_writer_without_it_reads_as_fresh() -> None:
+    aged = snap(engine=EngineSample(running=0, waiting=0, age_ms=1_250))
+    assert msgpack.unpackb(encode(aged), raw=False)["engine"]["age_ms"] == 1_250
+    assert decode(encode(aged)) == aged
+    fresh = snap(engine=EngineSample(running=0, waiting=0))
+    assert msgpack.unpackb(encode(fresh), raw=False)["engine"] == {"running": 0, "waiting": 0}
+    assert decode(wire(engine={"running": 2, "waiting": 1})).engine == EngineSample(
+        running=2, waiting=1, age_ms=0
+    )
 
 
 def test_full_snapshot_round_trips() -> None:
@@ -538,6 +551,11 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": 1.5}),
     ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": True}),
     ("engine.kv_tokens", {"running": 0, "waiting": 0, "kv_tokens": 2**53 + 1}),
+    ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": -1}),
+    ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": 0.5}),
+    ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": True}),
+    ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": None}),
+    ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": MAX_AGE_MS + 1}),
 ]
 
 

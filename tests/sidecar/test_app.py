@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import os
@@ -494,10 +495,16 @@ async def test_an_engine_reading_stands_through_fewer_failed_scrapes_than_unheal
         await until(lambda: live.engine is not None)
         hang["left"] = 2  # under unhealthy_after: a busy engine late twice keeps its queue
         deadline = time.monotonic() + 0.6
+        held = 0  # the kept reading's age as snapshots tell it: readers learn when it was read
         while time.monotonic() < deadline:
             assert live.engine is not None and live.engine.running == 3
+            engine = decode(live.encoded()).engine
+            assert engine is not None
+            held = max(held, engine.age_ms)
             await asyncio.sleep(0.01)
         assert hang["left"] == 0  # both late scrapes happened meanwhile
+        assert held >= 150  # two scrapes of 0.1 s each failed in a row
+        await until(lambda: decode(live.encoded()).engine.age_ms < held)  # type: ignore[union-attr]
         hang["left"] = 1_000  # late for good: unknown after unhealthy_after, as before
         await until(lambda: live.engine is None)
         hang["left"] = 0
@@ -571,7 +578,8 @@ async def test_an_engines_own_throughput_gauge_is_its_tps(sidecar_beside: Sideca
     async with sidecar_beside(routes) as (_, live):
         await until(lambda: live.engine is not None)
         assert live.engine is not None and live.engine.tps == 96.5
-        assert decode(live.encoded()).engine == live.engine
+        sent = decode(live.encoded()).engine  # as read, stamped with its age
+        assert sent is not None and dataclasses.replace(sent, age_ms=0) == live.engine
 
 
 async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
