@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 
     faults = sub.add_parser("faults", help="one fault after another under steady load")
     faults.add_argument("--quick", action="store_true", help="hold each fault a few seconds")
-    faults.add_argument("--out", default=None, help="results folder (default bench/results)")
+    faults.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default bench/results; bench/results/quick for --quick or --only)",
+    )
     faults.add_argument(
         "--only",
         default=None,
