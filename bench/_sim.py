@@ -40,7 +40,7 @@ from ._simcache import (
 )
 from ._simcore import PERFECT, SIM_STRATEGIES, SimParams, SimResult, simulate
 from ._simparams import AFFINITY, SHARED
-from ._simprompt import prefix_load, prepare
+from ._simprompt import prefix_load, prepare, read
 from ._stats import jain, percentile
 
 DEFAULT_SHARED = DEFAULT_STRATEGY + SHARED
@@ -296,6 +296,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     prompted = any(a.messages for a in arrivals)
     # Read once, by the gateway's and the engine's rules, for every strategy's run.
     prepared = prepare(arrivals, scenario.model) if prompted else None
+    reads = read(arrivals, scenario.model)
     trace_s = time.perf_counter() - started
     names = _strategies(getattr(args, "strategies", DEFAULT_STRATEGY), prompted)
     rows: list[dict[str, Any]] = []
@@ -310,6 +311,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             params=params,
             options=scenario.strategy_options.get(name.removesuffix(AFFINITY).removesuffix(SHARED)),
             prepared=prepared,
+            reads=reads,
         )
         if name == DEFAULT_STRATEGY:
             kv_use = result.kv_use

@@ -20,7 +20,7 @@ from promptlb.shared import ConfigError
 from ._scenario import Arrival, NodeSpec
 from ._simnode import Group, Node
 from ._simparams import AFFINITY, ORACLE, PERFECT, SHARED, SIM_STRATEGIES, ServiceFn, SimParams
-from ._simprompt import Prompted
+from ._simprompt import Prompted, Read, read
 from ._simreplica import Replica, View, build_strategy
 
 __all__ = [
@@ -60,6 +60,7 @@ class SimState:
         options: Mapping[str, Any],
         service: ServiceFn | None,
         prepared: Sequence[Prompted | None] | None = None,
+        reads: Sequence[Read] | None = None,
     ) -> None:
         if strategy not in SIM_STRATEGIES:
             raise ConfigError("strategy", strategy, "one of " + ", ".join(SIM_STRATEGIES))
@@ -78,10 +79,14 @@ class SimState:
         shared = strategy.endswith(SHARED)
         self.share_every = params.share_every or (INDEX_SHARE_EVERY if shared else 0.0)
         built = strategy.removesuffix(SHARED)
-        # Per arrival, its prompt read by engine and gateway (`_simprompt`); with any, every
+        # Per arrival, its prompt read by the engine (`_simprompt`); with any, every
         # node keeps the emulator's KV cache.
         self.prepared = prepared
         kv = prepared is not None and any(p is not None for p in prepared)
+        # Per arrival, the body sent read by the gateway: what its strategy routes on.
+        if reads is None and not self.perfect:
+            reads = read(arrivals, params.model)
+        self.reads: Sequence[Read] = reads or ()
         self.arrivals = arrivals
         self.duration = duration
         self.service = service

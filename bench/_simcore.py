@@ -57,7 +57,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from promptlb.middleware._view import RouteRequest
 from promptlb.shared import ConfigError
 
 from ._scenario import Arrival, NodeSpec
@@ -77,7 +76,7 @@ from ._simbase import (
 from ._simfaults import Faults
 from ._simnode import Req
 from ._simparams import ORACLE, PERFECT, RANDOM, SIM_STRATEGIES, ServiceFn, SimParams, SimResult
-from ._simprompt import Prompted
+from ._simprompt import Prompted, Read
 from ._simreplica import RandomChoice
 
 __all__ = [
@@ -110,9 +109,9 @@ class _Sim(Faults):
         push = heapq.heappush
         count = len(self.replicas) or 1
         replicas = self.replicas
-        model = self.params.model
         perfect = self.perfect
         prepared = self.prepared
+        reads = self.reads
         keyed = self.keyed
         refresh = self.params.staleness
         share_every = self.share_every
@@ -163,16 +162,7 @@ class _Sim(Faults):
                 if perfect:
                     req = Req(arrival, 0, None, prompted)
                 else:
-                    if prompted is not None:  # as the gateway reads the body sent
-                        route = prompted.keyed if keyed else prompted.route
-                    else:
-                        route = RouteRequest(
-                            model,
-                            input_tokens=arrival.prompt_tokens,
-                            max_tokens=arrival.max_tokens,
-                            prompt_class=arrival.prompt_class,
-                            stream=True,  # as the load generator sends every request
-                        )
+                    route = reads[i].keyed if keyed else reads[i].route  # the body sent, read
                     req = Req(arrival, r, route, prompted)
                     replicas[r].budget.active += 1
                 i += 1
@@ -222,17 +212,20 @@ def simulate(
     options: Mapping[str, Any] | None = None,
     service: ServiceFn | None = None,
     prepared: Sequence[Prompted | None] | None = None,
+    reads: Sequence[Read] | None = None,
 ) -> SimResult:
     """Replay ``arrivals`` (sorted by time) on ``nodes`` routed by ``strategy``.
 
     ``strategy`` is a middleware strategy name (built with ``options``; ``X+affinity`` under
     ``[affinity]``), ``random``, ``perfect`` or ``oracle``. ``prepared`` (`_simprompt.prepare`
-    of ``arrivals``) gives requests their prompt: nodes then keep KV caches, and strategies see
-    the gateway's view of each request. ``duration`` is the trace's window: utilisation is
+    of ``arrivals``) gives requests their prompt: nodes then keep KV caches. ``reads``
+    (`_simprompt.read` of ``arrivals``, made here if not given) is the gateway's view of each
+    request, which strategies route on. ``duration`` is the trace's window: utilisation is
     measured within it, while the run goes on until every request has finished or failed.
     Deterministic for ``params.seed``.
     """
     if not nodes:
         raise ConfigError("nodes", [], "at least one node")
     params = params or SimParams()
-    return _Sim(nodes, arrivals, strategy, duration, params, options or {}, service, prepared).run()
+    sim = _Sim(nodes, arrivals, strategy, duration, params, options or {}, service, prepared, reads)
+    return sim.run()

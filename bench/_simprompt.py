@@ -2,9 +2,10 @@
 request read as the live run's gateway and emulator read the very body the load generator sends.
 
 * the engine's view, `emulator._prompt.prompt_blocks`: the prompt's tokens and KV block hashes;
-* the gateway's view, `middleware._request.route_of` on the JSON body: ``input_tokens`` as body
-  bytes over four and the coarse ``blocks`` of the prefix index; with ``[affinity]`` at its
-  defaults, its key (`middleware._affinity.KeyMaker`) too.
+* the gateway's view (`read`, of every arrival, filler included), `middleware._request.route_of`
+  on the JSON body: ``input_tokens`` as body bytes over four and the coarse ``blocks`` of the
+  prefix index; with ``[affinity]`` at its defaults, its key (`middleware._affinity.KeyMaker`)
+  too.
 
 Worked out once per sim invocation and shared by every strategy's run: a long prompt costs tens
 of microseconds to hash, twice, and the same trace is replayed by every strategy.
@@ -32,13 +33,17 @@ from promptlb.shared import BLOCK_TOKENS
 from ._loadgen import chat_body
 from ._scenario import Arrival, NodeSpec
 
-__all__ = ["Prompted", "kv_capacity", "prefix_load", "prepare"]
+__all__ = ["Prompted", "Read", "kv_capacity", "prefix_load", "prepare", "read"]
 
 
 @dataclass(frozen=True, slots=True)
 class Prompted:
     tokens: int  # the prompt's tokens, as the engine counts them
     blocks: tuple[int, ...]  # its KV block hashes, as the engine names them
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
     route: RouteRequest  # what the gateway's strategy sees
     keyed: RouteRequest  # ... with [affinity]'s key at its defaults
 
@@ -49,21 +54,33 @@ def kv_capacity(spec: NodeSpec) -> int:
 
 
 def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:
-    """Per arrival, its prompt read by the engine and the gateway; None for one without
-    messages (the scenarios from before prompts: routed on their lengths alone, as then)."""
-    keys = KeyMaker(AffinityConfig())
+    """Per arrival, its prompt read by the engine; None for one without messages (filler text
+    that shares no prefix with another's: the simulated engine charges its whole prefill)."""
     out: list[Prompted | None] = []
     for arrival in arrivals:
         if not arrival.messages:
             out.append(None)
             continue
-        raw = chat_body(model, arrival)
-        body = json.loads(raw)
+        body = json.loads(chat_body(model, arrival))
         tokens, blocks = prompt_blocks(body["messages"], chat=True)
+        out.append(Prompted(tokens, tuple(blocks)))
+    return out
+
+
+def read(arrivals: Sequence[Arrival], model: str) -> list[Read]:
+    """Per arrival, the body the load generator sends (filler text numbered by its place in
+    the trace where it has no messages) read by the gateway: its length, the prefix index's
+    blocks, the affinity key. Filler was routed on its lengths alone until 2026-12-07, while
+    the live gateway hashed it like any prompt: a new prefix goes to its rendezvous node, and
+    under ``[affinity]`` its head is a key."""
+    keys = KeyMaker(AffinityConfig())
+    out: list[Read] = []
+    for i, arrival in enumerate(arrivals):
+        raw = chat_body(model, arrival, i)
+        body = json.loads(raw)
         # The load generator names the class in a header the benchmark's gateways trust.
         route = route_of(body, len(raw), prompt_class=arrival.prompt_class)
-        keyed = replace(route, session_key=keys(body))
-        out.append(Prompted(tokens, tuple(blocks), route, keyed))
+        out.append(Read(route, replace(route, session_key=keys(body))))
     return out
 
 

@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 from promptlb.bench import _simdetect
 from promptlb.bench._cli import main
+from promptlb.bench._loadgen import chat_body
 from promptlb.bench._scenario import Arrival, Fault, NodeSpec, parse_scenario
 from promptlb.bench._simcore import SimParams, SimResult, simulate
-from promptlb.bench._simprompt import Prompted, prefix_load, prepare
+from promptlb.bench._simprompt import Prompted, prefix_load, prepare, read
 from promptlb.bench._stats import percentile
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import PrefixIndex, Reading, prompt_blocks
+from promptlb.middleware._view import RouteRequest
 from promptlb.shared import BLOCK_TOKENS, prompt_bytes
 
 SYSTEM = "s" * 4000  # 1,000 tokens: 62 full blocks
@@ -62,6 +64,7 @@ def test_a_cached_prefix_is_prefilled_once_as_the_emulator_does() -> None:
 def test_strategies_see_the_gateways_reading_of_the_body() -> None:
     arrival = _arrival(0.0, "q")
     (prompted,) = prepare([arrival], "bench")
+    (seen,) = read([arrival], "bench")
     assert prompted is not None
     body = json.dumps(
         {
@@ -71,11 +74,46 @@ def test_strategies_see_the_gateways_reading_of_the_body() -> None:
             "stream": True,
         }
     ).encode()
-    assert prompted.route.input_tokens == len(body) // 4  # the JSON body, not the prompt
-    assert prompted.route.blocks == prompt_blocks(prompt_bytes(json.loads(body)))
-    assert prompted.route.prompt_class == "chat" and prompted.route.stream
-    assert prompted.keyed.session_key is not None and prompted.route.session_key is None
+    assert seen.route.input_tokens == len(body) // 4  # the JSON body, not the prompt
+    assert seen.route.blocks == prompt_blocks(prompt_bytes(json.loads(body)))
+    assert seen.route.prompt_class == "chat" and seen.route.stream
+    assert seen.keyed.session_key is not None and seen.route.session_key is None
     assert prompted.tokens == arrival.prompt_tokens
+
+
+def test_filler_prompts_are_read_as_the_gateway_reads_the_load_generators_body() -> None:
+    """Filler (a scenario without prompts) was routed on its lengths alone, while the live
+    gateway hashed the text the load generator sends like any prompt: a new prefix went to
+    its rendezvous node there, and under [affinity] its head was a key, here never."""
+    arrivals = [Arrival(0.0, "long", 2_000, 50), Arrival(0.1, "long", 2_000, 50)]
+    reads = read(arrivals, "bench")
+    assert prepare(arrivals, "bench") == [None, None]  # the engine charges the whole prefill
+    for i, (arrival, seen) in enumerate(zip(arrivals, reads, strict=True)):
+        body = chat_body("bench", arrival, i)  # as `_loadgen` sends the trace's i-th request
+        assert seen.route.input_tokens == len(body) // 4
+        assert seen.route.blocks == prompt_blocks(prompt_bytes(json.loads(body)))
+        assert seen.route.blocks and seen.route.prompt_class == "long"
+        assert seen.keyed.session_key is not None
+    assert set(reads[0].route.blocks).isdisjoint(reads[1].route.blocks)  # no shared prefix
+    assert reads[0].keyed.session_key != reads[1].keyed.session_key
+
+
+def test_the_simulated_strategy_routes_filler_on_the_gateways_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[RouteRequest] = []
+    pick = Predictive.pick
+
+    def spy(self: Predictive, request: RouteRequest, *rest: Any) -> Any:
+        seen.append(request)
+        return pick(self, request, *rest)
+
+    monkeypatch.setattr(Predictive, "pick", spy)
+    arrivals = [Arrival(0.0, "long", 2_000, 5), Arrival(1.0, "long", 2_000, 5)]
+    nodes = [_node("a", kv_blocks=None), _node("b", kv_blocks=None)]
+    simulate(nodes, arrivals, "predictive", duration=5.0, params=SimParams(replicas=1))
+    assert seen == [r.route for r in read(arrivals, SimParams().model)]
+    assert all(request.blocks for request in seen)
 
 
 def test_a_crash_empties_the_nodes_cache() -> None:
