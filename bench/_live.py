@@ -37,7 +37,16 @@ from ._livereport import Run, build_report, publish
 from ._loadgen import CLASS_HEADER, Progress, Result, replay
 from ._peers import Target
 from ._report import CRASH_WINDOW_S, RESULTS
-from ._scenario import SLOW_FACTOR, Arrival, Fault, NodeSpec, Scenario, load_scenario, scaled
+from ._scenario import (
+    RSS_WINDOW_S,
+    SLOW_FACTOR,
+    Arrival,
+    Fault,
+    NodeSpec,
+    Scenario,
+    load_scenario,
+    scaled,
+)
 
 __all__ = ["Cluster", "run_cluster", "scaled"]
 
@@ -45,11 +54,7 @@ REQUEST_TIMEOUT_S = 60.0  # each request, whoever serves it
 DRAIN_S = 60.0  # after the trace's last send: time left to the requests still in flight
 HEALTH_INTERVAL = "1s"
 SAMPLE_INTERVAL = "250ms"
-# The sidecars' RSS slope window (their default is a minute): a run lasts about a minute and a
-# scenario's leak a quarter of it (seed-3am: 15 s from its start to the crash). Over 60 s the
-# fit would average the leak with the flat time before it and see it only halfway to the OOM,
-# and one strategy's run would still weigh in the next one's window.
-RSS_WINDOW = "5s"
+RSS_WINDOW = f"{RSS_WINDOW_S:g}s"  # the sidecars' RSS slope window (`_scenario.RSS_WINDOW_S`)
 STATE_POLL_S = 0.5  # how often a run reads its gateway's node states (drains, ejections)
 READY_TIMEOUT_S = 30.0
 

@@ -19,6 +19,7 @@ from promptlb.shared import ConfigError, parse_duration
 from ._prompts import Messages, Prompts, message_tokens, parse_prompts, prompted_arrivals
 
 __all__ = [
+    "RSS_WINDOW_S",
     "SLOW_FACTOR",
     "TARGET_KEYS",
     "Arrival",
@@ -107,6 +108,12 @@ class Workload:
 
 
 SLOW_FACTOR = 2.0  # a "slow" fault without a value, live and in the simulator alike
+# The sidecars' RSS slope window in a run (their default is a minute): a run lasts about a
+# minute and a scenario's leak a quarter of it (seed-3am: 15 s from its start to the crash).
+# Over 60 s the fit would average the leak with the flat time before it and see it only
+# halfway to the OOM, and one strategy's run would still weigh in the next one's window. The
+# simulator's sidecars use it too (`_simleak`).
+RSS_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

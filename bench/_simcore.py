@@ -13,7 +13,9 @@ seconds, its first token (and, streaming, its response headers) coming after the
 ``crash`` drops everything on the node and refuses connections until ``recover``; ``hang``
 holds new requests at admission, out of the engine's counts (work already admitted goes on),
 until ``recover`` lifts it and they go on in order, as the emulator's runtime hang does;
-``recover`` also sets the factor back to 1. ``leak`` costs memory, not time: not simulated.
+``recover`` also sets the factor back to 1. ``leak`` costs memory, not time: on a node with a
+``memory_limit_mb`` its sidecar's RSS, slope and free memory (`_simleak`) reach the replicas,
+which drain it by the middleware's rule (`middleware._nodes.leak_mark`).
 
 The middleware is each replica's ``Balancer.open`` and ``NodeTable``, on virtual time:
 
@@ -31,6 +33,8 @@ The middleware is each replica's ``Balancer.open`` and ``NodeTable``, on virtual
   the candidates after ``unhealthy_threshold`` failures and back after ``healthy_threshold``
   passes; ``outlier_failures`` failed tries in a row eject a node for ``30 s x times ejected``
   (at most 300 s, at most half the nodes). A node back from either ramps up over ``slow_start``.
+  A model with no node left keeps the leaking ones, else the ejected ones whose health checks
+  pass, as ``NodeTable`` does (Envoy's panic routing).
   The retry budget, the ejection times and cap and the ramp are the middleware's own rules
   (``middleware/_rules.py``), not copies.
 * The client (the benchmark's load generator) gives up ``client_timeout`` after the arrival.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from operator import attrgetter
 
+from promptlb.middleware._nodes import leak_mark
 from promptlb.middleware._rules import MIN_RAMP, after_try, ejection_time, faded, ramp
 from promptlb.shared import Snapshot
 
@@ -44,6 +45,8 @@ class Detection(SimState):
         # and a copy a node a period, not one per replica and node (50,000 a second at the
         # largest run). A dead engine sends nothing: its last word stands.
         replica.refreshes = k = replica.refreshes + 1
+        marks = replica.marks
+        changed = False
         for node, view in zip(self.nodes, replica.views, strict=True):
             snap = node.cur
             if snap is None or now >= node.cur_until:
@@ -54,6 +57,12 @@ class Detection(SimState):
                     node.issued = _renewed(snap)
                 snap = node.issued
             view.snapshot = snap
+            if node.memory is not None and snap is not None:  # as NodeTable.record_snapshot
+                mark = leak_mark(marks[node.idx], snap, OUTLIER.drain_before_oom)
+                if mark != marks[node.idx]:
+                    marks[node.idx] = mark
+                    replica.leaking[node.idx] = mark is not None
+                    changed = True
             view.in_flight_at_snapshot = view.in_flight
             view.others_since_snapshot = 0
             if view.error_rate:  # as NodeTable.tick fades it, about as often
@@ -61,6 +70,8 @@ class Detection(SimState):
                 faded_at[node.idx] = now
         if replica.ramping:
             self._ramp(replica, now)
+        if changed:
+            replica.rebuild()
 
     def _share(self, r: int) -> None:
         """Replica ``r``'s exchange with the shared store: what it sent since, out; what the

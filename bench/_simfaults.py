@@ -39,6 +39,14 @@ class Faults(Tries):
             node.factor = 1.0
             node.state = UP
             node.cur = None
+            memory = node.memory
+            if memory is not None:
+                # The live runner starts a dead node again (a new process: its RSS idle, a
+                # new sidecar boot) and turns a live one's faults off (its leak stops).
+                if was == CRASHED:
+                    memory.restart()
+                else:
+                    memory.per_request_mb = 0.0
             if was == HUNG:
                 # The hang is lifted: the held requests go on, in the order they came, with
                 # their per-try timeouts still running.
@@ -58,7 +66,11 @@ class Faults(Tries):
                 self._leave_group(node)
                 self._join_group(node)
                 self._replan(node, now)
-        # "leak" costs memory on the real emulator, not time: nothing to simulate.
+        elif kind == "leak" and node.memory is not None:
+            # Memory, not time: what the sidecar projects against a memory limit, and the
+            # gateway drains for (`_simleak`). Without a limit the sidecar projects against
+            # the host's free memory, which a minute's leak does not come near.
+            node.memory.per_request_mb = fault.value
 
     def _drop_all(self, node: Node, now: float) -> None:
         """A crash: streams already answering break (not retried); tries still waiting for

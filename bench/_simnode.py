@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 
 from promptlb.emulator._kv import KVCache, Lease
 from promptlb.middleware._view import RouteRequest
 from promptlb.shared import BLOCK_TOKENS, EngineSample, Snapshot
 
 from ._scenario import Arrival, NodeSpec
+from ._simleak import Memory
 from ._simprompt import Prompted, kv_capacity
 from ._simreplica import View
 
@@ -132,6 +134,7 @@ class Node:
         "issued_from",
         "kv",
         "max_depth",
+        "memory",
         "name",
         "query_tokens",
         "queue",
@@ -196,6 +199,9 @@ class Node:
         self.kv: KVCache | None = KVCache(kv_capacity(spec)) if kv else None
         self.query_tokens = 0
         self.hit_tokens = 0
+        # Its model server's memory against the scenario's limit, for the leak drain.
+        limit = spec.memory_limit_mb
+        self.memory: Memory | None = None if limit is None else Memory(limit)
 
     def lose_cache(self) -> None:
         """A crash: the engine's cache is gone with its process."""
@@ -247,6 +253,13 @@ class Node:
                 ),
             )
             self.snaps[key] = snap
+        memory = self.memory
+        if memory is not None:
+            rss, slope, free = memory.reading(now)
+            boot = f"sim-{memory.boot}"  # a new process after a crash, as a new sidecar's
+            snap = replace(snap, boot=boot, rss=rss, rss_slope=slope, mem_free=free)
+            if memory.changing:
+                until = now  # the slope's window slides: read it again at the next refresh
         self.cur = snap
         self.cur_until = until
         return snap

@@ -52,6 +52,8 @@ class Replica:
         "ejected",
         "ejected_until",
         "faded_at",
+        "leaking",
+        "marks",
         "n_ejected",
         "ramping",
         "refreshes",
@@ -78,13 +80,24 @@ class Replica:
         self.faded_at = [0.0] * n  # when each view's error rate was last faded to
         self.ramping: dict[int, float] = {}  # node index -> ready since
         self.refreshes = 0  # its snapshot refreshes so far (`Detection._refresh`)
+        # Drained for a projected OOM: each node's `leak_mark`, and whether it holds one.
+        self.marks: list[tuple[str, int] | None] = [None] * n
+        self.leaking = [False] * n
         # Its ``active``: requests open on this replica; ``retrying``: retry tries waiting for
         # their headers, as Balancer.open counts them.
         self.budget = budget
 
     def rebuild(self) -> None:
-        alive, ejected = self.alive, self.ejected
-        self.cands = [v for v in self.views if alive[v.idx] and not ejected[v.idx]]
+        alive, ejected, leaking = self.alive, self.ejected, self.leaking
+        views = self.views
+        cands = [v for v in views if alive[v.idx] and not ejected[v.idx] and not leaking[v.idx]]
+        if not cands:
+            # As `NodeTable._rebuild`: a model with no ready node keeps its leaking nodes (one
+            # near its OOM beats none), else its ejected ones whose health checks pass.
+            cands = [v for v in views if alive[v.idx] and not ejected[v.idx]]
+        if not cands:
+            cands = [v for v in views if alive[v.idx] and not leaking[v.idx]]
+        self.cands = cands
 
 
 def build_strategy(name: str, options: Mapping[str, Any]) -> Strategy:

@@ -120,6 +120,9 @@ class Tries(Perfect, Detection):
             self._push(now + params.connect_fail_s, CONNECT_FAIL, req, req.try_no)
             return
         node.dispatched += 1
+        memory = node.memory
+        if memory is not None and memory.request(now):  # the emulator leaks as a request comes
+            node.cur = None
         req.factor = node.factor
         arrival = req.arrival
         if self.service is None:

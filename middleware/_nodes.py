@@ -20,7 +20,7 @@ from ._config import Config, NodeConfig
 from ._rules import after_try, ejection_cap, ejection_time, faded, ramp
 from ._view import NodeView
 
-__all__ = ["Node", "NodeTable"]
+__all__ = ["Node", "NodeTable", "leak_mark"]
 
 _EWMA = 0.2  # weight of the newest latency/TTFT observation
 # Recent answers kept per node for the status page's percentiles: appending to a bounded deque
@@ -335,33 +335,19 @@ class NodeTable:
         return True
 
     def _watch_leak(self, node: Node, snapshot: Snapshot) -> None:
-        """Drain a node whose model server is projected out of memory within the configured
-        time, and keep it drained until it restarts (a new boot) or its RSS falls back: once
-        drained its RSS stops growing, and going by the slope alone would bring it back a
-        window later, to leak again."""
-        mark = node.leak_mark
-        if mark is None:
-            # A model server that loads or warms up grows by gigabytes, and no such snapshot
-            # routes traffic: marked from one, the node would flap (its next not-warm snapshot
-            # clears the mark) and stay "leaking" once warm, with no growth left to end it.
-            serving = snapshot.ready and snapshot.warm
-            if serving and _leaking(snapshot, self._config.outlier.drain_before_oom):
-                node.leak_mark = (snapshot.boot, snapshot.rss or 0)
-                self._dirty = True
-                log.warning(
-                    "node %s: draining, its model server runs out of memory in %.0fs at %.1f MB/s",
-                    node.name,
-                    snapshot.seconds_to_oom() or 0.0,
-                    (snapshot.rss_slope or 0.0) / 2**20,
-                )
+        mark = leak_mark(node.leak_mark, snapshot, self._config.outlier.drain_before_oom)
+        if mark == node.leak_mark:
             return
-        boot, rss = mark
-        # A restarted model server shows as a new boot (the sidecar restarted too) or as not
-        # warm (the sidecar saw a new process and warms it again).
-        restarted = snapshot.boot != boot or not snapshot.warm
-        if restarted or (snapshot.rss is not None and snapshot.rss < 0.9 * rss):
-            node.leak_mark = None
-            self._dirty = True
+        node.leak_mark = mark
+        self._dirty = True
+        if mark is not None:
+            log.warning(
+                "node %s: draining, its model server runs out of memory in %.0fs at %.1f MB/s",
+                node.name,
+                snapshot.seconds_to_oom() or 0.0,
+                (snapshot.rss_slope or 0.0) / 2**20,
+            )
+        else:
             log.info("node %s: restarted or its memory freed, back in", node.name)
 
     def record_result(
@@ -567,6 +553,30 @@ def _fade(node: Node, now: float) -> None:
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + _EWMA * (new - old)
+
+
+def leak_mark(
+    mark: tuple[str, int] | None, snapshot: Snapshot, oom_within: float
+) -> tuple[str, int] | None:
+    """A node's leak mark (its boot and RSS when marked) after ``snapshot``: set when its model
+    server is projected out of memory within ``oom_within`` seconds, which drains it, and kept
+    until it restarts (a new boot) or its RSS falls back: once drained its RSS stops growing,
+    and going by the slope alone would bring it back a window later, to leak again. The
+    simulator keeps its replicas' marks by this rule too."""
+    if mark is None:
+        # A model server that loads or warms up grows by gigabytes, and no such snapshot
+        # routes traffic: marked from one, the node would flap (its next not-warm snapshot
+        # clears the mark) and stay "leaking" once warm, with no growth left to end it.
+        if snapshot.ready and snapshot.warm and _leaking(snapshot, oom_within):
+            return (snapshot.boot, snapshot.rss or 0)
+        return None
+    boot, rss = mark
+    # A restarted model server shows as a new boot (the sidecar restarted too) or as not
+    # warm (the sidecar saw a new process and warms it again).
+    restarted = snapshot.boot != boot or not snapshot.warm
+    if restarted or (snapshot.rss is not None and snapshot.rss < 0.9 * rss):
+        return None
+    return mark
 
 
 def _leaking(snapshot: Snapshot, oom_within: float) -> bool:

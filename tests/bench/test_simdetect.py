@@ -102,3 +102,44 @@ def test_a_slow_fault_without_a_value_doubles_as_it_does_live() -> None:
     arrivals = [Arrival(0.0, "q", 1, 10), Arrival(10.0, "q", 1, 10)]
     result = simulate([node], arrivals, "round_robin", duration=20.0)
     assert list(result.latencies) == pytest.approx([1.0, 2.0])
+
+
+def test_a_model_with_no_ready_node_keeps_its_leaking_then_its_healthy_ejected_nodes() -> None:
+    """As `NodeTable._rebuild` (Envoy's panic routing): the simulator dropped every ejected or
+    drained node, and failed each request ``no_node`` meanwhile, where the live table routes."""
+    sim = _sim()
+    replica = sim.replicas[0]
+
+    def names() -> list[str]:
+        replica.rebuild()
+        return [view.name for view in replica.cands]
+
+    replica.leaking[1] = True
+    assert names() == ["a"]
+    replica.ejected[0] = True
+    assert names() == ["b"]  # near its OOM beats ejected
+    replica.leaking[1], replica.ejected[1] = False, True
+    assert names() == ["a", "b"]  # both ejected, their health checks passing
+    replica.alive[0] = False
+    assert names() == ["b"]  # an unhealthy node, never
+    replica.leaking[1] = True
+    assert names() == []  # ejected and leaking: neither list keeps it, as live
+
+
+def test_a_lone_hung_node_ejected_still_takes_requests() -> None:
+    mix = PromptClass(
+        name="q",
+        share=1.0,
+        prompt_tokens=Dist(kind="fixed", mean=1),
+        max_tokens=Dist(kind="fixed", mean=5),
+    )
+    faults = (Fault(at=5.0, kind="hang"), Fault(at=40.0, kind="recover"))
+    node = NodeSpec(name="a", slots=4, tokens_per_s=100.0, ttft_ms=0.0, faults=faults)
+    scenario = Scenario(
+        name="hang", duration=60.0, seed=1, nodes=(node,), workload=Workload(rate=2.0, mix=(mix,))
+    )
+    params = SimParams(replicas=1, per_try_timeout=2.0)
+    result = simulate([node], scenario.arrivals(), "round_robin", duration=60.0, params=params)
+    assert result.ejections >= 1
+    assert "no_node" not in result.errors  # ejected, yet its model's only node: kept
+    assert result.errors.get("timeout", 0) > 0
