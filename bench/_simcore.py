@@ -15,7 +15,9 @@ holds new requests at admission, out of the engine's counts (work already admitt
 until ``recover`` lifts it and they go on in order, as the emulator's runtime hang does;
 ``recover`` also sets the factor back to 1. ``leak`` costs memory, not time: on a node with a
 ``memory_limit_mb`` its sidecar's RSS, slope and free memory (`_simleak`) reach the replicas,
-which drain it by the middleware's rule (`middleware._nodes.leak_mark`).
+which drain it by the middleware's rule (`middleware._nodes.leak_mark`). A prompt and answer past
+the node's context (its KV cache's tokens, ``EmulatorConfig.context_tokens``) is the emulator's
+400 at once: the request's, never retried.
 
 The middleware is each replica's ``Balancer.open`` and ``NodeTable``, on virtual time:
 

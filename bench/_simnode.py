@@ -15,7 +15,7 @@ from promptlb.shared import BLOCK_TOKENS, EngineSample, Snapshot
 
 from ._scenario import Arrival, NodeSpec
 from ._simleak import Memory
-from ._simprompt import Prompted, kv_capacity
+from ._simprompt import Prompted, context_tokens, kv_capacity
 from ._simreplica import View
 
 __all__ = [
@@ -118,6 +118,7 @@ class Node:
         "active",
         "busy",
         "busy_mark",
+        "context",
         "cur",
         "cur_until",
         "dispatched",
@@ -199,6 +200,7 @@ class Node:
         self.kv: KVCache | None = KVCache(kv_capacity(spec)) if kv else None
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.context = context_tokens(spec)  # prompt and answer at most: else a 400
         # Its model server's memory against the scenario's limit, for the leak drain.
         limit = spec.memory_limit_mb
         self.memory: Memory | None = None if limit is None else Memory(limit)

@@ -33,7 +33,7 @@ from promptlb.shared import BLOCK_TOKENS
 from ._loadgen import chat_body
 from ._scenario import Arrival, NodeSpec
 
-__all__ = ["Prompted", "Read", "kv_capacity", "prefix_load", "prepare", "read"]
+__all__ = ["Prompted", "Read", "context_tokens", "kv_capacity", "prefix_load", "prepare", "read"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,11 @@ class Read:
 def kv_capacity(spec: NodeSpec) -> int:
     """The node's KV blocks, as the emulator sizes its cache from the same flags."""
     return EmulatorConfig(slots=spec.slots, kv_blocks=spec.kv_blocks).kv_capacity
+
+
+def context_tokens(spec: NodeSpec) -> int:
+    """The node's context (prompt and answer), as the emulator bounds it from the same flags."""
+    return EmulatorConfig(slots=spec.slots, kv_blocks=spec.kv_blocks).context_tokens
 
 
 def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:

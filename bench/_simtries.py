@@ -43,6 +43,13 @@ class Tries(Perfect, Detection):
         if when > self.last_t:
             self.last_t = when
 
+    def _refused(self, req: Req, node: Node, now: float) -> None:
+        """The node's 400 at once: the request's fault, passed on and never retried, and an
+        answer as far as the node's health goes."""
+        if not self.perfect:
+            self._record(req.replica, node.idx, ok=True, now=now)
+        self._fail(req, "bad_request", now)
+
     def _try_failed(self, req: Req, kind: str, now: float) -> None:
         """A try failed before its headers: the proxy tries another node if it may."""
         node = req.node
@@ -120,9 +127,6 @@ class Tries(Perfect, Detection):
             self._push(now + params.connect_fail_s, CONNECT_FAIL, req, req.try_no)
             return
         node.dispatched += 1
-        memory = node.memory
-        if memory is not None and memory.request(now):  # the emulator leaks as a request comes
-            node.cur = None
         req.factor = node.factor
         arrival = req.arrival
         if self.service is None:
@@ -144,7 +148,16 @@ class Tries(Perfect, Detection):
         self._admit(req, node, now)
 
     def _admit(self, req: Req, node: Node, now: float) -> None:
-        """Into a free slot, or at the back of the FIFO queue."""
+        """Into a free slot, or at the back of the FIFO queue; as the emulator's handler goes
+        on past a hang: its leak, then its 400 for a prompt and answer past the context."""
+        memory = node.memory
+        if memory is not None and memory.request(now):
+            node.cur = None
+        arrival = req.arrival
+        prompt = arrival.prompt_tokens if req.prompted is None else req.prompted.tokens
+        if prompt + arrival.max_tokens > node.context:
+            self._refused(req, node, now)
+            return
         if self.perfect:
             free = node.free
             t0 = heapq.heappop(free)

@@ -188,7 +188,7 @@ class _Handlers:
             return _error(400, f"`{field_name}` is required", "invalid_request_error")
         cfg, state = self.cfg, self.state
         n_in, blocks = prompt_blocks(prompt, chat=chat)
-        limit = state.kv.capacity * BLOCK_TOKENS
+        limit = cfg.context_tokens
         n_out = self._output_tokens(body)
         if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
             n_out = max(1, min(n_out, limit - n_in))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from promptlb.shared import ConfigError
+from promptlb.shared import BLOCK_TOKENS, ConfigError
 
 from ._faults import MAX_LEAK_MB
 
@@ -82,6 +82,12 @@ class EmulatorConfig:
     def kv_capacity(self) -> int:
         """The KV cache's capacity in blocks."""
         return self.kv_blocks or self.slots * 128
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens a prompt and its answer may take together: the KV cache's, as
+        vLLM's context is never longer than its cache."""
+        return self.kv_capacity * BLOCK_TOKENS
 
     def __repr__(self) -> str:
         shown = ", ".join(

@@ -63,3 +63,21 @@ def test_no_timeout_at_all_with_a_hang_fault_is_refused() -> None:
     params = SimParams(per_try_timeout=math.inf, client_timeout=math.inf)
     with pytest.raises(ConfigError, match="client_timeout"):
         simulate([hung], [Arrival(0.0, "q", 1, 10)], "round_robin", duration=1.0, params=params)
+
+
+@pytest.mark.parametrize("strategy", ["round_robin", "perfect"])
+def test_a_prompt_and_answer_past_the_nodes_context_is_a_400_at_once(strategy: str) -> None:
+    """As the emulator answers (its context is its KV cache's tokens, 4 blocks of 16 here): the
+    request's fault, passed on, never retried elsewhere, and no failure of the node's. The
+    simulator served it as any other."""
+    small = [
+        NodeSpec(name=name, slots=2, tokens_per_s=10.0, ttft_ms=0.0, kv_blocks=4) for name in "ab"
+    ]
+    arrivals = [Arrival(i * 0.5, "q", 50, 10) for i in range(2)]  # 60 tokens: they fit
+    arrivals += [Arrival(1.0 + i * 0.5, "q", 50, 20) for i in range(6)]  # 70: they do not
+    sim = _Sim(small, arrivals, strategy, 10.0, SimParams(replicas=1), {}, None)
+    result = sim.run()
+    assert result.errors == {"bad_request": 6} and result.ok == 2
+    assert result.retries == 0 and sum(result.dispatched) == 8
+    if strategy != "perfect":
+        assert sim.replicas[0].consecutive == [0, 0] and result.ejections == 0
