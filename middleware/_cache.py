@@ -139,7 +139,11 @@ def sampled(path: str, body: Mapping[str, Any], default_temperature: float = 1.0
 
 
 def _finite(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(value, bool):
+        return False
+    # An int is finite however long: math.isfinite converts it, and a 400-digit temperature
+    # raised OverflowError there (a 500, and a traceback in the log).
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 class ResponseCache(Protocol):

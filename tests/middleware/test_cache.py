@@ -56,6 +56,8 @@ def test_the_key_covers_what_changes_the_answer_and_nothing_else() -> None:
     assert key({**no_temp, "temperature": None}) == key(no_temp)
     assert key({**BODY, "seed": 2**60}) != key({**BODY, "seed": 2**60 + 1})  # never as floats
     assert key({**BODY, "top_p": 10**400}) is not None  # no float holds it: kept as it is
+    # A temperature too: an OverflowError (a 500) where a float could not hold it.
+    assert key({**BODY, "temperature": 10**400}) not in (None, base)
 
 
 def test_a_sample_is_told_from_a_deterministic_answer() -> None:
@@ -65,6 +67,8 @@ def test_a_sample_is_told_from_a_deterministic_answer() -> None:
     assert sampled(CHAT, no_temp)  # OpenAI's default temperature is 1
     assert not sampled(CHAT, no_temp, default_temperature=0.0)
     assert sampled(CHAT, {**BODY, "temperature": "hot"})
+    assert sampled(CHAT, {**BODY, "temperature": 10**400})
+    assert not sampled(CHAT, {**BODY, "temperature": -(10**400)})
     assert not sampled("/v1/embeddings", {"model": "e", "input": ["x"], "temperature": 1})
 
 
