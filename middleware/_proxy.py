@@ -24,6 +24,8 @@ from ._sse import StreamAssembler, wants_usage
 
 __all__ = ["Proxy", "models_response"]
 
+_SSE_TEXT = SSE.decode()
+
 # Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
 # node's Date and Server, which the server in front writes for the gateway (Date is a singleton
 # field: two of them are a malformed answer), and the headers this gateway writes itself (a
@@ -156,7 +158,9 @@ class Proxy:
             # answers so; checking every value here instead cost each request a microsecond.
             up.failed = True
             raise
-        sse = response.headers.get("content-type", "").encode().startswith(SSE)
+        # Compared as text: aiohttp decodes a non-UTF-8 byte in a header to a lone surrogate,
+        # and encoding that raised after the headers were sent (no body, the connection cut).
+        sse = response.headers.get("content-type", "").startswith(_SSE_TEXT)
         recorder = recorder_for(answer, path, sse, self._entry_limit)
         if recorder is not None and answer.first:
             recorder.feed(answer.first)

@@ -848,20 +848,17 @@ async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_lengt
             assert not sent[-1]["more_body"]
 
 
-async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
-    # uvicorn refuses a header value with a control character after marking the response
-    # started: the client's connection closes. The try was settled as the client's doing
-    # ("aborted"), so the node was never charged and kept every request it broke.
-    answer = b'{"choices": []}'
+@asynccontextmanager
+async def raw_node_app(head: bytes, answer: bytes) -> AsyncIterator[PromptLBMiddleware]:
+    """The middleware over one node that answers 200 with the raw header lines ``head`` (what
+    aiohttp's own server refuses to send) and ``answer``."""
 
     async def raw_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Raw bytes: aiohttp's own server refuses to send such a header.
-        head = (await reader.readuntil(b"\r\n\r\n")).lower()
-        length = head.partition(b"content-length:")[2].partition(b"\r\n")[0]
+        got = (await reader.readuntil(b"\r\n\r\n")).lower()
+        length = got.partition(b"content-length:")[2].partition(b"\r\n")[0]
         await reader.readexactly(int(length or 0))
         writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Odd: a\x01b\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer)
+            b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (head, len(answer), answer)
         )
         await writer.drain()
         writer.close()
@@ -873,14 +870,30 @@ async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
         app = PromptLBMiddleware(
             noop, config={"nodes": [{"name": "a", "url": url}], "health": {"enabled": False}}
         )
-        scope = dict(CHAT_SCOPE)
-        given = [{"type": "http.request", "body": json.dumps(CHAT_BODY).encode()}]
+        try:
+            yield app
+        finally:
+            await app.balancer.stop()
 
-        async def receive() -> dict[str, Any]:
-            if given:
-                return given.pop()
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
+
+def chat_once() -> Callable[[], Awaitable[dict[str, Any]]]:
+    given = [{"type": "http.request", "body": json.dumps(CHAT_BODY).encode()}]
+
+    async def receive() -> dict[str, Any]:
+        if given:
+            return given.pop()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
+    # uvicorn refuses a header value with a control character after marking the response
+    # started: the client's connection closes. The try was settled as the client's doing
+    # ("aborted"), so the node was never charged and kept every request it broke.
+    head = b"Content-Type: application/json\r\nX-Odd: a\x01b\r\n"
+    async with raw_node_app(head, b'{"choices": []}') as app:
 
         async def send(message: MutableMapping[str, Any]) -> None:
             # What uvicorn's httptools protocol does with such a value.
@@ -889,10 +902,25 @@ async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:
             ):
                 raise RuntimeError("Invalid HTTP header value.")
 
-        try:
-            with pytest.raises(RuntimeError):
-                await app(scope, receive, send)
-            node = app.balancer.table.nodes["a"]
-            assert node.failures == 1 and node.view.in_flight == 0
-        finally:
-            await app.balancer.stop()
+        with pytest.raises(RuntimeError):
+            await app(dict(CHAT_SCOPE), chat_once(), send)
+        node = app.balancer.table.nodes["a"]
+        assert node.failures == 1 and node.view.in_flight == 0
+
+
+async def test_a_content_type_that_is_no_utf8_is_passed_on_with_its_answer() -> None:
+    # aiohttp reads the byte as a lone surrogate: encoding it raised after the headers were
+    # sent, so the client had a 200 with no body and a cut connection.
+    answer = b'{"choices": []}'
+    async with raw_node_app(b"Content-Type: application/json; charset=\xe9\r\n", answer) as app:
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        await app(dict(CHAT_SCOPE), chat_once(), send)
+        start, *bodies = sent
+        assert start["status"] == 200
+        assert (b"content-type", b"application/json; charset=\xe9") in start["headers"]
+        assert b"".join(m.get("body", b"") for m in bodies) == answer
+        assert not bodies[-1].get("more_body")
