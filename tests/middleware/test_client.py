@@ -247,6 +247,29 @@ async def test_a_body_over_max_body_bytes_is_refused_in_app_as_over_http(serve: 
     assert raised.value.status == 413
 
 
+async def test_text_in_another_script_reaches_the_node_as_a_client_sends_it(serve: Serve) -> None:
+    """As UTF-8, not ASCII escapes: 600 kB of CJK text was 1.2 MB in app, refused under a
+    1 MB limit the proxy let it through, and read as twice the tokens by the strategies."""
+    received: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.json_response({"choices": [{"index": 0, "message": {"content": "ok"}}]})
+
+    text = "漢" * 200_000
+    async with middleware_over(serve, chat, max_body_bytes=1_000_000) as app:
+        await app.client.chat(model="m", messages=[{"role": "user", "content": text}])
+        built = app._live.reader.build("/v1/chat/completions", {"model": "m", "messages": []})
+    assert len(received) == 1 and text.encode() in received[0]
+    assert len(received[0]) < 610_000
+    assert built.for_model("small").raw == b'{"model": "small", "messages": []}'
+    # A lone surrogate, which UTF-8 cannot hold, is still refused by name, not a traceback.
+    async with middleware_over(serve, chat) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=[{"role": "user", "content": "a\ud800"}])
+    assert raised.value.status == 400 and "surrogate" in str(raised.value)
+
+
 async def test_a_call_under_way_through_a_reload_keeps_its_dispatcher(serve: Serve) -> None:
     # Its answer went into the cache of the config reloaded meanwhile.
     answering = asyncio.Event()
