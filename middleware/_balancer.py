@@ -54,6 +54,10 @@ HOP_BY_HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
+        # The gateway's server answered the client's 100-continue and read the whole body:
+        # passed on, aiohttp held that body until the node sent a 100 (a node that never
+        # does timed the try out, charged for it).
+        "expect",
     }
 )
 # The client's alone, never a node's business: its cookies (for the app in front) and, unless
