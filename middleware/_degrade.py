@@ -440,8 +440,13 @@ class Dispatcher:
 
 
 async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asyncio.Task[Answer]:
+    """The first attempt to answer, in start order on a tie. A node's own 5xx or 429 (what a
+    final hop passes on rather than fail) wins only once no other attempt is left: a hedge
+    0.1 s from its 200 was cancelled for the first try's quick 503, which without the hedge
+    would have been retried on that very node."""
     pending = set(tasks)
     error: BaseException | None = None
+    refused: list[asyncio.Task[Answer]] = []
     tried = 0  # node tries of the attempts that failed: the answer's attempts count them all
     while pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -449,18 +454,44 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
             if task not in done:
                 continue
             exc = task.exception()
-            if exc is None:
-                if len(tasks) > 1:  # one answered before the hedge was due: no race to win
-                    won = "won_first" if task is tasks[0] else "won_hedge"
-                    lb.metrics.hedges.labels(won).inc()
-                task.result().attempts += tried
-                return task
-            error = exc
-            tried += getattr(exc, "attempts", None) or 0
+            if exc is not None:
+                error = exc
+                tried += getattr(exc, "attempts", None) or 0
+                continue
+            if _refused(task.result()):
+                refused.append(task)
+                continue
+            if len(tasks) > 1:  # one answered before the hedge was due: no race to win
+                won = "won_first" if task is tasks[0] else "won_hedge"
+                lb.metrics.hedges.labels(won).inc()
+            task.result().attempts += tried
+            _charge(refused)
+            return task
+    if refused:
+        task, *others = refused
+        task.result().attempts += tried
+        _charge(others)
+        return task
     assert error is not None
     if isinstance(error, Refusal) and error.attempts is not None:
         error.attempts = tried
     raise error
+
+
+def _refused(answer: Answer) -> bool:
+    up = answer.upstream
+    return up is not None and (up.response.status >= 500 or up.response.status == 429)
+
+
+def _charge(refused: list[asyncio.Task[Answer]]) -> None:
+    """Settle the tries of refusals that another answer beat: the node's 5xx or 429 all the
+    same (a cancel, as the other losers get, would count it as the caller's leaving)."""
+    for task in refused:
+        answer = task.result()
+        up, held = answer.upstream, answer.held
+        if held is not None and up is not None:
+            code = up.response.status
+            held.close(UpstreamError(code, f"a node answered {code}", answer.attempts))
 
 
 async def _settle(losers: list[asyncio.Task[Answer]]) -> None:

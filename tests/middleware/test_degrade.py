@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio
 from promptlb.middleware import Config, HealthConfig, NodeConfig
 from promptlb.middleware._answer import Answer
-from promptlb.middleware._balancer import Balancer, Try
+from promptlb.middleware._balancer import Balancer, Try, Upstream
 from promptlb.middleware._config import load_config
 from promptlb.middleware._degrade import _first_success
 from promptlb.middleware._live import build_live
@@ -842,6 +842,49 @@ async def test_an_attempt_answered_before_its_hedge_was_due_wins_no_race() -> No
     count = lb.metrics.registry.get_sample_value
     assert count("promptlb_hedges_total", {"event": "won_first"}) == 1
     assert count("promptlb_hedges_total", {"event": "won_hedge"}) is None
+
+
+@pytest.mark.parametrize("hedge", ["answers", "fails", "refuses too"])
+async def test_a_nodes_own_refusal_wins_a_race_only_once_nothing_better_can_come(
+    hedge: str,
+) -> None:
+    """A final hop passes a node's 503 on rather than fail: raced by a hedge, the first try's
+    quick 503 won and cancelled the hedge 0.1 s from its 200 (which, unhedged, a retry would
+    have reached). It waits for the hedge now, and is charged to its node as a 503 when the
+    hedge wins; passed on (its tries with the hedge's) when the hedge fails too."""
+    lb = Balancer(Config(nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),)))
+    settled: list[BaseException | None] = []
+
+    class Held:
+        def close(self, exc: BaseException | None = None) -> None:
+            settled.append(exc)
+
+    def refusal(code: int) -> Answer:
+        up = SimpleNamespace(response=SimpleNamespace(status=code), node=SimpleNamespace(name="a"))
+        return Answer("m", upstream=cast(Upstream, up), held=cast(Try, Held()), attempts=1)
+
+    async def first() -> Answer:
+        await asyncio.sleep(0.01)
+        return refusal(503)
+
+    async def second() -> Answer:
+        await asyncio.sleep(0.05)
+        if hedge == "fails":
+            raise UpstreamError(502, "broke", 2)
+        return refusal(429) if hedge == "refuses too" else Answer("m")
+
+    raced = [asyncio.ensure_future(first()), asyncio.ensure_future(second())]
+    won = await _first_success(raced, lb)
+    count = lb.metrics.registry.get_sample_value
+    if hedge == "answers":
+        assert won is raced[1]
+        assert count("promptlb_hedges_total", {"event": "won_hedge"}) == 1
+        (charged,) = settled
+        assert isinstance(charged, UpstreamError) and charged.status == 503
+    else:
+        assert won is raced[0] and won.result().attempts == (3 if hedge == "fails" else 1)
+        assert count("promptlb_hedges_total", {"event": "won_first"}) is None
+        assert len(settled) == (1 if hedge == "refuses too" else 0)  # the 429 is charged
 
 
 def test_a_reload_that_changes_only_how_answers_are_served_keeps_the_stored_ones() -> None:
