@@ -301,7 +301,13 @@ class Balancer:
                     value = raw_value.decode("latin-1")
                     listed.update(t.strip().lower() for t in value.split(","))
                 continue
-            out.append((name, raw_value.decode("latin-1")))
+            try:
+                # aiohttp writes a value as UTF-8: read as latin-1, a client's UTF-8 "café"
+                # reached the node as "cafÃ©".
+                value = raw_value.decode()
+            except UnicodeDecodeError:
+                value = raw_value.decode("latin-1")  # no UTF-8: its bytes as characters
+            out.append((name, value))
         if listed:
             out = [h for h in out if h[0] not in listed]
         # The node's own key, from the config it is on now: read off the balancer's config, a

@@ -34,6 +34,7 @@ def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_t
         (b"connection", b"keep-alive, X-Hop"),
         (b"x-hop", b"1"),
         (b"expect", b"100-continue"),  # answered by the gateway's server, which read the body
+        (b"x-title", "café".encode()),  # written as UTF-8 by aiohttp: it must read so too
     ]
     for _ in range(2):  # the second time from what it remembered
         sent = dict(lb.forward_headers(node, made_up + client))
@@ -41,6 +42,7 @@ def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_t
         assert b"content-type" in lb._names  # made-up names did not keep it out for good
         assert sent["content-type"] == "application/json"
         assert sent[f"x-made-up-{3 * _NAMES_KEPT - 1}"] == "v"
+        assert sent["x-title"] == "café"
         dropped = {"cookie", "x-promptlb-priority-token", "connection", "x-hop", "expect"}
         assert not dropped & set(sent)
 
