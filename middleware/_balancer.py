@@ -292,6 +292,7 @@ class Balancer:
         names = self._names
         out = []
         listed: set[str] = set()  # headers the Connection header names are hop-by-hop too
+        typed = False
         for raw_name, raw_value in headers:
             name = names.get(raw_name, _UNSEEN)
             if name is _UNSEEN:
@@ -308,8 +309,14 @@ class Balancer:
             except UnicodeDecodeError:
                 value = raw_value.decode("latin-1")  # no UTF-8: its bytes as characters
             out.append((name, value))
+            typed = typed or name == "content-type"
         if listed:
             out = [h for h in out if h[0] not in listed]
+        if not typed:
+            # Else aiohttp labels the body application/octet-stream, which a FastAPI server
+            # refuses (422) where it would have read an unlabelled body as JSON. The gateway
+            # read it as a JSON object: so it says.
+            out.append(("content-type", "application/json"))
         # The node's own key, from the config it is on now: read off the balancer's config, a
         # request still on the old balancer during a reload reached a new node (or a rotated
         # key's) without it, and the client got the node's 401.

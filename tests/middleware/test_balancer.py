@@ -45,6 +45,10 @@ def test_the_filter_remembers_only_so_many_header_names_and_filters_alike_past_t
         assert sent["x-title"] == "café"
         dropped = {"cookie", "x-promptlb-priority-token", "connection", "x-hop", "expect"}
         assert not dropped & set(sent)
+    # Unlabelled, the body went as aiohttp's application/octet-stream (FastAPI answers 422).
+    assert dict(lb.forward_headers(node, [(b"x-a", b"1")]))["content-type"] == "application/json"
+    labelled = [(b"Content-Type", b"application/json; charset=utf-8")]
+    assert lb.forward_headers(node, labelled) == [("content-type", labelled[0][1].decode())]
 
 
 async def cancelled_while_waiting(lb: Balancer, request: Request) -> None:
