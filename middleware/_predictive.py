@@ -98,6 +98,10 @@ HOLDER_TIE = 0.1
 # serves a full batch as fast as one request, and piling there costs only KV space, where a
 # real engine slows down.
 HOT_SLACK = 8
+# A model that has learnt from this many answers takes a reading as at most `_MAX_JUMP` times
+# what it predicts (`ServiceModel.update`).
+_SETTLED = 8
+_MAX_JUMP = 8.0
 
 
 class ServiceModel:
@@ -175,6 +179,17 @@ class ServiceModel:
         """One observed try: ``service_s`` in all, of which ``decode_s`` (when the first token's
         time is known) after the first token. Decoding never waits in a queue, so split in two
         it is a clean reading of b, and only the head carries the error of the guessed wait."""
+        if self.count >= _SETTLED:
+            # One reading moves a settled model at most so far (both parts scaled alike): one
+            # streamed answer that stalled 300 s, after fifty of 2 s, priced its node at minutes
+            # for good, and a node no pick goes to sends no answer to correct it (1 pick in
+            # 20,000 after; a shared reading spread that to every replica). A node that really
+            # slowed down is learnt within some answers all the same.
+            bound = _MAX_JUMP * self.service(out_tokens, in_tokens)
+            if bound > 0.0 and service_s > bound:
+                if decode_s is not None:
+                    decode_s *= bound / service_s
+                service_s = bound
         if decode_s is not None and out_tokens > 0:
             self._fit(0.0, out_tokens / _OUT_SCALE, 0.0, decode_s)
             if head:

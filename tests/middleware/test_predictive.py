@@ -622,3 +622,30 @@ def test_a_hedged_request_is_learnt_with_the_prefix_its_answering_node_held(
     name_of = {id(strategy._model(n)): n for n in ("holder", "other")}
     strategy.observe(route, holder, 1.0, 0.2, 0)
     assert taught == [("holder", 0.0)]  # it held the whole prompt
+
+
+def test_one_stalled_answer_moves_a_settled_model_only_so_far() -> None:
+    """One streamed answer that stalled 300 s, after fifty of 2 s, priced its node at minutes
+    for good: no pick went to it (1 in 20,000), so no answer came to correct it. A node that
+    really slowed down is still learnt within some answers."""
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    views = [NodeView(name=n, url=f"http://{n}") for n in "ab"]
+    for view in views:
+        for i in range(50):
+            strategy._model(view.name).update(200, 1000 + 30 * i, 2.0, 1.5)
+    model = strategy._model("a")
+    before = model.service(200, 1500)
+    model.update(200, 1500, 300.0, 299.5)
+    assert model.service(200, 1500) < 2 * before and model.mean_service < 5.0
+    rng = random.Random(0)
+    picks: Counter[str] = Counter()
+    for _ in range(2_000):
+        request = RouteRequest(model="m", input_tokens=rng.randint(200, 4000), max_tokens=200)
+        view = strategy.pick(request, views, rng)
+        picks[view.name] += 1
+        strategy._model(view.name).update(200, request.input_tokens, 2.0, 1.5)
+    assert picks["a"] > 600
+    for _ in range(20):  # ten times slower now, every answer
+        model.update(200, 1500, 20.0, 15.0)
+    assert model.service(200, 1500) > 16.0
