@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from promptlb.shared import ConfigError
 from promptlb.shared._config import redact_url, url_detail
@@ -44,12 +44,31 @@ def check_url(key: str, value: str) -> str:
     return value.rstrip("/")
 
 
+# Query options of a Redis URL that promptlb sets itself, and the values that agree with it.
+_REDIS_OWN: dict[str, frozenset[str]] = {
+    "protocol": frozenset({"2"}),
+    "decode_responses": frozenset({"false", "0", "no", "n", "off", "f"}),
+    "socket_timeout": frozenset(),
+    "socket_connect_timeout": frozenset(),
+}
+
+
 def check_redis_url(key: str, value: str, expected: str) -> None:
     """A Redis URL that redis-py will take: checked now, or the gateway would fail on it as it
     starts, or halfway through applying a reloaded config."""
     shown = redact_url(value)  # the error is printed and logged: the password stays out
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(key, shown, expected)
+    try:
+        options = parse_qs(urlsplit(value).query, keep_blank_values=True)
+    except ValueError:  # an unclosed [ : refused with redis-py's reason below
+        options = {}
+    for option, allowed in _REDIS_OWN.items():
+        if option in options and any(v.lower() not in allowed for v in options[option]):
+            # The URL's options override the client's arguments: RESP3 or decoded replies
+            # broke every round of the index share (a traceback, then nothing learnt from the
+            # other replicas), and a socket timeout of its own replaced the configured one.
+            raise ConfigError(key, shown, f"{expected}, without {option} in its query")
     try:
         from redis.asyncio.connection import ConnectionPool  # what Redis.from_url builds
     except ImportError:

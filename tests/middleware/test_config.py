@@ -272,6 +272,12 @@ def test_caller_headers_are_header_names() -> None:
         # Parsed, but no connection takes the option: every cache call raised a TypeError.
         ("cache", "redis://r:6379/0?ssl_cert_reqs=none"),
         ("index_share", "redis://r:6379/0?foo=bar"),
+        # Options promptlb sets itself, which the URL's would override: RESP3 and decoded
+        # replies broke every round of the share, a socket timeout replaced the configured.
+        ("index_share", "redis://r:6379/0?protocol=3"),
+        ("index_share", "redis://r:6379/0?decode_responses=true"),
+        ("cache", "redis://r:6379/0?socket_timeout=3"),
+        ("cache", "redis://r:6379/0?db=1&socket_connect_timeout=3"),
     ],
 )
 def test_a_redis_url_redis_py_would_refuse_is_a_config_error(table: str, url: str) -> None:
@@ -281,6 +287,12 @@ def test_a_redis_url_redis_py_would_refuse_is_a_config_error(table: str, url: st
         load_config({"nodes": [{"name": "a", "url": "http://a:1"}], table: {key: url}})
     assert info.value.key == f"{table}.{key}"
     assert "redis://host:port/db URL" in info.value.expected
+
+
+def test_a_redis_url_may_name_what_promptlb_would_set_alike() -> None:
+    url = "redis://r:6379/0?protocol=2&decode_responses=false&health_check_interval=10"
+    config = load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "cache": {"backend": url}})
+    assert config.cache is not None
 
 
 def test_a_redis_url_error_keeps_the_password_out() -> None:
