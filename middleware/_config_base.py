@@ -31,6 +31,12 @@ def check_url(key: str, value: str) -> str:
     ):
         raise ConfigError(key, value, expected)
     try:
+        # As aiohttp will connect to it: an empty label (a..b) or one over 63 characters raised
+        # UnicodeError out of every poll, which stopped the gateway starting (or a reload).
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise ConfigError(key, value, f"{expected}, its host name's labels 1-63 long") from None
+    try:
         port = parts.port  # parsed on access: out of range or not a number raises
     except ValueError:
         port = 0

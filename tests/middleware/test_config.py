@@ -134,6 +134,9 @@ TWO = NODE + "[[nodes]]\nname = 'b'\n"
         ("url = 'http://h:1'\nsidecar = 'http://[::1:9500'", "nodes[1].sidecar", "http(s) URL"),
         ("url = 'http://h:1'\nsidecar = 'http://h:95000'", "nodes[1].sidecar", "1..65535"),
         ("url = 'http://h:1'\nsidecar = 'http://h:9500/snapshot'", "nodes[1].sidecar", "no path"),
+        # What aiohttp cannot connect to: a UnicodeError out of every poll stopped the start.
+        ("url = 'http://h:1'\nsidecar = 'http://sidecar..local:9500'", "nodes[1].sidecar", "1-63"),
+        (f"url = 'http://{'a' * 64}.local:8000'", "nodes[1].url", "labels 1-63 long"),
     ],
 )
 def test_a_url_that_is_not_a_base_url_is_a_config_error_naming_its_key(
