@@ -13,7 +13,8 @@ import random
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import aiohttp
 from promptlb.shared import (
@@ -85,6 +86,15 @@ class Evidence:
         # two probe timeouts (its sidecar's, then the server's), and in a partition of a
         # hundred nodes the snapshots of the healthy ones queued behind them and went stale.
         self._health_gate = asyncio.Semaphore(config.gossip_concurrency)
+        # A sidecar whose last poll failed is polled through a few slots of its own: hundreds
+        # unreachable at once (a partition) held every slot for a timeout each, and the healthy
+        # nodes' snapshots queued behind them and went stale.
+        self._failing_gate = asyncio.Semaphore(max(1, config.gossip_concurrency // 4))
+        self._failing: set[str] = set()
+        # Each node's poll and check under way: a round starts one only where none is, and
+        # waits for its own at most a timeout (`_round`).
+        self._polls: dict[str, asyncio.Task[None]] = {}
+        self._checks: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._problems: dict[tuple[str, str], str] = {}
 
@@ -122,12 +132,41 @@ class Evidence:
         """Node ``name`` left the table: under discovery, names come and go for good."""
         if self._freshness is not None:
             self._freshness.forget(name)
+        self._failing.discard(name)
+        for under_way in (self._polls, self._checks):
+            task = under_way.pop(name, None)
+            if task is not None:
+                task.cancel()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._polls.values(), *self._checks.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
+        self._polls.clear()
+        self._checks.clear()
+
+    async def _round(
+        self,
+        under_way: dict[str, asyncio.Task[None]],
+        nodes: list[Node],
+        step: Callable[[Node], Coroutine[Any, Any, None]],
+        wait: float,
+    ) -> None:
+        """``step`` for each of ``nodes`` with none under way, waited for at most ``wait``
+        seconds: one still going (a hung sidecar, a node behind a full gate) goes on past the
+        round and holds back only its own node, where a round that waited for every one ran
+        as long as its slowest wave (hundreds of unreachable sidecars: a few seconds a round,
+        and every node's snapshot went stale)."""
+        started = []
+        for node in nodes:
+            task = under_way.get(node.name)
+            if task is None or task.done():
+                under_way[node.name] = task = asyncio.create_task(step(node))
+                started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=wait)
 
     async def _every(
         self, name: str, pause: Callable[[], float], step: Callable[[], Awaitable[None]]
@@ -179,13 +218,14 @@ class Evidence:
     # -- gossip ----------------------------------------------------------------------------
     async def gossip_round(self) -> None:
         nodes = [n for n in self._table.nodes.values() if n.config.sidecar]
-        await asyncio.gather(*(self._gossip(n) for n in nodes))
+        await self._round(self._polls, nodes, self._gossip, self._config.gossip_timeout)
 
     async def _gossip(self, node: Node) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.gossip_timeout)
         # A newcomer is polled before it joins (`check`): only a listed node can be dropped.
         listed = not self._dropped(node)
-        async with self._gate:
+        failing = self._failing
+        async with self._failing_gate if node.name in failing else self._gate:
             try:
                 async with self._session.get(
                     f"{node.config.sidecar}/snapshot",
@@ -204,6 +244,7 @@ class Evidence:
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
                 if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
+                    failing.discard(node.name)
                     return  # the sidecar saw nothing new since the last poll: no news, no error
                 if snapshot.node != node.name and self._keys is not None:
                     raise SnapshotError(
@@ -213,6 +254,7 @@ class Evidence:
                 if self._freshness is not None:
                     self._freshness.check(snapshot)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
+                failing.add(node.name)
                 node.snapshot_errors += 1
                 if listed and self._dropped(node):
                     return  # gone during the round: its problems went with it
@@ -221,13 +263,16 @@ class Evidence:
                     self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return
+        failing.discard(node.name)
         self._problem(node, "snapshot", None)
         self._table.record_snapshot(node, snapshot, time.monotonic())
 
     # -- active health checks --------------------------------------------------------------
     async def health_round(self) -> None:
-        if self._config.health.enabled:
-            await asyncio.gather(*(self._check(n) for n in list(self._table.nodes.values())))
+        health = self._config.health
+        if health.enabled:
+            nodes = list(self._table.nodes.values())
+            await self._round(self._checks, nodes, self._check, 2 * health.timeout)
 
     async def _check(self, node: Node) -> None:
         health = self._config.health

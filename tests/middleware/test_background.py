@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -474,6 +475,55 @@ async def test_health_probes_that_hang_do_not_hold_back_the_snapshots(
             finally:
                 held.set()
                 await probing
+
+
+async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
+    serve: Serve, snap: MakeSnapshot
+) -> None:
+    """A round waited for every poll: 24 sidecars that never answer, 4 slots and a 0.3 s
+    timeout made each round 1.8 s long, and the healthy node's snapshot that old. Past the
+    first failures (the hung ones then have slots of their own), it is as fresh as the
+    interval makes it."""
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)  # accepted, never answered
+
+    samples = itertools.count(1)
+
+    async def snapshot(request: web.Request) -> web.Response:
+        fresh = dataclasses.replace(snap("good"), ts=time.time(), seq=next(samples))
+        return web.Response(body=encode(fresh))
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    stuck = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+    async with hung, serve(app) as url:
+        nodes = [NodeConfig(name=f"hung{i}", url=stuck, sidecar=stuck) for i in range(24)]
+        nodes.append(NodeConfig(name="good", url=url, sidecar=url))
+        config = Config(
+            nodes=tuple(nodes),
+            health=HealthConfig(enabled=False),
+            gossip_concurrency=4,
+            gossip_interval=0.2,
+            gossip_timeout=0.3,
+            stale_after=2.0,
+        )
+        lb = Balancer(config)
+        async with aiohttp.ClientSession() as session:
+            evidence = Evidence(config, lb.table, session, lb.metrics)
+            await evidence.start()
+            try:
+                good = lb.table.nodes["good"]
+                await asyncio.sleep(2.5)  # every hung sidecar has failed once
+                oldest = 0.0
+                for _ in range(20):
+                    await asyncio.sleep(0.1)
+                    oldest = max(oldest, time.monotonic() - good.snapshot_at)
+                assert oldest < 1.0
+            finally:
+                await evidence.stop()
+            hung.close()
 
 
 async def test_a_pod_discovery_drops_takes_its_logged_problems_with_it(
