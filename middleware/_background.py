@@ -252,7 +252,8 @@ class Evidence:
                         " (the sidecar's --node-name must be the node's name here)"
                     )
                 if self._freshness is not None:
-                    self._freshness.check(snapshot)
+                    # (One with a snapshot already returned above on the same boot and seq.)
+                    self._freshness.check(snapshot, again=held is None)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
                 failing.add(node.name)
                 node.snapshot_errors += 1

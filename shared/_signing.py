@@ -165,7 +165,10 @@ class FreshnessCheck:
     def __repr__(self) -> str:
         return f"FreshnessCheck(window_s={self.window_s!r})"
 
-    def check(self, snapshot: Snapshot, now: float | None = None) -> None:
+    def check(self, snapshot: Snapshot, now: float | None = None, *, again: bool = False) -> None:
+        """``again``: the very snapshot last accepted for its node may pass once more (a node
+        replaced at a reload, same sidecar, polls what its predecessor took: no replay, but it
+        was refused, logged as one, and the node joined with no snapshot)."""
         now = time.time() if now is None else now
         age = now - snapshot.ts
         if age > self.window_s:
@@ -176,6 +179,8 @@ class FreshnessCheck:
         if last is None:
             last = self._gone.pop(snapshot.node, None)
         if last is not None:
+            if again and last[:2] == (snapshot.boot, snapshot.seq):
+                return
             if last[0] == snapshot.boot and snapshot.seq <= last[1]:
                 raise SnapshotError(
                     f"snapshot from {snapshot.node!r} has seq {snapshot.seq}, "

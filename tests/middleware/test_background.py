@@ -353,6 +353,16 @@ async def test_a_replayed_snapshot_is_refused_across_a_reload_and_a_leaving_node
             node = lb.table.nodes["a"]
             assert node.snapshot is not None and node.snapshot.seq == 2
             assert node.snapshot_errors == 1
+            # A node replaced (its server moved, same sidecar) polls the snapshot its
+            # predecessor took: no replay, but it was refused as one, and joined without it.
+            served["seq"] = 2
+            moved = dataclasses.replace(a, url="http://127.0.0.1:10")
+            new = Balancer(Config(nodes=(moved, b), **settings), previous=lb)
+            await new.succeed(lb)
+            lb = new
+            node = lb.table.nodes["a"]
+            assert node.snapshot is not None and node.snapshot.seq == 2
+            assert node.snapshot_errors == 0
             new = Balancer(Config(nodes=(b,), **settings), previous=lb)
             await new.succeed(lb)
             lb = new

@@ -371,6 +371,18 @@ def test_seq_not_newer_in_the_same_boot_is_rejected(seq: int) -> None:
         check.check(snap(seq=seq), now=NOW)
 
 
+def test_the_snapshot_last_accepted_may_pass_again_when_asked_and_no_older_one() -> None:
+    # A node replaced at a reload (same sidecar) polls what its predecessor took: refused as a
+    # replay, and logged as one.
+    check = FreshnessCheck(5.0)
+    check.check(snap(seq=7), now=NOW)
+    check.check(snap(seq=7), now=NOW, again=True)
+    with pytest.raises(SnapshotError, match="seq 6, not newer"):
+        check.check(snap(seq=6), now=NOW, again=True)
+    with pytest.raises(SnapshotError, match="old"):
+        check.check(snap(seq=7, ts=NOW - 6.0), now=NOW, again=True)  # the window still holds
+
+
 def test_newer_seq_is_accepted_and_remembered() -> None:
     check = FreshnessCheck()
     for seq in (7, 8, 100):
