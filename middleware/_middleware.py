@@ -227,11 +227,14 @@ class PromptLBMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     async def _refuse(self, live: Live, send: Send) -> None:
+        token = live.admin_token is not None
         await json_error(
             send,
-            403 if live.admin_token is None else 401,
+            401 if token else 403,
             "admin endpoints need admin_token(_file) or admin_local_only",
             "permission_error",
+            # RFC 9110 15.5.2: a 401 says how to authenticate (the sidecar's does).
+            headers=[(b"www-authenticate", b"Bearer")] if token else None,
         )
 
     def _admin_allowed(self, live: Live, scope: Scope) -> bool:
@@ -250,7 +253,27 @@ class PromptLBMiddleware:
         if not live.config.admin_local_only:
             return False
         client = scope.get("client")
-        return client is not None and client[0] in _LOCAL
+        if client is None or client[0] not in _LOCAL:
+            return False
+        # And asked by a loopback name: a web page whose own host name resolves to 127.0.0.1
+        # (DNS rebinding) reached these routes from the local browser as same-origin, and
+        # read the status and metrics. A browser always sends Host.
+        for name, value in scope["headers"]:
+            if name == b"host":
+                return _loopback_host(value)
+        return True
+
+
+def _loopback_host(value: bytes) -> bool:
+    host = value.strip().lower()
+    if host.startswith(b"["):  # [::1]:8080
+        host = host[1 : host.find(b"]")] if b"]" in host else b""
+    else:
+        host = host.rpartition(b":")[0] if b":" in host else host
+    if host == b"localhost" or host.endswith(b".localhost") or host == b"::1":
+        return True  # (a browser resolves *.localhost to loopback itself: RFC 6761)
+    parts = host.split(b".")
+    return len(parts) == 4 and parts[0] == b"127" and all(p.isdigit() for p in parts)
 
 
 async def _not_allowed(send: Send, method: str, allow: bytes) -> None:

@@ -280,11 +280,13 @@ async def test_admin_endpoints_are_closed_unless_configured(
 ) -> None:
     app = PromptLBMiddleware(recorder_app, config=config(**extra))  # type: ignore[arg-type]
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost:8080"
     ) as http:
         for path in ("/_promptlb/status", "/_promptlb/metrics"):
             response = await http.get(path, headers=headers)
             assert response.status_code == status, path
+            if status == 401:  # RFC 9110 15.5.2: a 401 says how to authenticate
+                assert response.headers["www-authenticate"] == "Bearer"
         if status == 200:
             body = (await http.get("/_promptlb/status", headers=headers)).json()
             assert body["nodes"][0]["name"] == "a"
@@ -300,8 +302,35 @@ async def test_admin_local_only_takes_the_loopback_as_a_dual_stack_listener_repo
 ) -> None:
     app = PromptLBMiddleware(recorder_app, config=config(admin_local_only=True))  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app, client=(client, 50000))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8080") as http:
         assert (await http.get("/_promptlb/status")).status_code == status
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("localhost:8080", 200),
+        ("127.0.0.1", 200),
+        ("127.0.0.2:80", 200),
+        ("[::1]:8080", 200),
+        ("dash.localhost:8080", 200),
+        # DNS rebinding: a page whose own name resolves to 127.0.0.1, in the local browser.
+        ("attacker.example:8080", 403),
+        ("127.0.0.1.attacker.example", 403),
+        ("localhost.attacker.example", 403),
+    ],
+)
+async def test_admin_local_only_answers_only_a_loopback_host_name(host: str, status: int) -> None:
+    app = PromptLBMiddleware(recorder_app, config=config(admin_local_only=True))  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
+        for path in (
+            "/_promptlb/status",
+            "/_promptlb/metrics",
+            "/_promptlb/dashboard.js",
+        ):
+            response = await http.get(path, headers={"Host": host})
+            assert response.status_code == status, path
 
 
 async def test_the_admin_token_can_come_from_a_file(tmp_path: Path) -> None:

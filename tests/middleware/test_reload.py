@@ -54,7 +54,7 @@ async def drain(app: PromptLBMiddleware) -> None:
 def client(app: PromptLBMiddleware) -> httpx.AsyncClient:
     # The "client" address is loopback, so admin_local_only opens the status page.
     transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
+    return httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30)
 
 
 async def placed(http: httpx.AsyncClient, n: int, body: dict[str, Any] = ASK) -> Counter[str]:
