@@ -429,8 +429,15 @@ class Config:
             raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")
         if self.admin_token is not None and self.admin_token_file is not None:
             raise ConfigError("admin_token_file", self.admin_token_file, "no admin_token beside it")
-        if not self.admin_prefix.startswith("/") or self.admin_prefix.endswith("/"):
-            raise ConfigError("admin_prefix", self.admin_prefix, "a path like /_promptlb")
+        prefix = self.admin_prefix
+        # Visible ASCII: the dashboard's redirect writes it into a Location header (a CJK
+        # prefix raised UnicodeEncodeError there, a 500; an accented one sent a latin-1 byte).
+        if (
+            not prefix.startswith("/")
+            or prefix.endswith("/")
+            or not all(33 <= ord(c) < 127 and c not in "?#" for c in prefix)
+        ):
+            raise ConfigError("admin_prefix", prefix, "a path like /_promptlb, in ASCII")
         chained: set[str] = set()
         for i, chain in enumerate(self.fallback):
             if chain.model in chained:

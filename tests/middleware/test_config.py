@@ -506,3 +506,16 @@ def test_a_node_read_from_the_environment_can_be_copied(monkeypatch: pytest.Monk
     monkeypatch.setenv("NODE_KEY", "from-env")
     node = NodeConfig(name="a", url="http://a:1", api_key_env="NODE_KEY")
     assert dataclasses.replace(node, weight=2.0).api_key == "from-env"
+
+
+@pytest.mark.parametrize("prefix", ["ops", "/ops/", "/管理", "/ops-é", "/a b", "/a?b"])
+def test_an_admin_prefix_that_is_no_ascii_path_is_a_config_error(prefix: str) -> None:
+    # The dashboard's redirect writes it into a Location header: a CJK prefix was a 500 there.
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "admin_prefix": prefix})
+    assert info.value.key == "admin_prefix"
+
+
+def test_an_ascii_admin_prefix_loads() -> None:
+    config = load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "admin_prefix": "/ops/lb"})
+    assert config.admin_prefix == "/ops/lb"
