@@ -110,7 +110,7 @@ def test_the_simulated_strategy_routes_filler_on_the_gateways_reading(
 
     monkeypatch.setattr(Predictive, "pick", spy)
     arrivals = [Arrival(0.0, "long", 2_000, 5), Arrival(1.0, "long", 2_000, 5)]
-    nodes = [_node("a", kv_blocks=None), _node("b", kv_blocks=None)]
+    nodes = [_node("a"), _node("b")]
     simulate(nodes, arrivals, "predictive", duration=5.0, params=SimParams(replicas=1))
     assert seen == [r.route for r in read(arrivals, SimParams().model)]
     assert all(request.blocks for request in seen)
