@@ -366,6 +366,11 @@ class Balancer:
         node.view.in_flight -= 1
         if self.index is not None:
             self.index.finished(node.name)
+        admission = self.admission
+        if admission.waiting:
+            # Room, whether or not the try answered: a try that failed woke no waiter, and
+            # newcomers took the room while the queued ones slept to their next poll.
+            admission.wake()
 
     def _settle(self, upstream: Upstream, route: RouteRequest, aborted: bool, whole: float) -> None:
         """Record how the passed-on try ended, and teach the strategy from a real answer;
@@ -774,8 +779,6 @@ class Try:
             else:
                 upstream.response.release()
             lb._let_go(upstream.node)
-            if lb.admission.enabled:
-                lb.admission.wake()
             lb._settle(upstream, self._request.route, aborted, self._whole)
         finally:
             lb._budget.active -= 1

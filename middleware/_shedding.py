@@ -39,12 +39,12 @@ class Admission:
         self._networks = [ipaddress.ip_network(n, strict=False) for n in config.trusted_networks]
         token = config.priority_token
         self._token = token.encode() if token else None
-        # (model, future) in arrival order, over every model: a wake goes to the oldest whose
-        # model has room.
-        # (arrival, model, future), oldest first: the arrival keeps a woken waiter's place.
+        # (arrival, model, future), oldest first, over every model: a wake goes to the oldest
+        # whose model has room, and the arrival keeps a woken waiter's place.
         self._waiters: deque[tuple[int, str, asyncio.Future[None]]] = deque()
         self._arrivals = 0
         self.waiting = 0
+        self._waiting_for: dict[str, int] = {}  # the waiting, by model (woken ones until they run)
 
     def priority(self, header: bytes | None, token: bytes | None, client: Any) -> Priority:
         """The request's priority: as asked when it is a lowering (or the default); raised
@@ -104,9 +104,15 @@ class Admission:
     async def admit(self, model: str, priority: Priority) -> None:
         """Return when ``model`` may be tried; raise `Shed` (answer 429 now) or `QueueTimeout`
         (degrade, or answer 429)."""
-        if not self.enabled or priority == "critical" or not self._is_saturated(model):
+        if not self.enabled or priority == "critical":
             return
         cfg = self.config
+        if not self._is_saturated(model):
+            if priority == "sheddable" and self.waiting and self._waiting_for.get(model):
+                # The room is the queued ones' (a wake is on its way): a sheddable newcomer
+                # took it, and a standard request queued before it timed out into a 429.
+                raise Shed(model, cfg.retry_after)
+            return
         if priority == "sheddable":
             raise Shed(model, cfg.retry_after)
         if self.waiting >= cfg.queue_size:
@@ -116,6 +122,8 @@ class Admission:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.queue_timeout
         self.waiting += 1
+        waiting_for = self._waiting_for
+        waiting_for[model] = waiting_for.get(model, 0) + 1
         future: asyncio.Future[None] | None = None
         admitted = False
         self._arrivals += 1
@@ -141,6 +149,10 @@ class Admission:
             admitted = True
         finally:
             self.waiting -= 1
+            if waiting_for[model] > 1:
+                waiting_for[model] -= 1
+            else:
+                del waiting_for[model]
             if future is not None:
                 if not future.done():
                     future.cancel()

@@ -7,6 +7,8 @@ import contextlib
 import time
 
 import pytest
+from promptlb.middleware import Config, NodeConfig
+from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import load_config
 from promptlb.middleware._config_degrade import SheddingConfig
 from promptlb.middleware._nodes import NodeTable
@@ -187,3 +189,41 @@ async def test_a_wake_given_to_a_waiter_that_then_left_passes_to_the_next(
         await gone
     await asyncio.wait_for(next_one, 5)  # woken, not the 10 s poll
     assert adm.waiting == 0
+
+
+async def test_a_sheddable_newcomer_takes_no_room_a_queued_request_waits_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The room came back (a wake on its way, or given and not yet taken): a sheddable request
+    # arriving then went in, and the standard one queued before it timed out into a 429.
+    adm, node = full_node(monkeypatch)
+    waiter = asyncio.ensure_future(adm.admit("m", "standard"))
+    await asyncio.sleep(0.01)
+    node.in_flight = 0  # room, no wake yet
+    with pytest.raises(Shed):
+        await adm.admit("m", "sheddable")
+    adm.wake()  # given, not yet taken
+    with pytest.raises(Shed):
+        await adm.admit("m", "sheddable")
+    await adm.admit("other", "sheddable")  # no one waits for that model: in
+    await asyncio.wait_for(waiter, 5)
+    await adm.admit("m", "sheddable")  # nobody queued any more: in
+    assert adm.waiting == 0 and not adm._waiting_for
+
+
+async def test_a_try_that_fails_wakes_a_waiter() -> None:
+    # Only a passed-on answer woke one: a try that failed gave its place back silently, and
+    # the waiters slept to their next poll while newcomers took the room.
+    lb = Balancer(
+        Config(
+            nodes=(NodeConfig(name="a", url="http://127.0.0.1:9"),),
+            shedding=SheddingConfig(enabled=True, max_in_flight=1),
+        )
+    )
+    node = lb.table.nodes["a"]
+    node.view.in_flight = 1
+    woken: list[bool] = []
+    lb.admission.waiting = 1
+    lb.admission.wake = lambda: woken.append(True)  # type: ignore[method-assign]
+    lb._let_go(node)
+    assert woken == [True] and node.view.in_flight == 0
