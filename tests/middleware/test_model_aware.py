@@ -205,3 +205,10 @@ def test_the_narrowing_is_kept_per_class_while_the_candidate_list_stays_the_same
     assert [v.name for v in first] == [f"n{i}" for i in range(1, 10, 2)]
     assert strategy.narrow(code, views) is first  # the same list: the same narrowing
     assert strategy.narrow(code, list(views)) is not first  # another list: narrowed again
+    # Per model: another model's list (the table keeps one a model) evicted it at every pick
+    # while the two interleaved.
+    mine, theirs = list(views), list(views)
+    other = RouteRequest(model="embed", prompt_class="code")
+    kept = strategy.narrow(code, mine)
+    strategy.narrow(other, theirs)
+    assert strategy.narrow(code, mine) is kept
