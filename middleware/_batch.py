@@ -21,7 +21,8 @@ Headers = tuple[tuple[bytes, bytes], ...]
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """One answer: ``body`` when ``status`` is 200, else what `json_error` needs."""
+    """One answer: ``body`` when ``status`` is 200 (or a node's error, in OpenAI's shape),
+    else what `json_error` needs."""
 
     status: int
     body: dict[str, Any] | None = None

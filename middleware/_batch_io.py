@@ -11,8 +11,9 @@ from typing import Any
 
 import aiohttp
 
-from ._answer import Answer, answer_headers
+from ._answer import ANSWER_HEADERS, Answer, answer_headers
 from ._asgi import RequestWatch, Send, json_error, send_json
+from ._balancer import HOP_BY_HOP
 from ._batch import Fetch, Reply, fail
 from ._degrade import Dispatcher
 from ._refusals import Refusal
@@ -22,6 +23,12 @@ from ._request import Request
 __all__ = ["respond", "unless_gone", "upstream"]
 
 _log = logging.getLogger("promptlb.middleware")
+# The node's headers a caller's answer does not take: the hop's own, those of the body that is
+# written anew (its length, type, encoding), and those this gateway writes itself.
+_REWRITTEN = frozenset(
+    name.encode()
+    for name in HOP_BY_HOP | {"content-type", "content-encoding", "date", "server", "etag"}
+) | frozenset(ANSWER_HEADERS)
 
 
 def upstream(dispatch: Dispatcher, request: Request) -> Fetch:
@@ -40,7 +47,8 @@ def upstream(dispatch: Dispatcher, request: Request) -> Fetch:
 
 
 async def _read(answer: Answer) -> Reply:
-    """The whole answer, parsed; a node's error as the node worded it."""
+    """The whole answer, parsed; a node's error as the node worded it, its code too, and the
+    node's own headers (rate limits, request ids) with either, as the proxy passes them on."""
     up = answer.upstream
     headers = answer_headers(answer)
     status = 200
@@ -49,6 +57,9 @@ async def _read(answer: Answer) -> Reply:
         data = answer.entry.body
     else:
         status = up.response.status
+        headers += [
+            (n, v) for k, v in up.response.raw_headers if (n := k.lower()) not in _REWRITTEN
+        ]
         try:
             async with asyncio.timeout_at(up.deadline):
                 data = answer.first + await up.response.read()
@@ -61,21 +72,20 @@ async def _read(answer: Answer) -> Reply:
     except ValueError:
         parsed = None
     if status != 200 or carries_error(parsed):
-        if up is not None and (wait := up.response.headers.get("Retry-After")):
-            # The node's own: a 429's or 503's callers retried at once without it.
-            headers.append((b"retry-after", wait.encode("latin-1", "replace")))
-        message, kind, param = _node_error(parsed, status)
         # A 200 that carries an error is no answer: the node's words, as a bad gateway.
-        return fail(status if status != 200 else 502, message, kind, *headers, param=param)
+        shown = status if status != 200 else 502
+        return Reply(shown, {"error": _node_error(parsed, shown)}, headers=tuple(headers))
     if not isinstance(parsed, dict):
         return fail(502, "upstream answer is not a JSON object", "upstream_error", *headers)
     return Reply(200, parsed, headers=tuple(headers))
 
 
-def _node_error(parsed: object, status: int) -> tuple[str, str, str | None]:
-    """A node's error as it worded it: OpenAI's ``{"error": {...}}``, vLLM's older top-level
-    ``{"object": "error", "message": ...}`` or TEI's ``{"error": "...", "error_type": ...}``;
-    each but the first became "upstream answered 4xx"."""
+def _node_error(parsed: object, status: int) -> dict[str, Any]:
+    """A node's error as it worded it, in OpenAI's shape: OpenAI's ``{"error": {...}}`` (its
+    ``code`` kept: clients tell insufficient_quota from rate_limit_exceeded by it, where a
+    batched caller got the status), vLLM's older top-level ``{"object": "error", "message":
+    ...}`` or TEI's ``{"error": "...", "error_type": ...}``; each but the first became
+    "upstream answered 4xx"."""
     error: object = parsed.get("error") if isinstance(parsed, dict) else None
     if isinstance(error, str) and isinstance(parsed, dict):
         error = {"message": error, "type": parsed.get("error_type")}
@@ -83,13 +93,14 @@ def _node_error(parsed: object, status: int) -> tuple[str, str, str | None]:
         error = parsed
     if not isinstance(error, dict):
         error = {}
-    message = str(error.get("message") or f"upstream answered {status}")
     param = error.get("param")
-    return (
-        message,
-        str(error.get("type") or "upstream_error"),
-        param if isinstance(param, str) else None,
-    )
+    code = error.get("code")
+    return {
+        "message": str(error.get("message") or f"upstream answered {status}"),
+        "type": str(error.get("type") or "upstream_error"),
+        "param": param if isinstance(param, str) else None,
+        "code": code if isinstance(code, str | int) and not isinstance(code, bool) else status,
+    }
 
 
 async def unless_gone(watch: RequestWatch, work: Awaitable[Reply]) -> Reply | None:

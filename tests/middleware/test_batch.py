@@ -382,7 +382,10 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
         ]
         n = len(body["input"])
         usage = {"prompt_tokens": n, "total_tokens": n}
-        response = web.json_response({"object": "list", "data": data, "model": "m", "usage": usage})
+        response = web.json_response(
+            {"object": "list", "data": data, "model": "m", "usage": usage},
+            headers={"x-request-id": "merged-1"},
+        )
         response.enable_compression()  # gzip whenever the request accepts it
         return response
 
@@ -400,6 +403,8 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
         [{"object": "embedding", "index": 0, "embedding": [float(i)]}] for i in range(3)
     ]
     assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
+    assert all(r.headers["x-request-id"] == "merged-1" for r in replies)  # the node's headers
+    assert all("content-encoding" not in r.headers for r in replies)  # the body is written anew
     assert asked == [None]  # one merged request, asking for no encoding
 
 
@@ -427,6 +432,13 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
             "CUDA out of memory",
             "server_error",
         ),
+        # OpenAI's own, whose code (not its status) tells a quota from a rate limit.
+        (
+            429,
+            {"error": {"message": "quota", "type": "insufficient_quota", "code": "quota_x"}},
+            "quota",
+            "insufficient_quota",
+        ),
     ],
 )
 async def test_a_batched_callers_error_is_the_nodes_own(
@@ -437,7 +449,8 @@ async def test_a_batched_callers_error_is_the_nodes_own(
     from aiohttp import web
 
     async def embed(request: web.Request) -> web.Response:
-        return web.json_response(body, status=status, headers={"Retry-After": "7"})
+        headers = {"Retry-After": "7", "x-ratelimit-reset-requests": "20s"}
+        return web.json_response(body, status=status, headers=headers)
 
     batching = {"enabled": True, "batch_window": "50ms", "max_batch": 8}
     async with gateway_over(serve, {"/v1/embeddings": embed}, batching=batching) as (_, http):
@@ -452,6 +465,9 @@ async def test_a_batched_callers_error_is_the_nodes_own(
         assert reply.json()["error"]["message"] == message
         assert reply.json()["error"]["type"] == kind
         assert reply.headers["retry-after"] == "7"
+        assert reply.headers["x-ratelimit-reset-requests"] == "20s"  # the node's, as unbatched
+        code = reply.json()["error"]["code"]
+        assert code == ("quota_x" if kind == "insufficient_quota" else reply.status_code)
 
 
 async def test_callers_with_other_keys_are_never_merged(serve: Serve) -> None:
