@@ -54,6 +54,13 @@ async def _capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
     return bytes(data)
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A poll or check that raised what it does not handle (a bug): logged, as the round that
+    awaited it logged it, not left to asyncio's "exception was never retrieved"."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed", task.get_name(), exc_info=exc)
+
+
 class Evidence:
     """Keeps a `NodeTable` honest: snapshots, health, membership, and the passage of time."""
 
@@ -163,7 +170,9 @@ class Evidence:
         for node in nodes:
             task = under_way.get(node.name)
             if task is None or task.done():
-                under_way[node.name] = task = asyncio.create_task(step(node))
+                name = f"promptlb-{step.__name__.lstrip('_')}-{node.name}"
+                under_way[node.name] = task = asyncio.create_task(step(node), name=name)
+                task.add_done_callback(_log_failure)
                 started.append(task)
         if started:
             await asyncio.wait(started, timeout=wait)

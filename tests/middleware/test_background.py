@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -589,3 +590,28 @@ async def test_a_round_still_out_when_its_pod_is_dropped_leaves_nothing_of_it_be
         answered.set()
         await polling
     assert not [k for k in evidence._problems if k[0] == "127.0.0.1:8000"]
+
+
+async def test_a_poll_that_raises_what_it_does_not_handle_is_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Awaited by its round, a bug was logged by the loop; run past the round, it would be
+    # left to asyncio's "exception was never retrieved", if that ever came.
+    config = Config(
+        nodes=(NodeConfig(name="a", url="http://127.0.0.1:9", sidecar="http://127.0.0.1:9"),),
+        health=HealthConfig(enabled=False),
+    )
+    lb = Balancer(config)
+
+    async def _gossip(node: Any) -> None:  # (named as the poll it stands for)
+        raise RuntimeError("a bug")
+
+    async with aiohttp.ClientSession() as session:
+        evidence = Evidence(config, lb.table, session, lb.metrics)
+        monkeypatch.setattr(evidence, "_gossip", _gossip)
+        with caplog.at_level(logging.ERROR, "promptlb.middleware"):
+            await evidence.gossip_round()
+            await asyncio.sleep(0)  # the done callback
+        await evidence.stop()
+    (record,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert record.getMessage() == "promptlb-gossip-a failed" and record.exc_info is not None
