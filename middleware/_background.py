@@ -54,6 +54,9 @@ async def _capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
     return bytes(data)
 
 
+_MAX_SIT_OUT = 7  # rounds a failing sidecar sits out at most (`Evidence._due`)
+
+
 def _log_failure(task: asyncio.Task[None]) -> None:
     """A poll or check that raised what it does not handle (a bug): logged, as the round that
     awaited it logged it, not left to asyncio's "exception was never retrieved"."""
@@ -93,11 +96,12 @@ class Evidence:
         # two probe timeouts (its sidecar's, then the server's), and in a partition of a
         # hundred nodes the snapshots of the healthy ones queued behind them and went stale.
         self._health_gate = asyncio.Semaphore(config.gossip_concurrency)
-        # A sidecar whose last poll failed is polled through a few slots of its own: hundreds
-        # unreachable at once (a partition) held every slot for a timeout each, and the healthy
-        # nodes' snapshots queued behind them and went stale.
-        self._failing_gate = asyncio.Semaphore(max(1, config.gossip_concurrency // 4))
-        self._failing: set[str] = set()
+        # Sidecars whose polls failed, by failures in a row (carried over a reload), and the
+        # rounds each still sits out: a round asks the others first and a failing one less
+        # often (`_due`), since hundreds unreachable at once (a partition) held every slot for
+        # a timeout each and the healthy nodes' snapshots queued behind them and went stale.
+        self._failures: dict[str, int] = dict(previous._failures) if previous is not None else {}
+        self._sit_out: dict[str, int] = {}
         # Each node's poll and check under way: a round starts one only where none is, and
         # waits for its own at most a timeout (`_round`).
         self._polls: dict[str, asyncio.Task[None]] = {}
@@ -109,7 +113,7 @@ class Evidence:
         """One round of everything first, so that the first request finds a real view."""
         if self._config.discovery.mode == "dns":
             await self.discover()
-        await asyncio.gather(self.gossip_round(), self.health_round())
+        await asyncio.gather(self.gossip_round(whole=True), self.health_round(whole=True))
         self._table.settled = True
         self._table.tick(time.monotonic())
         cfg = self._config
@@ -139,7 +143,8 @@ class Evidence:
         """Node ``name`` left the table: under discovery, names come and go for good."""
         if self._freshness is not None:
             self._freshness.forget(name)
-        self._failing.discard(name)
+        self._failures.pop(name, None)
+        self._sit_out.pop(name, None)
         for under_way in (self._polls, self._checks):
             task = under_way.pop(name, None)
             if task is not None:
@@ -159,13 +164,13 @@ class Evidence:
         under_way: dict[str, asyncio.Task[None]],
         nodes: list[Node],
         step: Callable[[Node], Coroutine[Any, Any, None]],
-        wait: float,
+        wait: float | None,
     ) -> None:
-        """``step`` for each of ``nodes`` with none under way, waited for at most ``wait``
-        seconds: one still going (a hung sidecar, a node behind a full gate) goes on past the
-        round and holds back only its own node, where a round that waited for every one ran
-        as long as its slowest wave (hundreds of unreachable sidecars: a few seconds a round,
-        and every node's snapshot went stale)."""
+        """``step`` for each of ``nodes`` with none under way, in their order, waited for at
+        most ``wait`` seconds (None: all of them, as startup does): one still going (a hung
+        sidecar, a node behind a full gate) goes on past the round and holds back only its
+        own node, where a round that waited for every one ran as long as its slowest wave
+        (hundreds of unreachable sidecars: a few seconds a round, every snapshot stale)."""
         started = []
         for node in nodes:
             task = under_way.get(node.name)
@@ -225,16 +230,32 @@ class Evidence:
         return self._table.nodes.get(node.name) is not node
 
     # -- gossip ----------------------------------------------------------------------------
-    async def gossip_round(self) -> None:
-        nodes = [n for n in self._table.nodes.values() if n.config.sidecar]
-        await self._round(self._polls, nodes, self._gossip, self._config.gossip_timeout)
+    async def gossip_round(self, *, whole: bool = False) -> None:
+        nodes = [n for n in self._table.nodes.values() if n.config.sidecar and self._due(n)]
+        # The gate is first come, first served: those that answered last time go first, then
+        # by failures in a row (a blip ahead of the dead).
+        failures = self._failures
+        if failures:
+            nodes.sort(key=lambda n: failures.get(n.name, 0))
+        wait = None if whole else self._config.gossip_timeout
+        await self._round(self._polls, nodes, self._gossip, wait)
+
+    def _due(self, node: Node) -> bool:
+        """Whether a round asks ``node``'s sidecar: one failing sits out rounds, 1, 3, 7 after
+        its second, third, fourth failure in a row (at most 7): a blip costs no round, and a
+        dead sidecar takes a slot an eighth as often, while still found back within seconds."""
+        left = self._sit_out.get(node.name)
+        if not left:
+            return True
+        self._sit_out[node.name] = left - 1
+        return False
 
     async def _gossip(self, node: Node) -> None:
         timeout = aiohttp.ClientTimeout(total=self._config.gossip_timeout)
         # A newcomer is polled before it joins (`check`): only a listed node can be dropped.
         listed = not self._dropped(node)
-        failing = self._failing
-        async with self._failing_gate if node.name in failing else self._gate:
+        failures = self._failures
+        async with self._gate:
             try:
                 async with self._session.get(
                     f"{node.config.sidecar}/snapshot",
@@ -253,7 +274,7 @@ class Evidence:
                 snapshot = decode(body, self._keys)
                 held = node.snapshot
                 if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
-                    failing.discard(node.name)
+                    failures.pop(node.name, None)
                     return  # the sidecar saw nothing new since the last poll: no news, no error
                 if snapshot.node != node.name and self._keys is not None:
                     raise SnapshotError(
@@ -264,7 +285,9 @@ class Evidence:
                     # (One with a snapshot already returned above on the same boot and seq.)
                     self._freshness.check(snapshot, again=held is None)
             except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
-                failing.add(node.name)
+                failed = failures[node.name] = failures.get(node.name, 0) + 1
+                if failed > 1:
+                    self._sit_out[node.name] = min(2 ** (failed - 1) - 1, _MAX_SIT_OUT)
                 node.snapshot_errors += 1
                 if listed and self._dropped(node):
                     return  # gone during the round: its problems went with it
@@ -273,16 +296,17 @@ class Evidence:
                     self._metrics.snapshot_errors.labels(node.name, kind).inc()
                 self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
                 return
-        failing.discard(node.name)
+        failures.pop(node.name, None)
         self._problem(node, "snapshot", None)
         self._table.record_snapshot(node, snapshot, time.monotonic())
 
     # -- active health checks --------------------------------------------------------------
-    async def health_round(self) -> None:
+    async def health_round(self, *, whole: bool = False) -> None:
         health = self._config.health
         if health.enabled:
             nodes = list(self._table.nodes.values())
-            await self._round(self._checks, nodes, self._check, 2 * health.timeout)
+            wait = None if whole else 2 * health.timeout
+            await self._round(self._checks, nodes, self._check, wait)
 
     async def _check(self, node: Node) -> None:
         health = self._config.health

@@ -493,15 +493,19 @@ async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
 ) -> None:
     """A round waited for every poll: 24 sidecars that never answer, 4 slots and a 0.3 s
     timeout made each round 1.8 s long, and the healthy node's snapshot that old. Past the
-    first failures (the hung ones then have slots of their own), it is as fresh as the
-    interval makes it."""
+    first failures (the hung ones are then asked last, and less often), it is as fresh as the
+    interval makes it, a blip of its own included."""
 
     async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(30)  # accepted, never answered
 
     samples = itertools.count(1)
+    blips = {"left": 0}
 
     async def snapshot(request: web.Request) -> web.Response:
+        if blips["left"]:
+            blips["left"] -= 1
+            return web.Response(status=500)
         fresh = dataclasses.replace(snap("good"), ts=time.time(), seq=next(samples))
         return web.Response(body=encode(fresh))
 
@@ -526,12 +530,18 @@ async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
             await evidence.start()
             try:
                 good = lb.table.nodes["good"]
-                await asyncio.sleep(2.5)  # every hung sidecar has failed once
+                await asyncio.sleep(2.5)  # every hung sidecar has failed, some twice
                 oldest = 0.0
                 for _ in range(20):
                     await asyncio.sleep(0.1)
                     oldest = max(oldest, time.monotonic() - good.snapshot_at)
                 assert oldest < 1.0
+                # One failed poll of its own: asked again among the first, not behind the dead.
+                blips["left"] = 1
+                for _ in range(20):
+                    await asyncio.sleep(0.1)
+                    oldest = max(oldest, time.monotonic() - good.snapshot_at)
+                assert blips["left"] == 0 and oldest < 1.2
             finally:
                 await evidence.stop()
             hung.close()
