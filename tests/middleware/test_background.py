@@ -625,3 +625,33 @@ async def test_a_poll_that_raises_what_it_does_not_handle_is_logged(
         await evidence.stop()
     (record,) = [r for r in caplog.records if "failed" in r.getMessage()]
     assert record.getMessage() == "promptlb-gossip-a failed" and record.exc_info is not None
+
+
+async def test_startup_waits_for_every_first_check_behind_hung_ones(serve: Serve) -> None:
+    # A round now waits for its own at most a timeout: startup must not. A healthy node whose
+    # first check still queued behind hung ones started as no candidate (503s), then was
+    # slow-started as a newcomer when its check landed.
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    stuck = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+    async with hung, serve(app) as url:
+        nodes = [NodeConfig(name=f"hung{i}", url=stuck) for i in range(6)]
+        nodes.append(NodeConfig(name="good", url=url))
+        config = Config(nodes=tuple(nodes), health=HealthConfig(timeout=0.3), gossip_concurrency=2)
+        lb = Balancer(config)
+        await lb.start()
+        try:
+            good = lb.table.nodes["good"]
+            assert good.health_ok is True
+            assert [v.name for v in lb.table.candidates("any") or ()] == ["good"]
+            assert good.view.ramp == 1.0  # one of the starting cluster: no slow start
+        finally:
+            await lb.stop()
+        hung.close()
