@@ -53,7 +53,8 @@ def check_url(key: str, value: str) -> str:
 # Query options of a Redis URL that promptlb sets itself, and the values that agree with it.
 _REDIS_OWN: dict[str, frozenset[str]] = {
     "protocol": frozenset({"2"}),
-    "decode_responses": frozenset({"false", "0", "no", "n", "off", "f"}),
+    # redis-py passes its value on unparsed: "false" is a true string, and decodes.
+    "decode_responses": frozenset(),
     "socket_timeout": frozenset(),
     "socket_connect_timeout": frozenset(),
 }

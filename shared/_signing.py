@@ -180,6 +180,7 @@ class FreshnessCheck:
             last = self._gone.pop(snapshot.node, None)
         if last is not None:
             if again and last[:2] == (snapshot.boot, snapshot.seq):
+                self._last[snapshot.node] = last  # (back from `_gone`, where it came from)
                 return
             if last[0] == snapshot.boot and snapshot.seq <= last[1]:
                 raise SnapshotError(

@@ -279,6 +279,7 @@ def test_caller_headers_are_header_names() -> None:
         # replies broke every round of the share, a socket timeout replaced the configured.
         ("index_share", "redis://r:6379/0?protocol=3"),
         ("index_share", "redis://r:6379/0?decode_responses=true"),
+        ("index_share", "redis://r:6379/0?decode_responses=false"),  # unparsed: a true string
         ("cache", "redis://r:6379/0?socket_timeout=3"),
         ("cache", "redis://r:6379/0?db=1&socket_connect_timeout=3"),
     ],
@@ -293,7 +294,7 @@ def test_a_redis_url_redis_py_would_refuse_is_a_config_error(table: str, url: st
 
 
 def test_a_redis_url_may_name_what_promptlb_would_set_alike() -> None:
-    url = "redis://r:6379/0?protocol=2&decode_responses=false&health_check_interval=10"
+    url = "redis://r:6379/0?protocol=2&health_check_interval=10"
     config = load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "cache": {"backend": url}})
     assert config.cache is not None
 

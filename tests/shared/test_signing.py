@@ -381,6 +381,11 @@ def test_the_snapshot_last_accepted_may_pass_again_when_asked_and_no_older_one()
         check.check(snap(seq=6), now=NOW, again=True)
     with pytest.raises(SnapshotError, match="old"):
         check.check(snap(seq=7, ts=NOW - 6.0), now=NOW, again=True)  # the window still holds
+    # A node that left and came back keeps its record through such a pass.
+    check.forget("node-a", now=NOW)
+    check.check(snap(seq=7), now=NOW, again=True)
+    with pytest.raises(SnapshotError, match="seq 6, not newer"):
+        check.check(snap(seq=6), now=NOW)
 
 
 def test_newer_seq_is_accepted_and_remembered() -> None:
