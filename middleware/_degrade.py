@@ -460,6 +460,7 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
                 continue
             if _refused(task.result()):
                 refused.append(task)
+                tried += task.result().attempts  # its tries, whichever answer is passed on
                 continue
             if len(tasks) > 1:  # one answered before the hedge was due: no race to win
                 won = "won_first" if task is tasks[0] else "won_hedge"
@@ -469,7 +470,7 @@ async def _first_success(tasks: list[asyncio.Task[Answer]], lb: Balancer) -> asy
             return task
     if refused:
         task, *others = refused
-        task.result().attempts += tried
+        task.result().attempts = tried
         _charge(others)
         return task
     assert error is not None

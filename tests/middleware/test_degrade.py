@@ -871,18 +871,18 @@ async def test_a_nodes_own_refusal_wins_a_race_only_once_nothing_better_can_come
         await asyncio.sleep(0.05)
         if hedge == "fails":
             raise UpstreamError(502, "broke", 2)
-        return refusal(429) if hedge == "refuses too" else Answer("m")
+        return refusal(429) if hedge == "refuses too" else Answer("m", attempts=1)
 
     raced = [asyncio.ensure_future(first()), asyncio.ensure_future(second())]
     won = await _first_success(raced, lb)
     count = lb.metrics.registry.get_sample_value
     if hedge == "answers":
-        assert won is raced[1]
+        assert won is raced[1] and won.result().attempts == 2  # the 503's try counted too
         assert count("promptlb_hedges_total", {"event": "won_hedge"}) == 1
         (charged,) = settled
         assert isinstance(charged, UpstreamError) and charged.status == 503
     else:
-        assert won is raced[0] and won.result().attempts == (3 if hedge == "fails" else 1)
+        assert won is raced[0] and won.result().attempts == (3 if hedge == "fails" else 2)
         assert count("promptlb_hedges_total", {"event": "won_first"}) is None
         assert len(settled) == (1 if hedge == "refuses too" else 0)  # the 429 is charged
 
