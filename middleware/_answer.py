@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._balancer import Try, Upstream
+import aiohttp
+
+from ._balancer import HOP_BY_HOP, Try, Upstream
 from ._cache import CacheEntry
 
-__all__ = ["ANSWER_HEADERS", "Answer", "answer_headers"]
+__all__ = ["ANSWER_HEADERS", "NODE_DROPPED", "Answer", "answer_headers", "node_headers"]
 
 
 @dataclass(slots=True)
@@ -48,4 +50,31 @@ def answer_headers(answer: Answer) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-promptlb-degraded", answer.degraded.encode()))
     elif up is None:
         headers.append((b"x-promptlb-cache", b"hit"))
+    return headers
+
+
+# Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
+# node's Date and Server, which the server in front writes for the gateway (Date is a singleton
+# field: two of them are a malformed answer), and the headers this gateway writes itself (a
+# node that is another promptlb sends its own: each would come twice, with two values).
+NODE_DROPPED = frozenset(
+    name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
+) | frozenset(ANSWER_HEADERS)
+
+
+def node_headers(
+    response: aiohttp.ClientResponse, dropped: frozenset[bytes] = NODE_DROPPED
+) -> list[tuple[bytes, bytes]]:
+    """The node's headers a caller gets, lower case (ASGI's names: a middleware outside looks
+    for b"content-length"; the node may have sent any case), less ``dropped`` and those its
+    ``Connection`` header names (RFC 9110 7.6.1: this hop's alone too)."""
+    raw = response.raw_headers
+    headers = [(n, v) for k, v in raw if (n := k.lower()) not in dropped]
+    if "Connection" in response.headers:
+        # Read as bytes: the decoded value may hold what latin-1 cannot encode.
+        named = {
+            t.strip().lower() for k, v in raw if k.lower() == b"connection" for t in v.split(b",")
+        } - dropped
+        if named:
+            headers = [h for h in headers if h[0] not in named]
     return headers

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["Batcher", "Fetch", "Reply", "batch_key", "fail", "string_inputs"]
+__all__ = ["BATCH_HEADER", "Batcher", "Fetch", "Reply", "batch_key", "fail", "string_inputs"]
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -38,6 +38,7 @@ Fetch = Callable[[dict[str, Any]], Awaitable[Reply]]
 # limit in front of the node, which the merged body may pass where no caller's alone does).
 _ONE_BY_ONE = frozenset({400, 413, 422})
 
+BATCH_HEADER = b"x-promptlb-batch"  # the callers merged: the batcher's own
 _FAILED = Reply(502, None, "the batched upstream call failed", "upstream_error")
 
 
@@ -175,7 +176,7 @@ def _split(reply: Reply, members: list[_Member]) -> list[Reply]:
     """Each member's part of the upstream answer, re-indexed from 0; its ``usage`` is shared
     out in proportion to the characters each member sent (exact sums, largest remainder)."""
     n = len(members)
-    headers = (*reply.headers, (b"x-promptlb-batch", str(n).encode()))
+    headers = (*reply.headers, (BATCH_HEADER, str(n).encode()))
     if reply.status != 200 or reply.body is None:
         return [replace(reply, headers=headers)] * n
     body = reply.body

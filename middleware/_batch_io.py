@@ -11,10 +11,9 @@ from typing import Any
 
 import aiohttp
 
-from ._answer import ANSWER_HEADERS, Answer, answer_headers
+from ._answer import NODE_DROPPED, Answer, answer_headers, node_headers
 from ._asgi import RequestWatch, Send, json_error, send_json
-from ._balancer import HOP_BY_HOP
-from ._batch import Fetch, Reply, fail
+from ._batch import BATCH_HEADER, Fetch, Reply, fail
 from ._degrade import Dispatcher
 from ._refusals import Refusal
 from ._replies import carries_error
@@ -23,12 +22,15 @@ from ._request import Request
 __all__ = ["respond", "unless_gone", "upstream"]
 
 _log = logging.getLogger("promptlb.middleware")
-# The node's headers a caller's answer does not take: the hop's own, those of the body that is
-# written anew (its length, type, encoding), and those this gateway writes itself.
-_REWRITTEN = frozenset(
-    name.encode()
-    for name in HOP_BY_HOP | {"content-type", "content-encoding", "date", "server", "etag"}
-) | frozenset(ANSWER_HEADERS)
+# The node's headers a caller's answer does not take: as the proxy's, and those of the body
+# that is written anew (its length, type, encoding) or that the batcher writes itself.
+_REWRITTEN = NODE_DROPPED | {
+    b"content-length",
+    b"content-type",
+    b"content-encoding",
+    b"etag",
+    BATCH_HEADER,
+}
 
 
 def upstream(dispatch: Dispatcher, request: Request) -> Fetch:
@@ -57,9 +59,7 @@ async def _read(answer: Answer) -> Reply:
         data = answer.entry.body
     else:
         status = up.response.status
-        headers += [
-            (n, v) for k, v in up.response.raw_headers if (n := k.lower()) not in _REWRITTEN
-        ]
+        headers += node_headers(up.response, _REWRITTEN)
         try:
             async with asyncio.timeout_at(up.deadline):
                 data = answer.first + await up.response.read()

@@ -10,9 +10,9 @@ import time
 
 import aiohttp
 
-from ._answer import ANSWER_HEADERS, Answer, answer_headers
+from ._answer import Answer, answer_headers, node_headers
 from ._asgi import Receive, RequestWatch, Scope, Send, send_json, send_refusal
-from ._balancer import HOP_BY_HOP, Balancer
+from ._balancer import Balancer
 from ._batch import Batcher, batch_key, string_inputs
 from ._batch_io import respond, unless_gone, upstream
 from ._config import Config
@@ -26,13 +26,6 @@ __all__ = ["Proxy", "models_response"]
 
 _SSE_TEXT = SSE.decode()
 
-# Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
-# node's Date and Server, which the server in front writes for the gateway (Date is a singleton
-# field: two of them are a malformed answer), and the headers this gateway writes itself (a
-# node that is another promptlb sends its own: each would come twice, with two values).
-_DROPPED = frozenset(
-    name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
-) | frozenset(ANSWER_HEADERS)
 _log = logging.getLogger("promptlb.middleware")
 # A broken stream's closing error event waits this long for a client to take it: one that has
 # stopped reading would otherwise hold the request open for as long as it stays connected.
@@ -129,21 +122,7 @@ class Proxy:
         up = answer.upstream
         assert up is not None
         response = up.response
-        # ASGI names are lower case (a middleware outside looks for b"content-length"); the
-        # node may have sent any case.
-        raw = response.raw_headers
-        headers = [(n, v) for k, v in raw if (n := k.lower()) not in _DROPPED]
-        if "Connection" in response.headers:
-            # The headers it names are this hop's alone too (RFC 9110 7.6.1). Read as bytes:
-            # the decoded value may hold what latin-1 cannot encode.
-            named = {
-                t.strip().lower()
-                for k, v in raw
-                if k.lower() == b"connection"
-                for t in v.split(b",")
-            } - _DROPPED
-            if named:
-                headers = [h for h in headers if h[0] not in named]
+        headers = node_headers(response)
         headers += answer_headers(answer)
         try:
             await send(

@@ -384,7 +384,14 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
         usage = {"prompt_tokens": n, "total_tokens": n}
         response = web.json_response(
             {"object": "list", "data": data, "model": "m", "usage": usage},
-            headers={"x-request-id": "merged-1"},
+            # A node that is another batching promptlb says its own batch; and a header its
+            # Connection names is that hop's alone.
+            headers={
+                "x-request-id": "merged-1",
+                "x-promptlb-batch": "9",
+                "Connection": "keep-alive, x-hop",
+                "x-hop": "1",
+            },
         )
         response.enable_compression()  # gzip whenever the request accepts it
         return response
@@ -404,6 +411,8 @@ async def test_a_batch_asks_for_an_answer_it_can_split_from_a_node_that_compress
     ]
     assert all(r.headers["x-promptlb-batch"] == "3" for r in replies)
     assert all(r.headers["x-request-id"] == "merged-1" for r in replies)  # the node's headers
+    assert all(r.headers.get_list("x-promptlb-batch") == ["3"] for r in replies)  # ours, once
+    assert all("x-hop" not in r.headers for r in replies)
     assert all("content-encoding" not in r.headers for r in replies)  # the body is written anew
     assert asked == [None]  # one merged request, asking for no encoding
 
