@@ -33,7 +33,16 @@ from promptlb.shared import BLOCK_TOKENS
 from ._loadgen import chat_body
 from ._scenario import Arrival, NodeSpec
 
-__all__ = ["Prompted", "Read", "context_tokens", "kv_capacity", "prefix_load", "prepare", "read"]
+__all__ = [
+    "Prompted",
+    "Read",
+    "context_tokens",
+    "engine_tokens",
+    "kv_capacity",
+    "prefix_load",
+    "prepare",
+    "read",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,13 @@ def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:
         tokens, blocks = prompt_blocks(body["messages"], chat=True)
         out.append(Prompted(tokens, tuple(blocks)))
     return out
+
+
+def engine_tokens(arrival: Arrival, model: str) -> int:
+    """The prompt's tokens as the emulator counts the body the load generator sends (filler
+    included: its chat template's few tokens more than the arrival's own count)."""
+    body = json.loads(chat_body(model, arrival))
+    return prompt_blocks(body["messages"], chat=True)[0]
 
 
 def read(arrivals: Sequence[Arrival], model: str) -> list[Read]:

@@ -14,9 +14,14 @@ from ._simbase import CONNECT_FAIL, FINISH, HEADERS, TIMEOUT
 from ._simdetect import Detection
 from ._simnode import CONNECTING, CRASHED, HUNG, QUEUED, RUNNING, STUCK, Node, Req
 from ._simperfect import Perfect
+from ._simprompt import engine_tokens
 from ._simreplica import View
 
 __all__ = ["Tries"]
+
+# A filler prompt's chat template, in tokens, at most: past the context less this, its
+# engine's count is worked out (`engine_tokens`) before refusing it.
+_TEMPLATE_TOKENS = 16
 
 
 class Tries(Perfect, Detection):
@@ -154,10 +159,14 @@ class Tries(Perfect, Detection):
         if memory is not None and memory.request(now):
             node.cur = None
         arrival = req.arrival
-        prompt = arrival.prompt_tokens if req.prompted is None else req.prompted.tokens
-        if prompt + arrival.max_tokens > node.context:
-            self._refused(req, node, now)
-            return
+        prompted = req.prompted
+        prompt = arrival.prompt_tokens if prompted is None else prompted.tokens
+        if prompt + arrival.max_tokens + _TEMPLATE_TOKENS > node.context:
+            if prompted is None:  # filler: counted as the emulator counts it, when it matters
+                prompt = engine_tokens(arrival, self.params.model)
+            if prompt + arrival.max_tokens > node.context:
+                self._refused(req, node, now)
+                return
         if self.perfect:
             free = node.free
             t0 = heapq.heappop(free)

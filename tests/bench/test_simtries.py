@@ -81,3 +81,8 @@ def test_a_prompt_and_answer_past_the_nodes_context_is_a_400_at_once(strategy: s
     assert result.retries == 0 and sum(result.dispatched) == 8
     if strategy != "perfect":
         assert sim.replicas[0].consecutive == [0, 0] and result.ejections == 0
+    # At the edge, the prompt as the emulator counts the body (its chat template's tokens
+    # more): 50 + 13 fit by the arrival's count, and not by the engine's 52 + 13.
+    edge = [Arrival(0.0, "q", 50, 13), Arrival(0.1, "q", 50, 12)]
+    result = _Sim(small, edge, strategy, 10.0, SimParams(replicas=1), {}, None).run()
+    assert result.errors == {"bad_request": 1} and result.ok == 1
