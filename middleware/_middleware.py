@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -265,15 +266,24 @@ class PromptLBMiddleware:
 
 
 def _loopback_host(value: bytes) -> bool:
+    """Whether a Host names this machine by a name no other site's page can carry: a loopback
+    or unspecified address, or localhost (a browser resolves *.localhost itself: RFC 6761)."""
     host = value.strip().lower()
     if host.startswith(b"["):  # [::1]:8080
         host = host[1 : host.find(b"]")] if b"]" in host else b""
     else:
         host = host.rpartition(b":")[0] if b":" in host else host
-    if host == b"localhost" or host.endswith(b".localhost") or host == b"::1":
-        return True  # (a browser resolves *.localhost to loopback itself: RFC 6761)
-    parts = host.split(b".")
-    return len(parts) == 4 and parts[0] == b"127" and all(p.isdigit() for p in parts)
+    host = host.removesuffix(b".")  # localhost. is localhost
+    if host == b"localhost" or host.endswith(b".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    # 0.0.0.0 too: what a server bound to every interface prints as its address.
+    return address.is_loopback or address.is_unspecified
 
 
 async def _not_allowed(send: Send, method: str, allow: bytes) -> None:

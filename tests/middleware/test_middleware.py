@@ -314,6 +314,10 @@ async def test_admin_local_only_takes_the_loopback_as_a_dual_stack_listener_repo
         ("127.0.0.2:80", 200),
         ("[::1]:8080", 200),
         ("dash.localhost:8080", 200),
+        ("localhost.:8080", 200),
+        ("0.0.0.0:8000", 200),  # what a server bound to every interface prints
+        ("[::ffff:127.0.0.1]:8080", 200),
+        ("[::]:8080", 200),
         # DNS rebinding: a page whose own name resolves to 127.0.0.1, in the local browser.
         ("attacker.example:8080", 403),
         ("127.0.0.1.attacker.example", 403),
