@@ -177,10 +177,12 @@ class FreshnessCheck:
             raise SnapshotError(f"snapshot from {snapshot.node!r} is {-age:.1f}s in the future")
         last = self._last.get(snapshot.node)
         if last is None:
-            last = self._gone.pop(snapshot.node, None)
+            # (Taken out of `_gone` only once one passes: a refused one left no record.)
+            last = self._gone.get(snapshot.node)
         if last is not None:
             if again and last[:2] == (snapshot.boot, snapshot.seq):
-                self._last[snapshot.node] = last  # (back from `_gone`, where it came from)
+                self._gone.pop(snapshot.node, None)
+                self._last[snapshot.node] = last
                 return
             if last[0] == snapshot.boot and snapshot.seq <= last[1]:
                 raise SnapshotError(
@@ -192,6 +194,7 @@ class FreshnessCheck:
                     f"snapshot from {snapshot.node!r} of boot {snapshot.boot!r} is not newer "
                     f"than the last one accepted, of boot {last[0]!r}"
                 )
+        self._gone.pop(snapshot.node, None)
         self._last[snapshot.node] = (snapshot.boot, snapshot.seq, snapshot.ts)
 
     def forget(self, node: str, now: float | None = None) -> None:

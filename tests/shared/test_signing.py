@@ -386,6 +386,11 @@ def test_the_snapshot_last_accepted_may_pass_again_when_asked_and_no_older_one()
     check.check(snap(seq=7), now=NOW, again=True)
     with pytest.raises(SnapshotError, match="seq 6, not newer"):
         check.check(snap(seq=6), now=NOW)
+    # And through a refusal: the record stays for the next one too.
+    check.forget("node-a", now=NOW)
+    for _ in range(2):
+        with pytest.raises(SnapshotError, match="seq 6, not newer"):
+            check.check(snap(seq=6), now=NOW, again=True)
 
 
 def test_newer_seq_is_accepted_and_remembered() -> None:
