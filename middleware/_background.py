@@ -8,6 +8,8 @@ it goes stale; the event is counted, and nothing here ever raises into the reque
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import random
 import re
@@ -57,6 +59,53 @@ async def _capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
 _MAX_SIT_OUT = 7  # rounds a failing sidecar sits out at most (`Evidence._due`)
 
 
+class _Gate:
+    """The slots of sidecar polls: waiters are served by fewest failures in a row first (then
+    by arrival), and those that failed twice or more hold at most a quarter of the slots, so
+    that polls of dead sidecars, however many and whenever queued, never stand ahead of a
+    healthy one (nor of one that failed once: a blip)."""
+
+    __slots__ = ("_failing_free", "_free", "_order", "_waiters")
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._failing_free = max(1, slots // 4)
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._order = itertools.count()
+
+    async def acquire(self, failed: int) -> None:
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (failed, next(self._order), future))
+        self._serve()
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(failed)  # given a slot, and cancelled before it ran
+            raise
+
+    def release(self, failed: int) -> None:
+        self._free += 1
+        if failed > 1:
+            self._failing_free += 1
+        self._serve()
+
+    def _serve(self) -> None:
+        waiters = self._waiters
+        while waiters and self._free > 0:
+            failed, _, future = waiters[0]
+            if future.done():  # (cancelled while waiting)
+                heapq.heappop(waiters)
+                continue
+            if failed > 1 and self._failing_free <= 0:
+                return  # the rest fail too (fewest first): they wait for a failing slot
+            heapq.heappop(waiters)
+            self._free -= 1
+            if failed > 1:
+                self._failing_free -= 1
+            future.set_result(None)
+
+
 def _log_failure(task: asyncio.Task[None]) -> None:
     """A poll or check that raised what it does not handle (a bug): logged, as the round that
     awaited it logged it, not left to asyncio's "exception was never retrieved"."""
@@ -91,17 +140,20 @@ class Evidence:
             self._freshness.window_s = window
         token = config.sidecar_token()
         self._sidecar_headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._gate = asyncio.Semaphore(config.gossip_concurrency)
+        self._gate = _Gate(config.gossip_concurrency)
         # Health probes have a gate of their own: an unreachable node holds a slot for up to
         # two probe timeouts (its sidecar's, then the server's), and in a partition of a
         # hundred nodes the snapshots of the healthy ones queued behind them and went stale.
         self._health_gate = asyncio.Semaphore(config.gossip_concurrency)
-        # Sidecars whose polls failed, by failures in a row (carried over a reload), and the
-        # rounds each still sits out: a round asks the others first and a failing one less
-        # often (`_due`), since hundreds unreachable at once (a partition) held every slot for
-        # a timeout each and the healthy nodes' snapshots queued behind them and went stale.
-        self._failures: dict[str, int] = dict(previous._failures) if previous is not None else {}
-        self._sit_out: dict[str, int] = {}
+        # Sidecars whose polls failed, by failures in a row, and the rounds each still sits
+        # out (both carried over a reload): hundreds unreachable at once (a partition) held
+        # every slot for a timeout each, and the healthy nodes' snapshots queued behind them
+        # and went stale. The gate serves the fewest failures first, whenever they came (in
+        # arrival order, dead polls of earlier rounds stood ahead of every later healthy
+        # one), and lets those failing hold at most a quarter of the slots; one failing twice
+        # or more is also asked less often (`_due`). One failure (a blip) costs nothing.
+        self._failures: dict[str, int] = dict(previous._failures) if previous else {}
+        self._sit_out: dict[str, int] = dict(previous._sit_out) if previous else {}
         # Each node's poll and check under way: a round starts one only where none is, and
         # waits for its own at most a timeout (`_round`).
         self._polls: dict[str, asyncio.Task[None]] = {}
@@ -109,11 +161,16 @@ class Evidence:
         self._tasks: list[asyncio.Task[None]] = []
         self._problems: dict[tuple[str, str], str] = {}
 
-    async def start(self) -> None:
-        """One round of everything first, so that the first request finds a real view."""
-        if self._config.discovery.mode == "dns":
+    async def start(self, *, first: bool = True) -> None:
+        """One round of everything first, so that the first request finds a real view: the
+        whole of it for the gateway's ``first`` start (a reload's newcomers were checked
+        before they joined, and DNS discovery checks what it finds), at most a timeout's
+        worth otherwise, so that no gossip or health loop stands still behind hung nodes."""
+        dns = self._config.discovery.mode == "dns"
+        if dns:
             await self.discover()
-        await asyncio.gather(self.gossip_round(whole=True), self.health_round(whole=True))
+        whole = first and not dns
+        await asyncio.gather(self.gossip_round(whole=whole), self.health_round(whole=whole))
         self._table.settled = True
         self._table.tick(time.monotonic())
         cfg = self._config
@@ -255,47 +312,50 @@ class Evidence:
         # A newcomer is polled before it joins (`check`): only a listed node can be dropped.
         listed = not self._dropped(node)
         failures = self._failures
-        async with self._gate:
-            try:
-                async with self._session.get(
-                    f"{node.config.sidecar}/snapshot",
-                    timeout=timeout,
-                    headers=self._sidecar_headers,
-                ) as response:
-                    if response.status != 200:
-                        raise SnapshotError(f"sidecar /snapshot answered {response.status}")
-                    body = await _capped(response, MAX_SNAPSHOT_BYTES)
-                    if body is None:
-                        raise SnapshotError(
-                            f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
-                        )
-                if listed and self._dropped(node):
-                    return  # dropped during the round (a pod gone): nothing to keep of it
-                snapshot = decode(body, self._keys)
-                held = node.snapshot
-                if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
-                    failures.pop(node.name, None)
-                    return  # the sidecar saw nothing new since the last poll: no news, no error
-                if snapshot.node != node.name and self._keys is not None:
+        failed = failures.get(node.name, 0)
+        await self._gate.acquire(failed)
+        try:
+            async with self._session.get(
+                f"{node.config.sidecar}/snapshot",
+                timeout=timeout,
+                headers=self._sidecar_headers,
+            ) as response:
+                if response.status != 200:
+                    raise SnapshotError(f"sidecar /snapshot answered {response.status}")
+                body = await _capped(response, MAX_SNAPSHOT_BYTES)
+                if body is None:
                     raise SnapshotError(
-                        f"signed snapshot names node {snapshot.node!r}, not {node.name!r}"
-                        " (the sidecar's --node-name must be the node's name here)"
+                        f"sidecar /snapshot answered more than {MAX_SNAPSHOT_BYTES} bytes"
                     )
-                if self._freshness is not None:
-                    # (One with a snapshot already returned above on the same boot and seq.)
-                    self._freshness.check(snapshot, again=held is None)
-            except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
-                failed = failures[node.name] = failures.get(node.name, 0) + 1
-                if failed > 1:
-                    self._sit_out[node.name] = min(2 ** (failed - 1) - 1, _MAX_SIT_OUT)
-                node.snapshot_errors += 1
-                if listed and self._dropped(node):
-                    return  # gone during the round: its problems went with it
-                kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
-                if listed:  # a newcomer's series would be made for a node that may not join
-                    self._metrics.snapshot_errors.labels(node.name, kind).inc()
-                self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
-                return
+            if listed and self._dropped(node):
+                return  # dropped during the round (a pod gone): nothing to keep of it
+            snapshot = decode(body, self._keys)
+            held = node.snapshot
+            if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
+                failures.pop(node.name, None)
+                return  # the sidecar saw nothing new since the last poll: no news, no error
+            if snapshot.node != node.name and self._keys is not None:
+                raise SnapshotError(
+                    f"signed snapshot names node {snapshot.node!r}, not {node.name!r}"
+                    " (the sidecar's --node-name must be the node's name here)"
+                )
+            if self._freshness is not None:
+                # (One with a snapshot already returned above on the same boot and seq.)
+                self._freshness.check(snapshot, again=held is None)
+        except (aiohttp.ClientError, TimeoutError, SnapshotError) as exc:
+            in_a_row = failures[node.name] = failed + 1
+            if in_a_row > 1:
+                self._sit_out[node.name] = min(2 ** (in_a_row - 1) - 1, _MAX_SIT_OUT)
+            node.snapshot_errors += 1
+            if listed and self._dropped(node):
+                return  # gone during the round: its problems went with it
+            kind = "rejected" if isinstance(exc, SnapshotError) else "unreachable"
+            if listed:  # a newcomer's series would be made for a node that may not join
+                self._metrics.snapshot_errors.labels(node.name, kind).inc()
+            self._problem(node, "snapshot", f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            self._gate.release(failed)
         failures.pop(node.name, None)
         self._problem(node, "snapshot", None)
         self._table.record_snapshot(node, snapshot, time.monotonic())

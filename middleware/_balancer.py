@@ -205,7 +205,7 @@ class Balancer:
             if previous._evidence is not None:
                 await previous._evidence.stop()
                 previous._evidence = None
-            await evidence.start()
+            await evidence.start(first=False)
             if previous._share is not None:
                 await previous._share.stop()
                 previous._share = None

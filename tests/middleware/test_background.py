@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from promptlb.middleware import Config, DiscoveryConfig, HealthConfig, NodeConfig
-from promptlb.middleware._background import Evidence
+from promptlb.middleware._background import Evidence, _Gate
 from promptlb.middleware._balancer import Balancer
 from promptlb.shared import encode, load_key_file, load_keys
 
@@ -491,10 +491,10 @@ async def test_health_probes_that_hang_do_not_hold_back_the_snapshots(
 async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
     serve: Serve, snap: MakeSnapshot
 ) -> None:
-    """A round waited for every poll: 24 sidecars that never answer, 4 slots and a 0.3 s
-    timeout made each round 1.8 s long, and the healthy node's snapshot that old. Past the
-    first failures (the hung ones are then asked last, and less often), it is as fresh as the
-    interval makes it, a blip of its own included."""
+    """A round waited for every poll: 32 sidecars that never answer, 4 slots and a 0.3 s
+    timeout made each round 2.4 s long, and the healthy node's snapshot that old. Past the
+    first failures (the hung ones then wait in slots of their own, and are asked less often),
+    it is as fresh as the interval makes it, a blip of its own included."""
 
     async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(30)  # accepted, never answered
@@ -514,7 +514,7 @@ async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
     hung = await asyncio.start_server(hang, "127.0.0.1", 0)
     stuck = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}"
     async with hung, serve(app) as url:
-        nodes = [NodeConfig(name=f"hung{i}", url=stuck, sidecar=stuck) for i in range(24)]
+        nodes = [NodeConfig(name=f"hung{i}", url=stuck, sidecar=stuck) for i in range(32)]
         nodes.append(NodeConfig(name="good", url=url, sidecar=url))
         config = Config(
             nodes=tuple(nodes),
@@ -527,16 +527,17 @@ async def test_sidecars_that_hang_hold_back_no_other_nodes_snapshots(
         lb = Balancer(config)
         async with aiohttp.ClientSession() as session:
             evidence = Evidence(config, lb.table, session, lb.metrics)
-            await evidence.start()
+            await evidence.start()  # the whole first round: 2.4 s
             try:
                 good = lb.table.nodes["good"]
-                await asyncio.sleep(2.5)  # every hung sidecar has failed, some twice
+                await asyncio.sleep(1.5)  # the hung sidecars have failed twice
                 oldest = 0.0
                 for _ in range(20):
                     await asyncio.sleep(0.1)
                     oldest = max(oldest, time.monotonic() - good.snapshot_at)
                 assert oldest < 1.0
                 # One failed poll of its own: asked again among the first, not behind the dead.
+                await asyncio.sleep(1.0)  # (their second failures in: the steady state)
                 blips["left"] = 1
                 for _ in range(20):
                     await asyncio.sleep(0.1)
@@ -655,3 +656,58 @@ async def test_startup_waits_for_every_first_check_behind_hung_ones(serve: Serve
         finally:
             await lb.stop()
         hung.close()
+
+
+async def test_a_reload_waits_for_hung_sidecars_no_longer_than_a_timeout() -> None:
+    # Its rounds start with the reload: waiting for their whole first one, as the gateway's
+    # first start does, held the reload (and every gossip loop) for a timeout per hung
+    # sidecar over the slots: 8 x 0.3 s here.
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    stuck = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+    async with hung:
+        nodes = tuple(NodeConfig(name=f"hung{i}", url=stuck, sidecar=stuck) for i in range(8))
+        settings: dict[str, Any] = {
+            "health": HealthConfig(enabled=False),
+            "gossip_concurrency": 1,
+            "gossip_timeout": 0.3,
+            "stale_after": 2.0,
+        }
+        lb = Balancer(Config(nodes=nodes, **settings))
+        await lb.start()  # the first start waits for the whole round: 2.4 s
+        try:
+            new = Balancer(Config(nodes=nodes, gossip_interval=0.5, **settings), previous=lb)
+            started = time.monotonic()
+            await new.succeed(lb)
+            lb = new
+            assert time.monotonic() - started < 1.5
+        finally:
+            await lb.stop()
+        hung.close()
+
+
+async def test_the_gossip_gate_serves_the_fewest_failures_first_and_caps_the_failing() -> None:
+    gate = _Gate(4)  # a quarter: one slot for those that failed twice or more
+    for _ in range(4):
+        await gate.acquire(0)
+    order: list[str] = []
+
+    async def wait(failed: int, name: str) -> None:
+        await gate.acquire(failed)
+        order.append(name)
+
+    names = (("dead-a", 3), ("dead-b", 2), ("healthy", 0), ("blip", 1))
+    tasks = [asyncio.create_task(wait(failed, name)) for name, failed in names]
+    gone = asyncio.create_task(gate.acquire(0))  # leaves while it waits: no slot lost
+    await asyncio.sleep(0)
+    gone.cancel()
+    for _ in range(4):
+        gate.release(0)
+        await asyncio.sleep(0)
+    assert order == ["healthy", "blip", "dead-b"]  # dead-a: a free slot, not a failing one
+    gate.release(2)
+    await asyncio.sleep(0)
+    assert order[-1] == "dead-a"
+    await asyncio.gather(*tasks)
