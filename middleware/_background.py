@@ -15,7 +15,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import aiohttp
@@ -60,10 +60,10 @@ _MAX_SIT_OUT = 7  # rounds a failing sidecar sits out at most (`Evidence._due`)
 
 
 class _Gate:
-    """The slots of sidecar polls: waiters are served by fewest failures in a row first (then
-    by arrival), and those that failed twice or more hold at most a quarter of the slots, so
-    that polls of dead sidecars, however many and whenever queued, never stand ahead of a
-    healthy one (nor of one that failed once: a blip)."""
+    """The slots of sidecar polls: waiters that answered last time first, then those that
+    failed once (a blip), then those that failed twice or more, each in arrival order; the
+    last hold at most a quarter of the slots, so that polls of dead sidecars, however many
+    and whenever queued, never stand ahead of a healthy one."""
 
     __slots__ = ("_failing_free", "_free", "_order", "_waiters")
 
@@ -75,7 +75,9 @@ class _Gate:
 
     async def acquire(self, failed: int) -> None:
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (failed, next(self._order), future))
+        # Those that failed twice or more in arrival order among themselves: by their count,
+        # one long dead that came back waited behind every sidecar that began failing since.
+        heapq.heappush(self._waiters, (min(failed, 2), next(self._order), future))
         self._serve()
         try:
             await future
@@ -146,14 +148,14 @@ class Evidence:
         # hundred nodes the snapshots of the healthy ones queued behind them and went stale.
         self._health_gate = asyncio.Semaphore(config.gossip_concurrency)
         # Sidecars whose polls failed, by failures in a row, and the rounds each still sits
-        # out (both carried over a reload): hundreds unreachable at once (a partition) held
+        # out (both carried over a reload, `carry_counts`): hundreds unreachable at once held
         # every slot for a timeout each, and the healthy nodes' snapshots queued behind them
         # and went stale. The gate serves the fewest failures first, whenever they came (in
         # arrival order, dead polls of earlier rounds stood ahead of every later healthy
         # one), and lets those failing hold at most a quarter of the slots; one failing twice
         # or more is also asked less often (`_due`). One failure (a blip) costs nothing.
-        self._failures: dict[str, int] = dict(previous._failures) if previous else {}
-        self._sit_out: dict[str, int] = dict(previous._sit_out) if previous else {}
+        self._failures: dict[str, int] = {}
+        self._sit_out: dict[str, int] = {}
         # Each node's poll and check under way: a round starts one only where none is, and
         # waits for its own at most a timeout (`_round`).
         self._polls: dict[str, asyncio.Task[None]] = {}
@@ -195,6 +197,14 @@ class Evidence:
             *(self._check(n) for n in checks),
             *(self._gossip(n) for n in nodes if n.config.sidecar),
         )
+
+    def carry_counts(self, previous: Evidence, replaced: Iterable[str]) -> None:
+        """A reload: the failures in a row and sit-outs of ``previous`` (read once its loops
+        stopped: copied sooner, a node that answered meanwhile kept its old count), but those
+        of nodes that are now another server (``replaced``)."""
+        skip = set(replaced)
+        self._failures = {k: v for k, v in previous._failures.items() if k not in skip}
+        self._sit_out = {k: v for k, v in previous._sit_out.items() if k not in skip}
 
     def forget(self, name: str) -> None:
         """Node ``name`` left the table: under discovery, names come and go for good."""
@@ -289,8 +299,7 @@ class Evidence:
     # -- gossip ----------------------------------------------------------------------------
     async def gossip_round(self, *, whole: bool = False) -> None:
         nodes = [n for n in self._table.nodes.values() if n.config.sidecar and self._due(n)]
-        # The gate is first come, first served: those that answered last time go first, then
-        # by failures in a row (a blip ahead of the dead).
+        # Started so, they queue so at the gate, which orders them the same way by itself.
         failures = self._failures
         if failures:
             nodes.sort(key=lambda n: failures.get(n.name, 0))

@@ -706,8 +706,41 @@ async def test_the_gossip_gate_serves_the_fewest_failures_first_and_caps_the_fai
     for _ in range(4):
         gate.release(0)
         await asyncio.sleep(0)
-    assert order == ["healthy", "blip", "dead-b"]  # dead-a: a free slot, not a failing one
-    gate.release(2)
+    assert order == ["healthy", "blip", "dead-a"]  # dead-b: a free slot, not a failing one
+    gate.release(3)  # dead-a's
     await asyncio.sleep(0)
-    assert order[-1] == "dead-a"
+    assert order[-1] == "dead-b"
     await asyncio.gather(*tasks)
+    # Among those failing, first come first served (above too): by their counts, one long dead
+    # that came back waited behind every sidecar that began failing after it (26 s, a review's
+    # run).
+    gate = _Gate(4)
+    for _ in range(4):
+        await gate.acquire(0)
+    order.clear()
+    tasks = [asyncio.create_task(wait(failed, name)) for name, failed in (("back", 7), ("new", 2))]
+    await asyncio.sleep(0)
+    gate.release(0)
+    await asyncio.sleep(0)
+    assert order == ["back"]
+    gate.release(0)
+    gate.release(7)
+    await asyncio.gather(*tasks)
+
+
+async def test_a_reload_carries_the_failure_counts_but_those_of_replaced_nodes() -> None:
+    config = Config(
+        nodes=tuple(
+            NodeConfig(name=n, url="http://127.0.0.1:9", sidecar=f"http://{n}:1") for n in "ab"
+        ),
+        health=HealthConfig(enabled=False),
+    )
+    lb = Balancer(config)
+    async with aiohttp.ClientSession() as session:
+        old = Evidence(config, lb.table, session, lb.metrics)
+        old._failures.update(a=4, b=4)
+        old._sit_out.update(a=3, b=3)
+        new = Evidence(config, lb.table, session, lb.metrics, old)
+        assert not new._failures  # a newcomer's check counts from nothing
+        new.carry_counts(old, ["b"])  # b: another server now, under the same name
+        assert (new._failures, new._sit_out) == ({"a": 4}, {"a": 3})
