@@ -24,9 +24,7 @@ from typing import Any
 
 import aiohttp
 import psutil
-from promptlb.emulator import Service, start_redis, start_service
-
-from ._peers import free_port
+from promptlb.emulator import Service, free_port, start_redis, start_service
 
 __all__ = [
     "BODY",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from promptlb.emulator import start_command
+from promptlb.emulator import free_port, start_command
 
 from ._loadgen import UPSTREAM_HEADER
 
@@ -96,16 +96,6 @@ def litellm_missing() -> str | None:
     if importlib.util.find_spec("litellm") is None:
         return "litellm (not importable; pip install litellm)"
     return None
-
-
-def free_port() -> int:
-    """A free 127.0.0.1 port for a peer that cannot take port 0 and tell (nginx). Another
-    process could take it before nginx binds; on a benchmark machine that is rare, and the
-    start then fails loudly rather than measuring the wrong thing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def nginx_config(strategy: str, nodes: Mapping[str, str], port: int, workdir: Path) -> str:

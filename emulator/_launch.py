@@ -17,7 +17,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-__all__ = ["Service", "start_command", "start_redis", "start_service"]
+__all__ = ["Service", "free_port", "start_command", "start_redis", "start_service"]
 
 _LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
 
@@ -147,7 +147,7 @@ def start_redis(
         return _start_redis(binary, workdir, timeout, port)
     for attempt in range(3):
         try:
-            return _start_redis(binary, workdir, timeout, _free_port())
+            return _start_redis(binary, workdir, timeout, free_port())
         except _PortTaken:
             if attempt == 2:
                 raise
@@ -158,7 +158,9 @@ class _PortTaken(RuntimeError):
     """Redis could not bind the port: another process holds it."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free 127.0.0.1 port for a process that cannot take port 0 and tell (Redis, nginx,
+    Prometheus). Another process may take it before the bind: starts retry on that."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]

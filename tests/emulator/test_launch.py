@@ -68,8 +68,8 @@ def test_a_port_taken_before_redis_binds_it_is_given_up_for_another(
         holder.listen()
         taken = holder.getsockname()[1]
         ports = [taken]
-        real = _launch._free_port
-        monkeypatch.setattr(_launch, "_free_port", lambda: ports.pop() if ports else real())
+        real = _launch.free_port
+        monkeypatch.setattr(_launch, "free_port", lambda: ports.pop() if ports else real())
         service = start_redis(binary, str(tmp_path))
         try:
             assert service.port != taken and not ports

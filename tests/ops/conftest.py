@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from promptlb.emulator import free_port
 
 from tests.conftest import need_binary
 
@@ -35,13 +35,6 @@ def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
         return [doc for doc in yaml.safe_load_all(f) if doc]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class Prometheus:
     """Debian's ``prometheus`` on a random loopback port, with its data in ``workdir``."""
 
@@ -51,7 +44,7 @@ class Prometheus:
         config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "prometheus.log"
         for _ in range(3):  # a port taken between the probe and the bind: try another
-            self.port = _free_port()
+            self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             with self.log_path.open("wb") as log:
                 self.proc = subprocess.Popen(
