@@ -26,6 +26,8 @@ import aiohttp
 import psutil
 from promptlb.emulator import Service, free_port, start_redis, start_service
 
+from ._loadgen import UNREADABLE
+
 __all__ = [
     "BODY",
     "Cluster",
@@ -184,7 +186,7 @@ async def until(check: Callable[[], Awaitable[bool]], limit: float) -> float | N
     while time.monotonic() - started < limit:
         try:
             held = await check()
-        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError):
+        except UNREADABLE:
             held = False
         if held:
             return time.monotonic() - started

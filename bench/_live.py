@@ -34,7 +34,7 @@ from promptlb.shared import ConfigError, parse_duration
 
 from . import _livecache, _peers
 from ._livereport import Run, build_report, publish
-from ._loadgen import CLASS_HEADER, Progress, Result, replay
+from ._loadgen import CLASS_HEADER, UNREADABLE, Progress, Result, replay
 from ._peers import Target
 from ._report import CRASH_WINDOW_S, RESULTS
 from ._scenario import (
@@ -317,9 +317,7 @@ async def wait_ready(http: aiohttp.ClientSession, target: Target, count: int) ->
         while True:
             # (KeyError, TypeError: a 200 of another shape, a gateway still coming up behind
             # something else: asked again, not the run lost.)
-            with contextlib.suppress(
-                aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError, ValueError
-            ):
+            with contextlib.suppress(*UNREADABLE):
                 async with http.get(url + "/_promptlb/status") as response:
                     seen = await response.json()
                 nodes = seen["nodes"]

@@ -23,6 +23,7 @@ from ._scenario import Arrival
 __all__ = [
     "CLASS_HEADER",
     "NODE_HEADER",
+    "UNREADABLE",
     "UPSTREAM_HEADER",
     "Progress",
     "Result",
@@ -39,6 +40,9 @@ NODE_HEADER = "x-promptlb-node"
 CLASS_HEADER = "x-promptlb-class"
 # What the peers (nginx's $upstream_addr, our LiteLLM server) answer: the upstream's host:port.
 UPSTREAM_HEADER = "x-bench-upstream"
+# What asking a gateway or emulator for its state may raise while it is down, slow or answers
+# another shape: the question goes unanswered, never ends a run.
+UNREADABLE = (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError)
 
 _TEXT = (
     "route each prompt to the node that can answer it soonest while the others take the rest "

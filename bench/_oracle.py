@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 from promptlb.shared._serve import serve
 
-from ._loadgen import UPSTREAM_HEADER
+from ._loadgen import UNREADABLE, UPSTREAM_HEADER
 
 __all__ = ["create_app", "main"]
 
@@ -61,7 +61,7 @@ def create_app(nodes: Mapping[str, str], seed: int = 1) -> web.Application:
                     return None
                 answer = await response.json()
             return float(answer["wait_s"]) + float(answer["service_s"])
-        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError):
+        except UNREADABLE:
             return None  # down or hung: not a candidate
 
     async def route(request: web.Request) -> web.StreamResponse:
