@@ -10,7 +10,7 @@ from collections.abc import Callable
 from ._answer import Answer, answer_headers
 from ._asgi import Send
 from ._cache import CacheEntry
-from ._sse import StreamAssembler, replay_sse
+from ._sse import StreamAssembler, marks_error, replay_sse
 
 __all__ = ["SSE", "Body", "carries_error", "keep", "parsed_body", "recorder_for", "send_cached"]
 
@@ -59,8 +59,7 @@ def carries_error(parsed: object) -> bool:
     or ``data`` an answer has."""
     return (
         isinstance(parsed, dict)
-        # Not a null: the Responses API's objects always carry "error": null.
-        and (parsed.get("error") is not None or parsed.get("object") == "error")
+        and marks_error(parsed)
         and "choices" not in parsed
         and "data" not in parsed
     )

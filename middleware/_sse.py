@@ -10,7 +10,7 @@ from typing import Any
 
 from ._cache import CacheEntry
 
-__all__ = ["StreamAssembler", "replay_sse", "replayable", "wants_usage"]
+__all__ = ["StreamAssembler", "marks_error", "replay_sse", "replayable", "wants_usage"]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
 
@@ -73,6 +73,12 @@ class _Text:
             self._map.close()
             self._map = None
         self.size = 0
+
+
+def marks_error(obj: dict[str, Any]) -> bool:
+    """Whether a node's JSON object says it is an error: OpenAI's and TEI's ``"error"`` (not a
+    null one, which the Responses API's objects carry) or vLLM's older ``{"object": "error"}``."""
+    return obj.get("error") is not None or obj.get("object") == "error"
 
 
 class StreamAssembler:
@@ -151,11 +157,7 @@ class StreamAssembler:
         except ValueError:
             self._give_up()
             return
-        # An error as `_replies.carries_error` reads one: OpenAI's (not a null "error", which
-        # the Responses API's objects carry) or vLLM's older {"object": "error"}.
-        if not isinstance(event, dict) or (
-            event.get("error") is not None or event.get("object") == "error"
-        ):
+        if not isinstance(event, dict) or marks_error(event):
             self._give_up()
             return
         for key in ("id", "created", "model", "system_fingerprint"):
