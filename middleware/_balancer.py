@@ -440,9 +440,7 @@ class Balancer:
         if route.stream and headless:
             metrics.ttft.observe(latency)
 
-    def _needs_longer(
-        self, node: Node, route: RouteRequest, given: float, started: float | None = None
-    ) -> bool:
+    def _needs_longer(self, node: Node, route: RouteRequest, given: float, started: float) -> bool:
         """Whether generating the request's ``max_tokens`` at the node's decode rate takes
         longer than the ``given`` seconds: then running out of them is the request's doing.
         Without a ``max_tokens`` nothing says so, and the node answers for the time; nor does
@@ -452,7 +450,7 @@ class Balancer:
         asked = route.max_tokens
         if asked is None:
             return False
-        if started is not None and self._engine_idle(node, started):
+        if self._engine_idle(node, started):
             return False
         return asked / (node.decode_rate or self._assumed_rate) > given
 
@@ -494,16 +492,16 @@ class Balancer:
         latency = now - started
         metrics = self.metrics.of(node)
         metrics.outcome(outcome).inc()
+        # A first token is one however the try ended: a stream that broke after it, or one cut
+        # at a deadline its size explains, had it.
+        if ttft is not None:
+            metrics.ttft.observe(ttft)
         if ok is None:
             self.table.record_request_fault(node)
-            if ttft is not None:  # (a stream cut at a deadline its size explains)
-                metrics.ttft.observe(ttft)
             return latency
         self.table.record_result(node, ok, latency if ok else None, ttft, now)
         if ok:
             metrics.latency.observe(latency)
-        if ttft is not None:  # a stream that broke after its first token had that token
-            metrics.ttft.observe(ttft)
         return latency
 
 
@@ -728,16 +726,14 @@ class Try:
                         response.release()
                         lb._let_go(node)
                         last = f"a node answered {code}"
+                        if suspect is not None:
+                            # Another answer came between: the held 5xx was its node's (after a
+                            # 429, a third node's same 5xx booked both as the request's).
+                            lb._fault(suspect)
+                            suspect = None
                         if code == 429:
                             lb._finish(node, ok=False, started=started, ttft=None, outcome="429")
-                            if suspect is not None:
-                                # Another status came between: the held 5xx was its node's
-                                # (a third node's same 5xx booked both as the request's).
-                                lb._fault(suspect)
-                                suspect = None
                         else:
-                            if suspect is not None:
-                                lb._fault(suspect)
                             suspect = (node, started, code)
                         continue
                     upstream = Upstream(
