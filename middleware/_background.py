@@ -298,11 +298,8 @@ class Evidence:
 
     # -- gossip ----------------------------------------------------------------------------
     async def gossip_round(self, *, whole: bool = False) -> None:
+        # (In table order: the gate serves them by their failures in a row itself.)
         nodes = [n for n in self._table.nodes.values() if n.config.sidecar and self._due(n)]
-        # Started so, they queue so at the gate, which orders them the same way by itself.
-        failures = self._failures
-        if failures:
-            nodes.sort(key=lambda n: failures.get(n.name, 0))
         wait = None if whole else self._config.gossip_timeout
         await self._round(self._polls, nodes, self._gossip, wait)
 
