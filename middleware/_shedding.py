@@ -4,6 +4,7 @@ queue where standard requests wait for room."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import ipaddress
 from collections import deque
@@ -108,7 +109,7 @@ class Admission:
             return
         cfg = self.config
         if not self._is_saturated(model):
-            if priority == "sheddable" and self.waiting and self._waiting_for.get(model):
+            if priority == "sheddable" and self._waiting_for.get(model):
                 # The room is the queued ones' (a wake is on its way): a sheddable newcomer
                 # took it, and a standard request queued before it timed out into a 429.
                 raise Shed(model, cfg.retry_after)
@@ -140,7 +141,7 @@ class Admission:
                         # Woken, and the room taken before it ran: back in its place by its
                         # arrival, not at the back behind every later waiter (nor at the very
                         # front, ahead of an older one woken with it).
-                        self._requeue((arrival, model, future))
+                        bisect.insort(self._waiters, (arrival, model, future), key=_arrival)
                     else:
                         self._waiters.append((arrival, model, future))
                     if len(self._waiters) > 4 * cfg.queue_size + 16:
@@ -179,15 +180,10 @@ class Admission:
             future.set_result(None)
             return
 
-    def _requeue(self, waiter: tuple[int, str, asyncio.Future[None]]) -> None:
-        """Back in the line by arrival (a short scan: the line is bounded by the queue)."""
-        waiters = self._waiters
-        for i, other in enumerate(waiters):
-            if other[0] > waiter[0]:
-                waiters.insert(i, waiter)
-                return
-        waiters.append(waiter)
-
     def _is_saturated(self, model: str) -> bool:
         candidates: Sequence[NodeView] | None = self._table.candidates(model)
         return bool(candidates) and self.saturated(candidates or ())
+
+
+def _arrival(waiter: tuple[int, str, asyncio.Future[None]]) -> int:
+    return waiter[0]
