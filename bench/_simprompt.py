@@ -57,14 +57,19 @@ class Read:
     keyed: RouteRequest  # ... with [affinity]'s key at its defaults
 
 
+def _engine(spec: NodeSpec) -> EmulatorConfig:
+    """The emulator the node is, from the same flags."""
+    return EmulatorConfig(slots=spec.slots, kv_blocks=spec.kv_blocks)
+
+
 def kv_capacity(spec: NodeSpec) -> int:
-    """The node's KV blocks, as the emulator sizes its cache from the same flags."""
-    return EmulatorConfig(slots=spec.slots, kv_blocks=spec.kv_blocks).kv_capacity
+    """The node's KV blocks, as the emulator sizes its cache."""
+    return _engine(spec).kv_capacity
 
 
 def context_tokens(spec: NodeSpec) -> int:
-    """The node's context (prompt and answer), as the emulator bounds it from the same flags."""
-    return EmulatorConfig(slots=spec.slots, kv_blocks=spec.kv_blocks).context_tokens
+    """The node's context (prompt and answer), as the emulator bounds it."""
+    return _engine(spec).context_tokens
 
 
 def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:
@@ -75,8 +80,7 @@ def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:
         if not arrival.messages:
             out.append(None)
             continue
-        body = json.loads(chat_body(model, arrival))
-        tokens, blocks = prompt_blocks(body["messages"], chat=True)
+        tokens, blocks = _engine_reading(arrival, model)
         out.append(Prompted(tokens, tuple(blocks)))
     return out
 
@@ -84,8 +88,14 @@ def prepare(arrivals: Sequence[Arrival], model: str) -> list[Prompted | None]:
 def engine_tokens(arrival: Arrival, model: str) -> int:
     """The prompt's tokens as the emulator counts the body the load generator sends (filler
     included: its chat template's few tokens more than the arrival's own count)."""
+    return _engine_reading(arrival, model)[0]
+
+
+def _engine_reading(arrival: Arrival, model: str) -> tuple[int, list[int]]:
+    """The body the load generator sends, as the emulator reads its prompt: its tokens and
+    KV block hashes."""
     body = json.loads(chat_body(model, arrival))
-    return prompt_blocks(body["messages"], chat=True)[0]
+    return prompt_blocks(body["messages"], chat=True)
 
 
 def read(arrivals: Sequence[Arrival], model: str) -> list[Read]:
