@@ -345,28 +345,27 @@ async def test_a_replayed_snapshot_is_refused_across_a_reload_and_a_leaving_node
         }
         lb = Balancer(Config(nodes=(a, b), **settings))
         await lb.start()
+
+        async def reload(*nodes: NodeConfig) -> Balancer:
+            new = Balancer(Config(nodes=nodes, **settings), previous=lb)
+            await new.succeed(lb)
+            return new
+
         try:
             assert lb.table.nodes["a"].snapshot.seq == 2  # type: ignore[union-attr]
             served["seq"] = 1  # an old answer, replayed
-            new = Balancer(Config(nodes=(a, b), **settings), previous=lb)
-            await new.succeed(lb)
-            lb = new
+            lb = await reload(a, b)
             node = lb.table.nodes["a"]
             assert node.snapshot is not None and node.snapshot.seq == 2
             assert node.snapshot_errors == 1
             # A node replaced (its server moved, same sidecar) polls the snapshot its
             # predecessor took: no replay, but it was refused as one, and joined without it.
             served["seq"] = 2
-            moved = dataclasses.replace(a, url="http://127.0.0.1:10")
-            new = Balancer(Config(nodes=(moved, b), **settings), previous=lb)
-            await new.succeed(lb)
-            lb = new
+            lb = await reload(dataclasses.replace(a, url="http://127.0.0.1:10"), b)
             node = lb.table.nodes["a"]
             assert node.snapshot is not None and node.snapshot.seq == 2
             assert node.snapshot_errors == 0
-            new = Balancer(Config(nodes=(b,), **settings), previous=lb)
-            await new.succeed(lb)
-            lb = new
+            lb = await reload(b)
             assert lb._evidence is not None and lb._evidence._freshness is not None
             assert "a" not in lb._evidence._freshness._last
         finally:
