@@ -7,7 +7,6 @@ own modules."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -27,7 +26,7 @@ from ._faults import Faults, check_faults, holds
 from ._forecast import Forecast
 from ._kv import KVCache, prefilled
 from ._metrics import Stats, VllmMetrics
-from ._prompt import estimate_tokens, prompt_blocks
+from ._prompt import embedding_inputs, estimate_tokens, prompt_blocks
 from ._reply import Reply, vector, words
 
 __all__ = ["create_app"]
@@ -66,9 +65,11 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     """The request's JSON object, or the 400 that says why there is none."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, LookupError):
-        # (LookupError: a charset in the content type that Python does not know, which
-        # escaped as a plain-text 500.)
+    except (ValueError, RecursionError, LookupError):
+        # (LookupError: a charset in the content type that Python does not know; ValueError
+        # beyond JSONDecodeError: an integer past Python's 4,300 digits; RecursionError: a
+        # deeply nested body. Each escaped as a plain-text 500, which a gateway charges to
+        # the node.)
         return _error(400, "request body is not valid JSON", "invalid_request_error")
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object", "invalid_request_error")
@@ -337,14 +338,12 @@ class _Handlers:
         body = await self._admit(request)
         if isinstance(body, web.Response):
             return body
-        raw = body.get("input")
-        if isinstance(raw, str):
-            inputs: list[Any] = [raw]
-        elif isinstance(raw, list) and raw:
-            inputs = raw if not all(isinstance(v, int) for v in raw) else [raw]
-        else:
+        inputs = embedding_inputs(body.get("input"))
+        if inputs is None:
             return _error(
-                400, "`input` must be a string or a non-empty list", "invalid_request_error"
+                400,
+                "`input` must be a string, a token array, or a non-empty list of either",
+                "invalid_request_error",
             )
         cfg, state = self.cfg, self.state
         service = cfg.ttft_ms / 1000 * state.faults.slow_factor

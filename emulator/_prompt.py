@@ -10,20 +10,34 @@ import math
 
 from promptlb.shared import block_hashes, prompt_bytes, prompt_tokens
 
-__all__ = ["estimate_tokens", "prompt_blocks"]
+__all__ = ["embedding_inputs", "estimate_tokens", "prompt_blocks"]
 
 
-def estimate_tokens(value: object) -> int:
-    """About four characters a token, as tokenizers average on English text (embeddings)."""
+def estimate_tokens(value: str | list[int]) -> int:
+    """One embeddings input's tokens: a token array's length, or about four characters a
+    token for text, as tokenizers average on English."""
     if isinstance(value, str):
         return max(1, math.ceil(len(value) / 4))
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value):
-            return len(value)  # a pre-tokenised prompt
-        return sum(estimate_tokens(v) for v in value)
-    if isinstance(value, dict):
-        return estimate_tokens(value.get("content", "")) + 4
-    return 1
+    return len(value)
+
+
+def embedding_inputs(raw: object) -> list[str | list[int]] | None:
+    """An embeddings request's ``input`` as its inputs (a string, a token array, or a list of
+    either, as the OpenAI API takes it), or None for any other shape: a node refuses what it
+    cannot embed (a nested list's walk once overflowed the stack into a 500)."""
+    if isinstance(raw, str):
+        return [raw]
+    if not isinstance(raw, list) or not raw:
+        return None
+    if all(_token(v) for v in raw):
+        return [raw]
+    if all(isinstance(v, str) or (isinstance(v, list) and v and all(map(_token, v))) for v in raw):
+        return raw
+    return None
+
+
+def _token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def prompt_blocks(prompt: object, *, chat: bool) -> tuple[int, list[int]]:

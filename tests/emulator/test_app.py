@@ -435,6 +435,15 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/completions", b'{"prompt": "x", "max_completion_tokens": true}'),
         # Past the context (here the KV cache's tokens): 10^9 tokens emptied the cache.
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}'),
+        # Each of these was a plain-text 500, which a gateway charges to the node: an integer
+        # past Python's 4,300 digits, nesting past the parser's stack, an input no
+        # embeddings API takes (its walk overflowed the stack), the faults endpoint alike.
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"),
+        ("/v1/chat/completions", b"[" * 100_000),
+        ("/v1/embeddings", b'{"input": ' + b"[" * 900 + b'"x"' + b"]" * 900 + b"}"),
+        ("/v1/embeddings", b'{"input": [["a"]]}'),
+        ("/v1/embeddings", b'{"input": [true, 2]}'),
+        ("/_emulator/faults", b'{"slow_factor": 1' + b"0" * 5000 + b"}"),
     ],
 )
 async def test_bad_requests_are_openai_style_400(
