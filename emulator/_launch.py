@@ -14,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 __all__ = ["Service", "free_port", "start_command", "start_redis", "start_service"]
@@ -22,7 +21,7 @@ __all__ = ["Service", "free_port", "start_command", "start_redis", "start_servic
 _LISTENING = re.compile(r"listening on (http://[\w.\[\]:-]+:(\d+))")
 
 
-@dataclass(eq=False)  # by identity: kept in a weak set until stopped
+@dataclass(eq=False)  # by identity: kept in a set until stopped
 class Service:
     """A running promptlb executable: its process, its base URL and its port."""
 
@@ -64,8 +63,10 @@ class Service:
 
 
 # Every service started and not stopped yet, stopped at the interpreter's exit: a script that
-# ends on an exception before its own stop() left its emulators and gateways running.
-_LIVE: weakref.WeakSet[Service] = weakref.WeakSet()
+# ends on an exception before its own stop() left its emulators and gateways running. Held
+# strongly: in a weak set, a service whose caller kept only its URL was collected and its
+# process left running.
+_LIVE: set[Service] = set()
 
 
 @atexit.register

@@ -1,10 +1,14 @@
-"""The launcher's Redis: started on a free port (or the one asked for), answering, and gone
-once stopped or killed."""
+"""The launcher: its Redis started on a free port (or the one asked for), answering, and gone
+once stopped or killed; every service it started stopped when the script exits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +82,28 @@ def test_a_port_taken_before_redis_binds_it_is_given_up_for_another(
             client.close()
         finally:
             service.stop()
+
+
+def test_a_service_whose_caller_kept_only_its_url_is_stopped_at_exit() -> None:
+    # The script keeps the URL, not the Service: held weakly, it was collected and its
+    # emulator left running after the script had ended.
+    script = (
+        "import gc\n"
+        "from promptlb.emulator import start_service\n"
+        "service = start_service('emulator')\n"
+        "url, pid = service.url, service.pid\n"
+        "del service\n"
+        "gc.collect()\n"
+        "print(url, pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    url, pid = done.stdout.split()
+    try:
+        with socket.socket() as probe:
+            port = int(url.rsplit(":", 1)[1])
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, "the emulator outlived the script"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)  # this test's leftover, when it fails
