@@ -47,6 +47,10 @@ _REGISTRY = web.AppKey("promptlb_sidecar_registry", CollectorRegistry)
 _COUNTS = web.AppKey("promptlb_sidecar_counts", dict[str, Counter])
 _MiB = 1024 * 1024
 _WARMUP_LOCK = web.AppKey("promptlb_sidecar_warmup_lock", asyncio.Lock)
+_WARMUP_PROBLEM = web.AppKey("promptlb_sidecar_warmup_problem", Problem)
+# The wait between failed warmups grows to this. Unrequired, the node serves cold meanwhile:
+# its warmup is a courtesy that need not ask every 10 s, forever, of a server that refuses it.
+_WARMUP_BACKOFF_S = {True: 10.0, False: 300.0}  # by warmup_required
 
 
 class _LiveMetrics(Collector):
@@ -344,7 +348,8 @@ class _Collectors:
                     ok = False
                 if not ok:
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
+                    cap = _WARMUP_BACKOFF_S[self.config.warmup_required]
+                    backoff = min(backoff * 2, cap)
                     continue
                 backoff = 0.5
             await asyncio.sleep(self.config.sample_interval_s)
@@ -387,11 +392,13 @@ async def run_warmup(app: web.Application) -> WarmupReport:
         app[_COUNTS]["warmups"].labels("ok" if report.ok else "failed").inc()
         live.warmup = report
         if report.ok:
+            app[_WARMUP_PROBLEM].clear()
             if not live.warm:
                 log.info("warm: %s", report.as_json()["durations_ms"])
             live.warm = True
         else:
-            log.warning("warmup failed: %s", report.error)
+            # Once per change: retried with backoff, the same refusal was a warning each time.
+            app[_WARMUP_PROBLEM].report(f"failed: {report.error}")
         live.changed()
         return report
 
@@ -478,6 +485,7 @@ def create_app(config: SidecarConfig) -> web.Application:
     live = Live(config)
     app[LIVE] = live
     app[_WARMUP_LOCK] = asyncio.Lock()
+    app[_WARMUP_PROBLEM] = Problem(log, "warmup")
     app[_NAMES] = ModelNames(live)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_LiveMetrics(live))

@@ -222,6 +222,30 @@ async def test_a_warmup_that_raises_is_tried_again(
     assert [m for m in tracebacks(caplog) if "warmup failed" in m] == ["warmup failed"]
 
 
+async def test_a_warmup_refused_again_and_again_is_told_once(
+    caplog: pytest.LogCaptureFixture, sidecar_beside: SidecarBeside
+) -> None:
+    # Retried with backoff, each refusal was a warning of its own, forever.
+    tries: list[int] = []
+
+    def refuse(request: web.Request) -> web.StreamResponse:
+        tries.append(1)
+        return web.json_response({"error": "no such route"}, status=404)
+
+    routes: dict[str, Reply] = {
+        "/health": text("ok"),
+        "/v1/models": models_reply("m"),
+        "/v1/chat/completions": refuse,
+    }
+    settings = {"warmup_at_start": True, "warmup_required": False, "engine": "none"}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar"):
+        async with sidecar_beside(routes, **settings) as (_, live):
+            await until(lambda: len(tries) >= 3, limit=10)
+            assert live.ready and not live.warm  # unrequired: it serves cold meanwhile
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warmup")]
+    assert len(said) == 1 and "404" in said[0], said
+
+
 # --- learnt model names ---------------------------------------------------------------------------
 
 
