@@ -219,8 +219,14 @@ class SidecarConfig:
                 except UnicodeEncodeError:
                     raise ConfigError(key, ascii(value), "UTF-8 text") from None
         size = self._names_size(self.models)
-        if size + _SNAPSHOT_ROOM > MAX_SNAPSHOT_BYTES:
-            limit = MAX_SNAPSHOT_BYTES - _SNAPSHOT_ROOM
+        limit = MAX_SNAPSHOT_BYTES - _SNAPSHOT_ROOM
+        if size > limit:
+            # The key at fault: the tags when they fill it without any model (the name and
+            # the tier are too short to), else the models; it named the models either way.
+            if self._names_size(()) > limit:
+                raise ConfigError(
+                    "tags", f"{size} bytes of names", f"names within {limit} bytes in all"
+                )
             raise ConfigError(
                 "models", f"{size} bytes of names", f"names within {limit} bytes, with the tags"
             )

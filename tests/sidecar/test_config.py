@@ -62,8 +62,10 @@ def test_models_and_tags_at_the_limits_fit_in_a_snapshot() -> None:
             },
             "models",
         ),
+        # The tags alone: named the models, which were not given.
+        ({"tags": tuple(f"{i:02}" + "\U0001f600" * 254 for i in range(64))}, "tags"),
     ],
-    ids=["tag", "model", "node name", "tier", "64 KiB of names"],
+    ids=["tag", "model", "node name", "tier", "64 KiB of names", "64 KiB of tags"],
 )
 def test_names_no_snapshot_can_carry_are_config_errors(fields: dict[str, Any], key: str) -> None:
     # Each passed the checks and made every /snapshot a 500.
