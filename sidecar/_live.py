@@ -37,10 +37,14 @@ class Problem:
             self._log.info("%s: ok again", self._what)
 
 
+_AGE_STEP_S = 0.1
+
+
 @dataclass(slots=True)
 class Live:
     """What the collectors last saw. Each change drops the cached encoding; ``/snapshot`` then
-    encodes once, and serves those bytes until the next change."""
+    encodes once, and serves those bytes until the next change (with an engine reading, for
+    `_AGE_STEP_S` at most: its age grows)."""
 
     config: SidecarConfig
     boot: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
@@ -60,6 +64,7 @@ class Live:
     warmup: WarmupReport | None = None
     draining: bool = False
     _encoded: bytes | None = None
+    _encoded_at: float = 0.0  # time.monotonic() of `_encoded`
 
     def changed(self) -> None:
         self.sampled_at = time.time()
@@ -118,7 +123,15 @@ class Live:
         return dataclasses.replace(engine, age_ms=min(max(age, 0), MAX_AGE_MS))
 
     def encoded(self) -> bytes:
-        if self._encoded is None:
+        now = time.monotonic()
+        # An engine reading's age is true when encoded: bytes served a sample interval later
+        # told a gateway polling then that the reading was that much newer than it was (its
+        # idle-engine proof reads it). Such bytes are made again, as a new seq, once older
+        # than `_AGE_STEP_S`; polls in one burst still share one encoding.
+        if self._encoded is None or (
+            self.engine is not None and now - self._encoded_at > _AGE_STEP_S
+        ):
             self.seq += 1
             self._encoded = encode(self.snapshot(), self.config.sign_key)
+            self._encoded_at = now
         return self._encoded
