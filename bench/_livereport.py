@@ -117,14 +117,29 @@ def targets(
 ) -> dict[str, Any]:
     """The default strategy's p99 over round robin's and the best LiteLLM router's, each with
     the scenario's target for it when it sets one (``goals``, its ``[targets]``) and the run is
-    the scenario as written (``applies``: not squeezed into a shorter ``--duration``)."""
+    the scenario as written (``applies``: not squeezed into a shorter ``--duration``).
+
+    The p99s count failures (``latency_with_failures_ms``, a failed request as the generator's
+    timeout) where every run has them: over successes alone, a router that failed a third of
+    its requests, its slowest among them, was named the best LiteLLM and could flip a
+    verdict. Runs written before that field existed are compared over successes, as then."""
+    measure = (
+        "latency_with_failures_ms"
+        if runs and all("latency_with_failures_ms" in r for r in runs.values())
+        else "latency_ms"
+    )
 
     def p99(name: str) -> float | None:
-        value = runs.get(name, {}).get("latency_ms", {}).get("p99")
+        value = runs.get(name, {}).get(measure, {}).get("p99")
         return float(value) if value is not None else None
 
     ours = p99(f"promptlb {DEFAULT_STRATEGY}")
-    out: dict[str, Any] = {"strategy": DEFAULT_STRATEGY, "p99_ms": ours, "applies": applies}
+    out: dict[str, Any] = {
+        "strategy": DEFAULT_STRATEGY,
+        "p99_ms": ours,
+        "measure": measure,
+        "applies": applies,
+    }
     rr = p99("promptlb round_robin")
     litellm = {n: p99(n) for n, r in runs.items() if r.get("kind") == "litellm"}
     best = min(((v, n) for n, v in litellm.items() if v is not None), default=None)
@@ -161,7 +176,8 @@ def target_lines(t: dict[str, Any]) -> list[str]:
             verdict = "(no target on this scenario)"
         else:
             verdict = "(targets are set for the scenario's own duration, not this run)"
-        lines.append(f"{t['strategy']} p99 / {what}{who} = {v['ratio']:.2f}x {verdict}")
+        p99 = "p99 with failures" if t.get("measure") == "latency_with_failures_ms" else "p99"
+        lines.append(f"{t['strategy']} {p99} / {what}{who} = {v['ratio']:.2f}x {verdict}")
     return lines
 
 

@@ -42,6 +42,41 @@ def test_targets_compare_the_default_strategy() -> None:
     )
 
 
+def test_the_best_litellm_router_is_ranked_with_its_failures_counted() -> None:
+    # Over successes alone, the router failing a third of its requests (its slowest) read
+    # fastest, was named the best, and the default missed a target it meets against the one
+    # that answered them all.
+    def run(kind: str, p99: float, with_failures: float) -> dict[str, object]:
+        return {
+            "kind": kind,
+            "latency_ms": {"p99": p99},
+            "latency_with_failures_ms": {"p99": with_failures},
+        }
+
+    runs = {
+        "promptlb round_robin": run("promptlb", 20_000.0, 20_000.0),
+        f"promptlb {DEFAULT_STRATEGY}": run("promptlb", 9_000.0, 9_000.0),
+        "litellm failing": run("litellm", 10_000.0, 60_000.0),
+        "litellm steady": run("litellm", 20_000.0, 20_000.0),
+    }
+    out = targets(runs, {"p99_vs_best_litellm": 0.8})
+    assert out["measure"] == "latency_with_failures_ms"
+    assert out["vs_best_litellm"] == {
+        "ratio": 0.45,
+        "best": "litellm steady",
+        "target": 0.8,
+        "met": True,
+    }
+    assert target_lines(out)[1] == (
+        f"{DEFAULT_STRATEGY} p99 with failures / best LiteLLM (litellm steady) = 0.45x"
+        " (<= 0.8x): met"
+    )
+    # A run written before the field: compared over successes, as then.
+    for r in runs.values():
+        del r["latency_with_failures_ms"]
+    assert targets(runs, {})["vs_best_litellm"]["best"] == "litellm failing"
+
+
 def test_live_cache_ratios_and_hit_rate() -> None:
     assert hit_rate({"query": 100, "hit": 10}, {"query": 300, "hit": 160}) == 0.75
     assert hit_rate({"query": 5, "hit": 0}, {"query": 5, "hit": 0}) is None
