@@ -599,12 +599,18 @@ async def run_all(
     settings = {
         "request_timeout_s": REQUEST_TIMEOUT_S,
         "drain_s": DRAIN_S,
-        "gateway": f"health interval {HEALTH_INTERVAL}, every other key at its default",
+        "gateway": (
+            "the run's strategy with the scenario's strategy_options for it, [affinity] on"
+            " +affinity runs and [index_share] on +shared ones, admin_local_only, class_header"
+            f" {CLASS_HEADER!r} (the load generator names each request's class), [health]"
+            f" interval {HEALTH_INTERVAL}; every other key at its default (`gateway_config`)"
+        ),
         "sidecar_sample_interval": SAMPLE_INTERVAL,
         "sidecar_rss_window": RSS_WINDOW,
         "lost_at_crash": (
             "failed requests answered by the crashed node or by none, ending within "
-            f"{CRASH_WINDOW_S:g}s after the crash, timeouts and 504s left out"
+            f"{CRASH_WINDOW_S:g}s after the crash; failures by waiting (timeouts, requests"
+            " unfinished at the end, 504s and 408s) left out"
         ),
         "node_states": f"the gateway's /_promptlb/status, read every {STATE_POLL_S:g}s",
         "nginx": "worker_processes 1, max_fails=3 fail_timeout=10s, keepalive 128",
