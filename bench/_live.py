@@ -379,7 +379,7 @@ async def watch_states(
     (``leaking``: drained for a projected OOM), to within ``STATE_POLL_S``."""
     last: dict[str, str] = {}
     while True:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+        with contextlib.suppress(*UNREADABLE):  # another shape this once: asked again
             async with http.get(url + "/_promptlb/status") as response:
                 doc = await response.json()
             t = round(clock(), 2)
@@ -434,12 +434,13 @@ async def measure(
         return loop.time() - progress.started_at
 
     def on_start() -> None:
-        tasks.append(asyncio.create_task(play()))
+        tasks.append(asyncio.create_task(play(), name="the faults"))
         if states is not None:
-            tasks.append(asyncio.create_task(watch_states(http, target.url, clock, states)))
+            watch = watch_states(http, target.url, clock, states)
+            tasks.append(asyncio.create_task(watch, name="the node-state watch"))
         if kv_use is not None:
             watch = _livecache.watch_kv(http, cluster.urls, clock, kv_use)
-            tasks.append(asyncio.create_task(watch))
+            tasks.append(asyncio.create_task(watch, name="the KV-use watch"))
 
     bar = ProgressBar(target.name, scenario.duration, progress)
     drawing = asyncio.create_task(bar.run())
@@ -457,8 +458,12 @@ async def measure(
     finally:
         for task in [drawing, *tasks]:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # a watcher's end: the replay's results still stand
+                print(f"\n{target.name}: {task.get_name()} ended: {exc!r}", file=sys.stderr)
         bar.close()
     return Run(target.name, target.kind, target.strategy, results, applied, states, kv_use)
 

@@ -26,6 +26,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from promptlb.middleware._strategies import DEFAULT_STRATEGY, STRATEGIES
 
+from ._loadgen import UNREADABLE
 from ._simparams import SHARED
 
 __all__ = [
@@ -90,7 +91,6 @@ def cache_strategies(ours: Iterable[str]) -> list[str]:
 
 KV_POLL_S = 1.0
 # A node that does not answer, or answers something else, is left out of that reading.
-_UNREAD = (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError)
 _SHARE_LAG = "promptlb_index_share_lag_seconds"
 
 
@@ -106,7 +106,7 @@ async def watch_kv(
     while True:
         t = round(clock(), 2)
         for name, url in urls.items():
-            with contextlib.suppress(*_UNREAD):
+            with contextlib.suppress(*UNREADABLE):
                 async with http.get(url + "/_emulator/stats") as response:
                     stats: dict[str, Any] = await response.json()
                 into.setdefault(name, []).append([t, round(float(stats["kv_filled"]), 3)])
@@ -117,7 +117,7 @@ async def kv_counts(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> dic
     """Prompt tokens looked up and found cached, summed over the emulators that answer."""
     total = {"query": 0, "hit": 0}
     for url in urls.values():
-        with contextlib.suppress(*_UNREAD):
+        with contextlib.suppress(*UNREADABLE):
             async with http.get(url + "/_emulator/stats") as response:
                 stats: dict[str, Any] = await response.json()
             total["query"] += int(stats["prefix_cache_query_tokens"])
@@ -148,7 +148,7 @@ async def share_lag(http: aiohttp.ClientSession, bases: Iterable[str]) -> dict[s
     (summed over the replicas that answer); None when none does."""
     cumulative: dict[float, float] = {}
     for base in bases:
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        with contextlib.suppress(*UNREADABLE):
             async with http.get(base + "/_promptlb/metrics") as response:
                 text = await response.text()
             for family in text_string_to_metric_families(text):

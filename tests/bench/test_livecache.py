@@ -6,15 +6,18 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
+from aiohttp import web
+from promptlb.bench import _livecache
 from promptlb.bench._live import start_gateway, wait_ready
 from promptlb.bench._livecache import share_lag, watch_kv
 from promptlb.bench._loadgen import replay
 from promptlb.bench._scenario import Arrival
 
 from tests.bench.conftest import running_cluster
-from tests.conftest import Launcher, need_binary
+from tests.conftest import Launcher, Serve, need_binary
 
 
 async def test_how_full_each_nodes_kv_cache_is_is_read_over_the_run(launch: Launcher) -> None:
@@ -36,6 +39,29 @@ async def test_how_full_each_nodes_kv_cache_is_is_read_over_the_run(launch: Laun
     assert len(points) >= 2 and points[0] == [0.0, 0.0]
     assert 0.1 < points[-1][1] <= 1.0  # ~800 tokens of 1,600 held, cached after the answer
     assert all(b[0] > a[0] for a, b in itertools.pairwise(points))
+
+
+async def test_a_reading_of_another_shape_is_left_out_and_the_watch_goes_on(
+    serve: Serve,
+) -> None:
+    # A 200 of another shape raised TypeError, which ended the watch and, re-raised where the
+    # run's end awaits it, threw the finished replay away.
+    answers = iter([[], {"kv_filled": None}])
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(next(answers, {"kv_filled": 0.5}))
+
+    app = web.Application()
+    app.router.add_get("/_emulator/stats", stats)
+    readings: dict[str, list[list[float]]] = {}
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        with mock.patch.object(_livecache, "KV_POLL_S", 0.05):
+            watching = asyncio.create_task(watch_kv(http, {"a": url}, lambda: 0.0, readings))
+            await asyncio.sleep(0.5)
+        assert not watching.done()
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert readings["a"] and all(point == [0.0, 0.5] for point in readings["a"])
 
 
 def _left(folder: Path) -> list[Path]:
