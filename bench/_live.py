@@ -479,12 +479,14 @@ class Plan:
 
 
 def plan(strategies: str, peers: str) -> Plan:
-    ours = [s.strip() for s in strategies.split(",") if s.strip()]
+    # Named twice, a run ran twice and the second's results replaced the first's unsaid.
+    ours = list(dict.fromkeys(s.strip() for s in strategies.split(",") if s.strip()))
     known = tuple(STRATEGIES)
     for s in ours:
         if not _livecache.known(s):
             raise ConfigError("strategies", s, "one of " + ", ".join(known) + " (or X+affinity)")
-    wanted = [p.strip() for p in peers.split(",") if p.strip() and p.strip() != "none"]
+    wanted = list(dict.fromkeys(p.strip() for p in peers.split(",") if p.strip() != "none"))
+    wanted = [p for p in wanted if p]
     runs: list[tuple[str, str]] = []
     missing: list[str] = []
     for peer in wanted:

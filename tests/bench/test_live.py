@@ -43,6 +43,10 @@ def test_plan_runs_ours_and_reports_missing_peers(monkeypatch: pytest.MonkeyPatc
     assert chosen.missing == ["missing: nginx (not found)"]
     assert chosen.peers == [("litellm", s) for s in _peers.LITELLM_STRATEGIES]
     assert plan("p2c", "none").peers == []
+    # Named twice, each ran twice and the second's results replaced the first's unsaid.
+    twice = plan("p2c, round_robin,p2c", "nginx,litellm,nginx , litellm")
+    assert twice.ours == ["p2c", "round_robin"]
+    assert twice.peers == chosen.peers and twice.missing == chosen.missing
 
 
 def test_nginx_missing_names_the_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
