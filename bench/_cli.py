@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
-from promptlb.shared import ConfigError
+from promptlb.shared import ConfigError, parse_duration
 
 __all__ = ["main"]
 
@@ -98,12 +98,39 @@ def _parser() -> argparse.ArgumentParser:
 
 def _changed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The options of ``args`` set to other than their defaults, among those that change what
-    a run measures."""
+    a run measures. Compared as read: a list of names in another order, or ``--duration`` the
+    scenario's own length, is the run as committed (which the run itself takes it for), and
+    sent the full run's results under quick/."""
     return [
         name
         for name, value in vars(args).items()
-        if name not in _NOT_SETTINGS and name != "changed" and value != parser.get_default(name)
+        if name not in _NOT_SETTINGS
+        and name != "changed"
+        and not _same(name, value, parser.get_default(name), args)
     ]
+
+
+def _same(name: str, value: object, default: object, args: argparse.Namespace) -> bool:
+    if value == default:
+        return True
+    if not isinstance(value, str):
+        return False
+    if name in ("strategies", "peers") and isinstance(default, str):
+        return _names(value) == _names(default)
+    try:
+        if name == "staleness" and isinstance(default, str):
+            return parse_duration(name, value) == parse_duration(name, default)
+        if name == "duration" and default is None:
+            from ._scenario import load_scenario
+
+            return parse_duration(name, value) == load_scenario(args.scenario).duration
+    except (ConfigError, OSError):
+        return False  # refused where the run reads it, with the reason
+    return False
+
+
+def _names(listed: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in listed.split(",") if n.strip())
 
 
 def _results_folder(args: argparse.Namespace) -> None:

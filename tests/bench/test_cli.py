@@ -16,6 +16,15 @@ def test_a_run_as_committed_changes_no_setting() -> None:
         assert args.changed(args) == []
     args = _parser().parse_args(["cluster", "rag", "--peers", "oracle", "--replicas", "8"])
     assert args.changed(args) == ["peers"]  # the default value given is no change
+    # Read as the run reads them: the scenario's own length and the same names in another
+    # order are the committed run (they sent its results under quick/); a real change is not.
+    same = ["cluster", "seed-3am", "--duration", "60s", "--peers", "litellm, nginx"]
+    args = _parser().parse_args(same)
+    assert args.changed(args) == []
+    args = _parser().parse_args(["sim", "seed-3am", "--duration", "1m", "--staleness", "1.0s"])
+    assert args.changed(args) == []
+    args = _parser().parse_args(["sim", "seed-3am", "--duration", "30s", "--staleness", "2s"])
+    assert args.changed(args) == ["staleness", "duration"]
 
 
 def test_a_run_unlike_the_committed_ones_writes_under_quick(
