@@ -113,27 +113,43 @@ async def watch_kv(
         await asyncio.sleep(KV_POLL_S)
 
 
-async def kv_counts(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> dict[str, int]:
-    """Prompt tokens looked up and found cached, summed over the emulators that answer."""
-    total = {"query": 0, "hit": 0}
-    for url in urls.values():
+async def kv_counts(
+    http: aiohttp.ClientSession, urls: Mapping[str, str]
+) -> dict[str, tuple[int, int]]:
+    """Each emulator's prompt tokens looked up and found cached, by name; one that does not
+    answer (or answers something else) is left out."""
+    counts: dict[str, tuple[int, int]] = {}
+    for name, url in urls.items():
         with contextlib.suppress(*UNREADABLE):
             async with http.get(url + "/_emulator/stats") as response:
                 stats: dict[str, Any] = await response.json()
-            total["query"] += int(stats["prefix_cache_query_tokens"])
-            total["hit"] += int(stats["prefix_cache_hit_tokens"])
-    return total
+            counts[name] = (
+                int(stats["prefix_cache_query_tokens"]),
+                int(stats["prefix_cache_hit_tokens"]),
+            )
+    return counts
 
 
-def hit_rate(before: Mapping[str, int], after: Mapping[str, int]) -> float | None:
-    """Cached prompt tokens over prompt tokens between two readings. A node restarted by a
-    fault in between restarts its counters: what it counted before its crash is lost, and the
-    rate is of what the counters still show."""
-    query = after["query"] - before["query"]
-    hit = after["hit"] - before["hit"]
+def hit_rate(
+    before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]
+) -> float | None:
+    """Cached prompt tokens over prompt tokens between two readings, summed over the nodes;
+    None unless every node answered both (a rate over the nodes that did passed for the
+    cluster's). A node restarted by a fault in between restarts its counters: what it
+    counted before its crash is lost, and its share is what its counters show since (summed
+    as they were, one restart's fall cancelled another node's rise; a restarted node whose
+    counters passed their old totals by the second reading is not seen as restarted)."""
+    if not after or before.keys() != after.keys():
+        return None
+    query = hit = 0
+    for name, (q_after, h_after) in after.items():
+        q_before, h_before = before[name]
+        restarted = q_after < q_before or h_after < h_before
+        query += q_after if restarted else q_after - q_before
+        hit += h_after if restarted else h_after - h_before
     if query <= 0:
         return None
-    return max(0.0, min(1.0, hit / query))
+    return min(1.0, hit / query)
 
 
 def restart_all(cluster: _Restartable) -> None:
