@@ -87,4 +87,5 @@ class NodeView:
         snap = self.snapshot
         if snap is None or not snap.gpus:
             return None
-        return sum(g.util for g in snap.gpus) / len(snap.gpus)
+        known = [g.util for g in snap.gpus if g.util is not None]  # (MIG cards have none)
+        return sum(known) / len(known) if known else None

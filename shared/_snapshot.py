@@ -133,7 +133,7 @@ class GpuSample(NamedTuple):
     """
 
     i: int
-    util: float
+    util: float | None  # None: NVML has none for the card (one in MIG mode)
     mem_used: int
     mem_total: int
     temp_c: float | None = None
@@ -155,8 +155,9 @@ class GpuSample(NamedTuple):
             if (
                 type(i) is int
                 and 0 <= i <= 4096
-                and (type(util) is float or type(util) is int)
-                and 0 <= util <= 1
+                and (
+                    util is None or ((type(util) is float or type(util) is int) and 0 <= util <= 1)
+                )
                 and type(used) is int
                 and 0 <= used <= MAX_COUNT
                 and type(total) is int
@@ -173,7 +174,7 @@ class GpuSample(NamedTuple):
                 # _make skips NamedTuple's Python-level __new__: this runs 8x per snapshot.
                 return cls._make((i, util, used, total, temp, power))
             _int("gpus.i", i, 0, 4096)
-            _float("gpus.util", util, 0.0, 1.0)
+            _opt_float("gpus.util", util, 0.0, 1.0)
             _int("gpus.mem_used", used)
             _int("gpus.mem_total", total)
             _opt_float("gpus.temp_c", temp, -100.0, 200.0)

@@ -110,7 +110,8 @@ class _LiveMetrics(Collector):
             )
             for g in live.gpus:
                 i = str(g.i)
-                util.add_metric([i], g.util)
+                if g.util is not None:  # (a card in MIG mode has none)
+                    util.add_metric([i], g.util)
                 used.add_metric([i], g.mem_used * _MiB)
                 total.add_metric([i], g.mem_total * _MiB)
             yield util

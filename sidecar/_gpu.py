@@ -29,6 +29,7 @@ _T = TypeVar("_T")
 log = logging.getLogger("promptlb.sidecar.gpu")
 _MiB = 1024 * 1024
 _TEMP_C = (-100, 200)  # what a snapshot may carry (`shared._snapshot`)
+_NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED, an NVMLError's `value`
 _POWER_W = (0, 100_000)
 RETRY_S = 30.0
 CLOSE_WAIT_S = 2.0  # close waits this long for a sample under way
@@ -174,12 +175,18 @@ class GpuCollector:
         out: list[GpuSample] = []
         for i, handle in self._handles:
             problem = self._problem(i)
+            util: float | None
             try:
-                util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                util = min(1.0, max(0.0, nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0))
             except Exception as exc:
-                # A GPU that fell off the bus: report it once per change, keep the others.
-                problem.report(f"left out, utilisation unreadable: {exc}")
-                continue
+                if getattr(exc, "value", None) != _NOT_SUPPORTED:
+                    # A GPU that fell off the bus: report it once per change, keep the others.
+                    problem.report(f"left out, utilisation unreadable: {exc}")
+                    continue
+                # A card in MIG mode has no utilisation of its own (NVML's documented "not
+                # supported"): its memory still counts. Left out, every such card was, and
+                # NVML restarted every RETRY_S for good.
+                util = None
             try:
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             except Exception as exc:
@@ -206,7 +213,7 @@ class GpuCollector:
             out.append(
                 GpuSample(
                     i,
-                    min(1.0, max(0.0, util / 100.0)),
+                    util,
                     int(mem.used) // _MiB,
                     int(mem.total) // _MiB,
                     temp,

@@ -379,6 +379,7 @@ def test_gpu_entry_with_extra_trailing_elements_decodes() -> None:
         ([1, 1, 100, 200, 55], GpuSample(1, 1, 100, 200, 55, None)),
         ([2, 0.0, 0, 0, None, 10], GpuSample(2, 0.0, 0, 0, None, 10)),
         ([3, 0.5, 1, 2, *[None] * 60], GpuSample(3, 0.5, 1, 2, None, None)),
+        ([4, None, 1, 2], GpuSample(4, None, 1, 2, None, None)),  # a card in MIG mode
     ],
 )
 def test_gpu_entry_optional_elements_default(entry: list[object], expected: GpuSample) -> None:
@@ -510,7 +511,7 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("gpus.util", [[0, math.nan, 1, 2]]),
     ("gpus.util", [[0, math.inf, 1, 2]]),
     ("gpus.util", [[0, True, 1, 2]]),
-    ("gpus.util", [[0, None, 1, 2]]),
+    ("gpus.util", [[0, "0.5", 1, 2]]),  # (None is a card without one: MIG mode)
     ("gpus.mem_used", [[0, 0.5, -1, 2]]),
     ("gpus.mem_used", [[0, 0.5, 2**53 + 1, 2]]),
     ("gpus.mem_used", [[0, 0.5, 1.0, 2]]),

@@ -13,7 +13,9 @@ _MiB = 1024 * 1024
 
 
 class NVMLError(Exception):
-    pass
+    def __init__(self, message: str, value: int = 999) -> None:  # (pynvml's codes: `value`)
+        super().__init__(message)
+        self.value = value
 
 
 class FakeNvml:
@@ -27,6 +29,7 @@ class FakeNvml:
         self.shutdowns = 0
         self.broken: set[int] = set()  # utilisation queries fail
         self.broken_memory: set[int] = set()
+        self.mig: set[int] = set()  # in MIG mode: no utilisation of the whole card
 
     def nvmlInit(self) -> None:
         self.inits += 1
@@ -48,6 +51,8 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
         if h in self.broken:
             raise NVMLError("GPU is lost")
+        if h in self.mig:
+            raise NVMLError("Not Supported", 3)
         return SimpleNamespace(gpu=[87, 3][h], memory=10)
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:

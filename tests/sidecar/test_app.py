@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from promptlb.shared import ConfigError, EngineSample, Snapshot, decode
+from promptlb.shared import ConfigError, EngineSample, GpuSample, Snapshot, decode
 from promptlb.sidecar import EngineReading, SidecarConfig, create_app
 from promptlb.sidecar import _app as sidecar_app
 from promptlb.sidecar import _names as sidecar_names
@@ -220,6 +220,20 @@ async def test_a_warmup_that_raises_is_tried_again(
             await until(lambda: live.ready)
     assert calls["n"] >= 2
     assert [m for m in tracebacks(caplog) if "warmup failed" in m] == ["warmup failed"]
+
+
+def test_a_card_without_utilisation_exports_its_memory_and_no_utilisation() -> None:
+    # A card in MIG mode reads util None: add_metric(None) failed every scrape of /metrics.
+    live = Live(SidecarConfig(node_name="n"))
+    live.gpus = (GpuSample(0, None, 1_000, 80_000), GpuSample(1, 0.5, 2_000, 80_000))
+    samples = {
+        (s.name, s.labels.get("gpu")): s.value
+        for family in sidecar_app._LiveMetrics(live).collect()
+        for s in family.samples
+    }
+    assert samples[("promptlb_sidecar_gpu_utilization_ratio", "1")] == 0.5
+    assert ("promptlb_sidecar_gpu_utilization_ratio", "0") not in samples
+    assert samples[("promptlb_sidecar_gpu_memory_used_bytes", "0")] == 1_000 * 1024 * 1024
 
 
 async def test_a_warmup_refused_again_and_again_is_told_once(
