@@ -49,10 +49,11 @@ def create_app(nodes: Mapping[str, str], seed: int = 1) -> web.Application:
         yield
         await app[SESSION].close()
 
-    async def cost(http: aiohttp.ClientSession, url: str, raw: bytes) -> float | None:
+    async def cost(http: aiohttp.ClientSession, url: str, raw: bytes, chat: str) -> float | None:
         try:
             async with http.post(
                 url + "/_emulator/oracle",
+                params={"chat": chat},  # the endpoint, which decides the field read
                 data=raw,
                 headers={"Content-Type": "application/json"},
                 timeout=_ASK_TIMEOUT,
@@ -72,7 +73,8 @@ def create_app(nodes: Mapping[str, str], seed: int = 1) -> web.Application:
             return _error(400, "request body is not valid JSON")
         http = request.app[SESSION]
         names = list(nodes)
-        costs = await asyncio.gather(*(cost(http, nodes[n], raw) for n in names))
+        chat = "1" if request.path.endswith("/chat/completions") else "0"
+        costs = await asyncio.gather(*(cost(http, nodes[n], raw, chat) for n in names))
         known = [(c, n) for c, n in zip(costs, names, strict=True) if c is not None]
         if not known:
             return _error(503, "no node answered the oracle's question")

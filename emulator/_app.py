@@ -274,7 +274,9 @@ class _Handlers:
             # a hung node (it answered a wait of 0, held requests being outside the forecast,
             # and drew every request to itself).
             return _error(503, "hung" if hung else "model is loading", "service_unavailable")
-        chat = "messages" in body
+        # The endpoint as the asker passes it (?chat=1 or 0); else the field the body has.
+        asked = request.query.get("chat")
+        chat = asked == "1" if asked in ("0", "1") else "messages" in body
         n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
         n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
         cached = self._cached(blocks, n_in)

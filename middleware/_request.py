@@ -118,6 +118,7 @@ def route_of(
     priority: Priority = "standard",
     prompt_class: str = "",
     session_key: str | None = None,
+    chat: bool | None = None,
 ) -> RouteRequest:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:  # an explicit null must not hide max_completion_tokens
@@ -136,7 +137,7 @@ def route_of(
         prompt_class=prompt_class,
         # Hashed as the engine will see the prompt (its chat template's text, not this JSON):
         # the same conversation sent with other spacing or key order is the same prefix.
-        blocks=body_blocks(body, size),
+        blocks=body_blocks(body, size, chat),
     )
 
 
@@ -219,8 +220,16 @@ class RequestReader:
         prompt_class = asked_class or (self.classify(body) if self.classify is not None else "")
         keys = self.keys
         session_key = keys(body, keys.header_value(headers)) if keys is not None else None
-        route = route_of(body, len(raw), priority, prompt_class, session_key)
+        route = route_of(body, len(raw), priority, prompt_class, session_key, _endpoint(path))
         return Request(path, target, raw, body, headers, route, no_fallback)
+
+
+def _endpoint(path: str) -> bool | None:
+    """Whether a route is a chat one (the engine reads ``messages``) or a completions one (it
+    reads ``prompt``), whatever else the body carries; None for another."""
+    if path.endswith("/chat/completions"):
+        return True
+    return False if path.endswith("/completions") else None
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

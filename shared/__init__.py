@@ -7,6 +7,7 @@ from ._kv import (
     BLOCK_TOKENS,
     BYTES_PER_TOKEN,
     block_hashes,
+    first_ids,
     prompt_bytes,
     prompt_tokens,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "block_hashes",
     "decode",
     "encode",
+    "first_ids",
     "load_key_file",
     "load_keys",
     "parse_duration",

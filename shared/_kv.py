@@ -38,21 +38,32 @@ BLOCK_TOKENS = 16
 BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 
 
-def prompt_bytes(body: Mapping[str, Any]) -> bytes:
+def prompt_bytes(body: Mapping[str, Any], chat: bool | None = None) -> bytes:
     """The prompt as the engine sees it: each chat turn as ``role\\ncontent\\n`` (the text
     parts of list content joined), or a completion's first prompt; a prompt of token ids as
-    four bytes each (the rule's token; equal ids alike). Empty for anything else."""
+    four bytes each (the rule's token; equal ids alike), a batch of them by its first. Empty
+    for anything else. ``chat`` as `prompt_turns` reads it: the endpoint's field alone."""
     parts: list[str] = []
-    for role, pieces in prompt_turns(body):
+    for role, pieces in prompt_turns(body, chat):
         if role is None:
             parts.append(pieces[0])
             break
         parts.append(f"{role}\n{''.join(pieces)}\n")
-    if not parts:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            return _token_bytes(prompt)
+    if not parts and not chat:
+        ids = first_ids(body)
+        if ids:
+            return _token_bytes(ids)
     return "".join(parts).encode("utf-8", "surrogatepass")
+
+
+def first_ids(body: Mapping[str, Any]) -> list[Any] | None:
+    """A completion's prompt of token ids, or a batch's first (which stands for the batch, as
+    a batch's first text does; read whole, a batch was no prompt at all to the middleware and
+    its JSON text to the emulator)."""
+    prompt = body.get("prompt")
+    if type(prompt) is not list or not prompt:
+        return None
+    return prompt[0] if type(prompt[0]) is list else prompt
 
 
 def _token_bytes(ids: list[Any]) -> bytes:

@@ -22,11 +22,15 @@ __all__ = ["prompt_prefix", "prompt_turns"]
 _EDGE = 4096  # characters of each end of a non-text part's payload that its stand-in hashes
 
 
-def prompt_turns(body: Mapping[str, Any]) -> Iterator[tuple[str | None, list[str]]]:
+def prompt_turns(
+    body: Mapping[str, Any], chat: bool | None = None
+) -> Iterator[tuple[str | None, list[str]]]:
     """The prompt's turns in order, as ``(role, text pieces)``: the role is ``""`` for a
     message whose role is not a string and None for a completion prompt. Lazy, so that a
-    reader that has enough stops reading a long history."""
-    messages = body.get("messages")
+    reader that has enough stops reading a long history. ``chat``: the request's endpoint, when
+    known, reads its own field alone (an engine's chat route reads ``messages``, its completions
+    route ``prompt``, whatever else the body carries); else ``messages`` when it is a list."""
+    messages = body.get("messages") if chat is not False else None
     if isinstance(messages, list):
         for message in messages:
             if not isinstance(message, dict):
@@ -46,6 +50,8 @@ def prompt_turns(body: Mapping[str, Any]) -> Iterator[tuple[str | None, list[str
             role = message.get("role")
             yield (role if isinstance(role, str) else ""), pieces
         return
+    if chat:
+        return  # a chat request without its messages: no prompt
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         yield None, [prompt]

@@ -433,6 +433,41 @@ def test_a_prompt_of_token_ids_is_indexed_as_the_emulator_caches_it() -> None:
     assert len(short.blocks) == 1 and short.input_tokens == 300
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        # A batch of token arrays: read whole, no prompt to the middleware and its JSON text
+        # to the emulator. Its first stands for it, as a batch's first text does.
+        ("/v1/completions", "prompt", {"prompt": [list(range(900)), [8] * 900]}),
+        # Both fields: each endpoint reads its own (the middleware read the messages on both).
+        (
+            "/v1/completions",
+            "prompt",
+            {"prompt": "p" * 3000, "messages": [{"role": "user", "content": "m" * 3000}]},
+        ),
+        (
+            "/v1/chat/completions",
+            "messages",
+            {"prompt": "p" * 3000, "messages": [{"role": "user", "content": "m" * 3000}]},
+        ),
+    ],
+)
+def test_the_middleware_indexes_the_blocks_the_emulator_caches(
+    path: str, field: str, body: dict[str, object]
+) -> None:
+    config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    route = reader.build(path, {"model": "m", **body}).route
+    _, cached = emulator_blocks(body[field], chat=field == "messages")
+    assert route.blocks and route.blocks == tuple(cached[INDEX_BLOCKS - 1 :: INDEX_BLOCKS])
+
+
+def test_a_prompt_the_rule_cannot_read_is_cached_by_no_one() -> None:
+    # Cached as its JSON text by the emulator, never indexed by the middleware.
+    tokens, cached = emulator_blocks([{"odd": "x" * 40}] * 100, chat=False)
+    assert cached == [] and tokens > 1000
+
+
 def test_independent_replicas_send_a_new_prefix_to_the_same_node(node: MakeNode) -> None:
     views = [node(n, running=0) for n in "abcdefgh"]
     replicas = [Predictive(PowerOfTwoChoices()) for _ in range(5)]
