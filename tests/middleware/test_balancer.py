@@ -59,7 +59,13 @@ async def cancelled_while_waiting(lb: Balancer, request: Request) -> None:
             pass
 
     outside = asyncio.create_task(enter())
-    await asyncio.sleep(0.05)
+    # Cancelled as soon as the try is on its node, not after a fixed sleep: a stall of the
+    # loop past the try's own 0.2 s would have made its timeout, not the cancel, end it.
+    views = [node.view for node in lb.table.nodes.values()]
+    for _ in range(400):
+        if any(view.in_flight for view in views):
+            break
+        await asyncio.sleep(0.005)
     outside.cancel()
     with pytest.raises(asyncio.CancelledError):
         await outside

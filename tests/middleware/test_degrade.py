@@ -381,7 +381,7 @@ async def test_shedding_by_priority(cluster: MakeCluster, chat_body: ChatBody) -
     assert (await busy)[0] == 200
     # A standard request that finds room before its queue timeout goes through.
     busy = asyncio.ensure_future(post(url, chat_body(max_tokens=3)))  # ~0.4 s
-    await asyncio.sleep(0.15)
+    await eventually(at_cap)  # (a fixed sleep raced its getting there)
     code, _, _, elapsed = await post(url, chat_body(max_tokens=1))
     assert code == 200 and elapsed >= 0.15
     assert (await busy)[0] == 200
@@ -759,7 +759,11 @@ async def test_a_full_admission_queue_degrades_to_the_chain_at_once(
     )
     body = {"model": "big", "messages": hello, "max_tokens": 20, "temperature": 0}
     busy = asyncio.ensure_future(post(c.app.url, body))  # ~2 s on big: big is at its cap
-    await asyncio.sleep(0.3)
+
+    async def at_cap() -> bool:  # (a fixed sleep raced the first request's getting there)
+        return any(n["in_flight"] for n in (await c.status())["nodes"] if n["name"] == "big")
+
+    await eventually(at_cap)
     code, headers, _, elapsed = await post(c.app.url, {**body, "max_tokens": 2})
     assert code == 200 and elapsed < 1.0, (code, elapsed)
     assert (headers["x-promptlb-model"], headers["x-promptlb-degraded"]) == ("small", "fallback")
