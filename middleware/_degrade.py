@@ -170,6 +170,10 @@ class Dispatcher:
         route = request.route
         path = request.path
         hops: tuple[str, ...] = (request.model, *chain.then) if chain else (request.model,)
+        # The chain as configured, whether or not this request opted out of it: its lighter
+        # models' answers are never the primary's fresh one (the opt-out let them pass as one).
+        configured = self._chains.get(request.model)
+        lighter = frozenset(configured.then) if configured is not None else frozenset()
         cache, cfg, metrics = self.cache, self.cache_config, self._lb.metrics
         keys: dict[str, str | None] = {}
 
@@ -192,7 +196,7 @@ class Dispatcher:
                 entry = usable(await cache.get(key))
                 # A family shares answers, but one of the chain's lighter models (stored under
                 # the family's key when it stood in) never poses as the primary's fresh answer.
-                if entry is not None and entry.model != request.model and entry.model in hops:
+                if entry is not None and entry.model != request.model and entry.model in lighter:
                     entry = None
                 # A stream kept without its usage is no fresh answer to a client that may bill
                 # by it, whole or streamed with include_usage (`resp.usage` was None on such
@@ -219,7 +223,11 @@ class Dispatcher:
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
-        stale_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
+        # Stored when some path may serve it (fresh with cache_sampled, degraded with
+        # degraded_sampled); served stale only by degraded_sampled's say. One flag for both let
+        # cache_sampled alone serve hour-old sampled answers in an outage.
+        store_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
+        stale_ok = cfg is not None and (cfg.degraded_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         for i in range(first, len(hops)):
             hop = hops[i]
@@ -270,7 +278,7 @@ class Dispatcher:
                 answer.degraded = "fallback"
             # Stored only if some hop may ever serve it: with both cache_sampled and
             # degraded_sampled off, a sampled answer would only take a deterministic one's room.
-            if stale_ok and answer.upstream is not None and answer.upstream.response.status == 200:
+            if store_ok and answer.upstream is not None and answer.upstream.response.status == 200:
                 key = key_of(answer.model)
                 # In one family with the primary, a fallback's answer would replace the
                 # primary's own under their shared key, and is never served fresh: kept out.

@@ -445,6 +445,26 @@ async def test_a_sampled_request_gets_a_stored_answer_only_when_every_node_is_do
         assert status == 503
 
 
+async def test_cache_sampled_alone_serves_no_stale_sample_in_an_outage(
+    cluster: MakeCluster, fast: Flags, hello: Messages
+) -> None:
+    """``cache_sampled`` lets a sample be served fresh; a stale one stands in for an outage
+    only under ``degraded_sampled``. One flag for both served it with that one off."""
+    options = "serve_fresh = true\ncache_sampled = true\ndegraded_sampled = false\nttl = '1s'\n"
+    c = cluster({"a": fast}, HEALTH + "[cache]\n" + options)
+    body = {"model": "m", "messages": hello, "max_tokens": 6}  # no temperature: a sample
+    status, _, first, _ = await post(c.app.url, body)
+    assert status == 200
+    await asyncio.sleep(0.2)  # the store is written in the background
+    status, headers, again, _ = await post(c.app.url, body)
+    assert (status, headers.get("x-promptlb-cache"), again) == (200, "hit", first)  # fresh
+    await asyncio.sleep(1.1)  # stale now
+    kill(c, "a")
+    await wait_down(c, "a")
+    status, headers, _, _ = await post(c.app.url, body)
+    assert status == 503 and "x-promptlb-degraded" not in headers
+
+
 async def test_a_node_that_breaks_off_before_its_first_byte_is_retried_else_a_502(
     serve: Serve,
 ) -> None:
@@ -703,6 +723,33 @@ async def test_a_fallbacks_answer_is_never_the_primarys_fresh_hit_in_one_family(
         again = await http.post("/v1/chat/completions", json=body)  # big's own: fresh
         assert again.headers["x-promptlb-cache"] == "hit"
         assert again.json()["choices"][0]["message"]["content"] == "from big"
+
+
+async def test_an_opt_out_of_the_chain_still_gets_no_lighter_models_answer_as_fresh(
+    serve: Serve,
+) -> None:
+    """``x-promptlb-no-fallback`` drops the chain for the request; the guard against the
+    chain's lighter models posing as the primary was built from the dropped chain, and
+    small's answer (stored by a request of its own, under the family's key) passed for big's."""
+    from aiohttp import web
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    small = {"model": "small", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    config = {
+        "fallback": [{"model": "big", "then": ["small"]}],
+        "cache": {"serve_fresh": True, "families": {"big": "llama", "small": "llama"}},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (_, http):
+        got = await http.post("/v1/chat/completions", json=small)
+        assert got.json()["choices"][0]["message"]["content"] == "from small"
+        await asyncio.sleep(0.1)  # the store is written in the background
+        opted = {"x-promptlb-no-fallback": "1"}
+        got = await http.post("/v1/chat/completions", json={**small, "model": "big"}, headers=opted)
+        assert got.json()["choices"][0]["message"]["content"] == "from big"
+        assert "x-promptlb-cache" not in got.headers
 
 
 async def test_a_fallbacks_answer_leaves_the_primarys_stored_one_in_one_family(
