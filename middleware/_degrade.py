@@ -231,7 +231,7 @@ class Dispatcher:
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         for i in range(first, len(hops)):
             hop = hops[i]
-            if hop == CACHE_HOP:
+            if i and hop == CACHE_HOP:  # (the request's own model is a model, named so or not)
                 stored = (
                     await self._stand_in(hops[:i], key_of, usable, attempts) if stale_ok else None
                 )
@@ -256,7 +256,7 @@ class Dispatcher:
             if answer.model != hop:  # the hedge to the next hop won: a fallback all the same
                 metrics.fallbacks.labels(route.model, answer.model).inc()
             up = answer.upstream
-            if final and outage_cache and CACHE_HOP not in hops and up is not None:
+            if final and outage_cache and CACHE_HOP not in hops[1:] and up is not None:
                 status = up.response.status
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
@@ -285,7 +285,7 @@ class Dispatcher:
                 if answer.model == request.model or key != key_of(request.model):
                     answer.store_key = key
             return answer
-        if outage_cache and CACHE_HOP not in hops:
+        if outage_cache and CACHE_HOP not in hops[1:]:
             stored = await self._stand_in(hops, key_of, usable, attempts)
             if stored is not None:
                 return stored
@@ -312,8 +312,8 @@ class Dispatcher:
         cache, metrics = self.cache, self._lb.metrics
         if cache is None:
             return None
-        for model in models:
-            if model == CACHE_HOP:
+        for n, model in enumerate(models):
+            if n and model == CACHE_HOP:  # the chain's cache hop, not the request's model
                 continue
             key = key_of(model)
             if key is None:

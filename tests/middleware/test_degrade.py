@@ -752,6 +752,20 @@ async def test_an_opt_out_of_the_chain_still_gets_no_lighter_models_answer_as_fr
         assert "x-promptlb-cache" not in got.headers
 
 
+async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:
+    # Its own name read as the chain's cache hop: never sent to its node, a 503 "no answer".
+    from aiohttp import web
+
+    async def node(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"message": {"content": "from the node"}}]})
+
+    body = {"model": "cache", "messages": [{"role": "user", "content": "x"}]}
+    async with gateway_over(serve, {"/v1/chat/completions": node}, cache={}) as (_, http):
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"]["content"] == "from the node"
+
+
 async def test_a_fallbacks_answer_leaves_the_primarys_stored_one_in_one_family(
     serve: Serve,
 ) -> None:
