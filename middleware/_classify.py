@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -128,6 +129,12 @@ def load_classifier(spec: str | None) -> Classifier:
         raise ConfigError("classifier", spec, f"an importable callable ({exc!r})") from None
     if not callable(found):
         raise ConfigError("classifier", spec, "a callable")
+    if inspect.iscoroutinefunction(found) or inspect.iscoroutinefunction(
+        getattr(found, "__call__", None)  # noqa: B004 (an object's async __call__)
+    ):
+        # Called on the request's path without an await: each call's coroutine was no class
+        # (logged, never awaited) and the default's class was used, for good.
+        raise ConfigError("classifier", spec, "a plain callable, not an async one")
     return _guarded(spec, found)
 
 
@@ -145,6 +152,8 @@ def _guarded(spec: str, user: Callable[[Mapping[str, Any]], object]) -> Classifi
         else:
             if isinstance(found, str):
                 return found
+            if inspect.iscoroutine(found):
+                found.close()  # (never awaited: no warning for it on every request)
             problem = f"returned {type(found).__name__}, not a string"
         if problem not in told and len(told) < 16:
             told.add(problem)

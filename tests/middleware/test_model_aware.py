@@ -4,9 +4,10 @@ classes reaching their nodes end to end through the openai client."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections import Counter
-from typing import Any
+from pathlib import Path
 
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
@@ -66,19 +67,40 @@ def test_a_4k_prompt_classifies_in_microseconds() -> None:
     assert classes == {"creative"}  # the instruction at the end of a long turn, read each time
 
 
-def broken_classifier(body: Any) -> object:
-    """For the test below, by name: a user's classifier with bugs."""
-    if body.get("boom"):
-        raise KeyError("messages")
-    return None if body.get("none") else "mine"
+_USER_MODULES = {
+    # A user's classifier with bugs.
+    "user_classifier_buggy": (
+        "def classify(body):\n"
+        "    if body.get('boom'):\n"
+        "        raise KeyError('messages')\n"
+        "    return None if body.get('none') else 'mine'\n"
+    ),
+    # One that fails as it is imported.
+    "user_classifier_broken": "raise RuntimeError('this module cannot be imported')\n",
+    # An async one, as a function and as an object's __call__.
+    "user_classifier_async": (
+        "async def classify(body):\n"
+        "    return 'code'\n"
+        "class Model:\n"
+        "    async def __call__(self, body):\n"
+        "        return 'code'\n"
+        "model = Model()\n"
+    ),
+}
 
 
-def test_a_custom_classifier_is_loaded_by_name(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_custom_classifier_is_loaded_by_name(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name, source in _USER_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+        monkeypatch.delitem(sys.modules, name, raising=False)  # gone again after the test
+    monkeypatch.syspath_prepend(str(tmp_path))
     body = {"messages": [{"role": "user", "content": "def f(): pass"}]}
     assert load_classifier("promptlb.middleware._classify:classify")(body) == classify(body)
     # A raise or an answer that is not a string: the default's class, logged once a kind (it
     # escaped as a bare 500 on every request).
-    mine = load_classifier("tests.middleware.test_model_aware:broken_classifier")
+    mine = load_classifier("user_classifier_buggy:classify")
     assert mine({"x": 1}) == "mine"
     for _ in range(3):
         assert mine({**body, "boom": True}) == classify(body)
@@ -89,8 +111,13 @@ def test_a_custom_classifier_is_loaded_by_name(caplog: pytest.LogCaptureFixture)
             load_classifier(bad)
     # A module that fails as it is imported: a config error, not the gateway's traceback.
     with pytest.raises(ConfigError, match="classifier") as info:
-        load_classifier("tests.middleware.broken_classifier_module:classify")
+        load_classifier("user_classifier_broken:classify")
     assert "RuntimeError" in str(info.value)
+    # An async classifier was taken, then each request's coroutine was no class (never
+    # awaited) and the default's class was used, for good: refused where it is named.
+    for spec in ("user_classifier_async:classify", "user_classifier_async:model"):
+        with pytest.raises(ConfigError, match="not an async one"):
+            load_classifier(spec)
 
 
 def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
