@@ -445,6 +445,13 @@ class Config:
             chained.add(chain.model)
             if CACHE_HOP in chain.then and self.cache is None:
                 raise ConfigError(f"fallback[{i}].then", list(chain.then), "a [cache] table")
+            # A hedge due after the hop's whole time never goes (it was taken, and did nothing).
+            total = chain.total if chain.total is not None else self.retry.total_timeout
+            if chain.hedge_after is not None and chain.hedge_after >= total:
+                whose = "total" if chain.total is not None else "retry.total_timeout"
+                raise ConfigError(
+                    f"fallback[{i}].hedge_after", chain.hedge_after, f"< {whose} ({total:g})"
+                )
 
     def sign_keys(self) -> tuple[SigningKey, ...]:
         """The keys snapshots may be signed with, one a line of ``sign_key_file`` (several

@@ -245,6 +245,15 @@ def test_fallback_cache_and_shedding_tables_load_typed() -> None:
         ({"fallback": [{"model": "b", "then": ["s"]}, {"model": "b", "then": []}]}, "fallback[1]"),
         ({"fallback": [{"model": "b", "ttft": "5s", "total": "1s"}]}, "fallback[0].total"),
         ({"fallback": [{"model": "b", "ttft": "1s", "hedge_after": "2s"}]}, "fallback[0].hedge"),
+        # Due after the hop's whole time, a hedge never goes: it was taken, and did nothing.
+        (
+            {"fallback": [{"model": "b", "then": ["s"], "hedge_after": "5s", "total": "1s"}]},
+            "fallback[0].hedge_after",
+        ),
+        (
+            {"fallback": [{"model": "b", "hedge_after": "40s"}], "retry": {"total_timeout": "30s"}},
+            "fallback[0].hedge_after",
+        ),
         ({"cache": {"backend": "memcached://x"}}, "cache.backend"),
         ({"cache": {"ttl": "1h", "stale_ttl": "1m"}}, "cache.stale_ttl"),
         ({"cache": {"families": {"a": 3}}}, "cache.families.a"),
