@@ -548,13 +548,11 @@ class _Answering:
 
 
 def _store(config: CacheConfig | None) -> tuple[object, ...] | None:
-    """What the cache's store is built from: a reload that changes none of it keeps it."""
+    """What the cache's store is built from (`open_cache`'s arguments its backend reads): a
+    reload that changes none of it keeps it. A memory store went, with every answer an outage
+    would fall back on, at a change of the Redis-only timeout or key prefix."""
     if config is None:
         return None
-    return (
-        config.backend,
-        config.max_bytes,
-        config.stale_ttl,
-        config.key_prefix,
-        config.timeout,
-    )
+    if config.backend == "memory":
+        return (config.backend, config.max_bytes, config.stale_ttl)
+    return (config.backend, config.stale_ttl, config.key_prefix, config.timeout)

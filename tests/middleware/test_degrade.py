@@ -17,7 +17,7 @@ from promptlb.middleware import Config, HealthConfig, NodeConfig
 from promptlb.middleware._answer import Answer
 from promptlb.middleware._balancer import Balancer, Try, Upstream
 from promptlb.middleware._config import load_config
-from promptlb.middleware._degrade import _first_success
+from promptlb.middleware._degrade import Dispatcher, _first_success
 from promptlb.middleware._live import build_live
 from promptlb.middleware._refusals import Exhausted, UpstreamError
 
@@ -764,6 +764,23 @@ async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Ser
         got = await http.post("/v1/chat/completions", json=body)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["message"]["content"] == "from the node"
+
+
+async def test_a_reload_keeps_a_memory_cache_through_changes_it_does_not_read() -> None:
+    # Redis's timeout and key prefix are nothing to a memory store: a reload changing one
+    # replaced it, and every answer an outage would fall back on went with it.
+    def dispatcher(previous: Dispatcher | None, **cache: object) -> Dispatcher:
+        config = load_config(
+            {"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}], "cache": cache}
+        )
+        return Dispatcher(Balancer(config), previous=previous)
+
+    first = dispatcher(None)
+    kept = dispatcher(first, timeout="2s", key_prefix="other:")
+    assert kept.cache is first.cache and not kept.retired
+    grown = dispatcher(kept, max_bytes=200_000_000)  # what a memory store is built from
+    assert grown.cache is not first.cache and grown.retired == [first.cache]
+    await grown.stop()
 
 
 async def test_a_fallbacks_answer_leaves_the_primarys_stored_one_in_one_family(
