@@ -229,6 +229,10 @@ class Dispatcher:
         store_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
         stale_ok = cfg is not None and (cfg.degraded_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
+        # The last model hop is the final one: cache hops after it ask the cache for its
+        # refusal and pass it on when there is none, as [cache] alone does (a chain ending in
+        # "cache" turned a node's 429, and its Retry-After, into the gateway's 503).
+        last_model = max(i for i, hop in enumerate(hops) if i == 0 or hop != CACHE_HOP)
         for i in range(first, len(hops)):
             hop = hops[i]
             if i and hop == CACHE_HOP:  # (the request's own model is a model, named so or not)
@@ -239,7 +243,7 @@ class Dispatcher:
                     return stored
                 failures.append("cache: no answer")
                 continue
-            final = i + 1 == len(hops)
+            final = i == last_model
             nxt = None if final or hops[i + 1] == CACHE_HOP else hops[i + 1]
             try:
                 answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
@@ -256,13 +260,17 @@ class Dispatcher:
             if answer.model != hop:  # the hedge to the next hop won: a fallback all the same
                 metrics.fallbacks.labels(route.model, answer.model).inc()
             up = answer.upstream
-            if final and outage_cache and CACHE_HOP not in hops[1:] and up is not None:
+            trailing = i + 1 < len(hops) and stale_ok  # the chain's cache hops after it
+            outage = outage_cache and CACHE_HOP not in hops[1:]
+            if final and (trailing or outage) and up is not None:
                 status = up.response.status
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
                     # passed on as it is, as without [cache] (its error body, its Retry-After).
                     try:
-                        stored = await self._stand_in(hops, key_of, usable, answer.attempts)
+                        stored = await self._stand_in(
+                            hops[: i + 1], key_of, usable, answer.attempts
+                        )
                     except BaseException as exc:
                         # The client left while the cache was asked: the answer is never
                         # handed on, so nothing else settles its try (its node stayed

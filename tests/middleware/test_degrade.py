@@ -783,6 +783,37 @@ async def test_a_reload_keeps_a_memory_cache_through_changes_it_does_not_read() 
     await grown.stop()
 
 
+async def test_a_chain_ending_in_the_cache_passes_the_nodes_refusal_on_when_it_has_none(
+    serve: Serve,
+) -> None:
+    """``then = ["cache"]``: the cache is asked for the node's 429, and on a miss the 429
+    goes on as it came (its Retry-After), as with [cache] alone; it became the gateway's 503.
+    A stored answer stands in for it, marked."""
+    from aiohttp import web
+
+    up = {"now": True}
+
+    async def node(request: web.Request) -> web.Response:
+        if up["now"]:
+            return web.json_response({"choices": [{"message": {"content": "stored"}}]})
+        return web.json_response(
+            {"error": {"message": "slow down"}}, status=429, headers={"Retry-After": "30"}
+        )
+
+    config = {"fallback": [{"model": "m", "then": ["cache"]}], "cache": {}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (_, http):
+        up["now"] = False
+        got = await http.post("/v1/chat/completions", json=body)
+        assert (got.status_code, got.headers.get("retry-after")) == (429, "30"), got.text
+        up["now"] = True
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        await asyncio.sleep(0.1)  # the store is written in the background
+        up["now"] = False
+        got = await http.post("/v1/chat/completions", json=body)
+        assert (got.status_code, got.headers["x-promptlb-degraded"]) == (200, "cache")
+
+
 async def test_a_fallbacks_answer_leaves_the_primarys_stored_one_in_one_family(
     serve: Serve,
 ) -> None:
