@@ -16,8 +16,8 @@ def running_cluster(path: Path, scenario: str) -> Iterator[Cluster]:
     every process it started is stopped on the way out."""
     path.write_text(scenario, encoding="utf-8")
     cluster = Cluster(load_scenario(str(path)))
-    cluster.start()
     try:
+        cluster.start()  # (in here: what a start that fails half-way began is stopped too)
         yield cluster
     finally:
         cluster.stop()

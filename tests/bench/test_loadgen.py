@@ -47,7 +47,9 @@ def poisson(rate: float, seconds: float, seed: int) -> list[Arrival]:
     return out
 
 
-async def test_open_loop_rate_is_within_5_percent_over_10_s(fast_emulator: Service) -> None:
+async def test_open_loop_requests_leave_at_the_traces_times_over_10_s(
+    fast_emulator: Service,
+) -> None:
     trace = poisson(RATE, SECONDS, seed=5)
     results = await replay(fast_emulator.url, trace, model="bench", timeout_s=10, drain_s=5)
     assert len(results) == len(trace)
@@ -73,7 +75,7 @@ async def test_requests_past_the_drain_limit_are_cut_and_counted(fast_emulator: 
     trace = [Arrival(0.0, "long", 10, 2000), Arrival(0.05, "long", 10, 2000)]
     results = await replay(fast_emulator.url, trace, model="bench", timeout_s=10, drain_s=0.2)
     assert [r.error for r in results] == ["unfinished", "unfinished"]
-    assert all(0.1 < r.end < 0.6 for r in results)
+    assert all(0.1 < r.end < 0.9 for r in results)  # cut at 0.2 s, not let run their 1 s
 
 
 async def test_failures_are_recorded_by_kind() -> None:

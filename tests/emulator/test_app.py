@@ -653,11 +653,12 @@ async def test_the_first_token_comes_with_the_end_of_prefill(
     start_emulator: StartEmulator,
 ) -> None:
     """As an engine sends it, and as the simulator times it: not held for the first event's
-    interval (here 400 ms, eight tokens at 20 tokens/s), while the rest keep their pace."""
+    interval (here 1.6 s, sixteen tokens at 10 tokens/s: far from the right answer's 50 ms on
+    a loaded machine), while the rest keep their pace."""
     emu = start_emulator(
-        "--model", "m", "--ttft-ms", "50", "--tokens-per-s", "20", "--stream-interval-ms", "400"
+        "--model", "m", "--ttft-ms", "50", "--tokens-per-s", "10", "--stream-interval-ms", "1600"
     )
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 17}
     body["stream"] = True
     async with (
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
@@ -671,8 +672,8 @@ async def test_the_first_token_comes_with_the_end_of_prefill(
                 if choices and choices[0]["delta"].get("content"):
                     first = time.monotonic() - started
         whole = time.monotonic() - started
-    assert first is not None and first < 0.3, first  # 50 ms of prefill, not 50 + 400
-    assert whole >= 9 / 20 - 0.05, whole  # the rest at 20 tokens/s, the last where it was
+    assert first is not None and first < 0.8, first  # 50 ms of prefill, not 50 + 1600
+    assert whole >= 17 / 10 - 0.05, whole  # the rest at 10 tokens/s, the last where it was
 
 
 async def test_a_client_that_leaves_while_queued_is_counted_cancelled(

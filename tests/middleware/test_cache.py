@@ -249,7 +249,7 @@ async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServ
         redis_server.kill()
         started = time.monotonic()
         assert await cache.get("k") is None
-        assert time.monotonic() - started < 0.2
+        assert time.monotonic() - started < 1.0  # its 0.05 s timeout, not a connect's seconds
         assert errors == ["get"]
         assert await cache.get("k") is None
         await cache.put("k", entry())

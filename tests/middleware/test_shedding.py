@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._refusals import Shed
 from promptlb.middleware._shedding import Admission, QueueTimeout
 from promptlb.middleware._view import NodeView
+from promptlb.shared import ConfigError
 
 from tests.middleware.conftest import MakeNode
 
@@ -70,10 +72,10 @@ def test_bad_shedding_config_names_the_key() -> None:
         ("retry_after", 0),
         ("trusted_networks", ["not-a-net"]),
     ]:
-        with pytest.raises(Exception, match=f"shedding.{key}"):
+        with pytest.raises(ConfigError, match=re.escape(f"shedding.{key}")):
             admission(**{key: value})
     assert "priority_token" not in repr(SheddingConfig(priority_token="secret"))
-    with pytest.raises(Exception, match=r"shedding\.enabled"):  # no limit: would never shed
+    with pytest.raises(ConfigError, match=r"shedding\.enabled"):  # no limit: would never shed
         admission(enabled=True, max_waiting=None, max_kv=None)
     admission(enabled=True, max_waiting=None, max_kv=None, max_in_flight=4)
 

@@ -220,7 +220,10 @@ def test_the_real_library_on_this_host_never_crashes() -> None:
         assert all(
             isinstance(g, GpuSample) and (g.util is None or 0.0 <= g.util <= 1.0) for g in samples
         )
-        assert samples or gpus.reason
+        if not samples:  # (CI): the reason is NVML's own, not some other failure of ours
+            assert gpus.reason.startswith(("NVML unavailable: ", "NVML reports no GPU")), (
+                gpus.reason
+            )
     finally:
         gpus.close()
 

@@ -127,9 +127,10 @@ def test_against_a_limit_a_forked_servers_shared_pages_count_once() -> None:
         # Gone: nothing held against the limit, not the dead tree's last reading.
         assert proportional.sample(now=0.5) == (None, None) and proportional.pss is None
     finally:
-        with contextlib.suppress(psutil.Error):
-            for process in psutil.Process(child.pid).children(recursive=True):
-                process.kill()
+        if child.poll() is None:  # (reaped, its pid may be another process's by now)
+            with contextlib.suppress(psutil.Error):
+                for process in psutil.Process(child.pid).children(recursive=True):
+                    process.kill()
         child.kill()
         child.wait(timeout=5)
 
@@ -177,6 +178,8 @@ def test_the_window_forgets_old_samples_and_a_new_process_starts_over() -> None:
 
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return  # reaped: its pid may be another process's by now (Popen's own kill knows)
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
