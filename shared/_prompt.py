@@ -90,8 +90,13 @@ def _part(part: object) -> str:
     kind = part.get("type")
     if not isinstance(kind, str) or kind == "text":
         return ""
-    digest = hashlib.blake2b(digest_size=8)
     payload = part.get(kind)
+    if not payload:
+        # No payload to tell it by: its kind alone, shorter than its JSON (``{"type":...}``);
+        # with the digest it was longer, and a body under one coarse block then held one that
+        # the middleware's shortcut (`body_blocks`) never looked for.
+        return f"<{kind[:32]}>"
+    digest = hashlib.blake2b(digest_size=8)
     # Its strings (an image's URL or base64 data, a file's id), each by its length and edges:
     # the whole of a 4 MB image, serialised and hashed, held the event loop for 40 ms on
     # every walk. Two payloads alike in length and both 4 KB edges are one prefix: rare.

@@ -83,5 +83,6 @@ def test_tool_calls_and_non_text_parts_are_part_of_the_prompt() -> None:
     assert one == prompt_bytes(with_image("data:,1"))  # the same image, the same prefix
     # The stand-ins are shorter than the JSON that carries them: a body under one coarse
     # block still has none (`middleware._prefix.body_blocks`).
-    for body in (history("f", "{}"), with_image("data:,1")):
-        assert len(prompt_bytes(body)) < len(json.dumps(body))
+    bare = {"messages": [{"role": "u", "content": [{"type": "image_url"}] * 40}]}  # no payload
+    for body in (history("f", "{}"), with_image("data:,1"), bare):
+        assert len(prompt_bytes(body)) < len(json.dumps(body, separators=(",", ":")))
