@@ -124,14 +124,16 @@ class Live:
 
     def encoded(self) -> bytes:
         now = time.monotonic()
-        # An engine reading's age is true when encoded: bytes served a sample interval later
-        # told a gateway polling then that the reading was that much newer than it was (its
-        # idle-engine proof reads it). Such bytes are made again, as a new seq, once older
-        # than `_AGE_STEP_S`; polls in one burst still share one encoding.
-        if self._encoded is None or (
-            self.engine is not None and now - self._encoded_at > _AGE_STEP_S
-        ):
+        if self._encoded is None:
             self.seq += 1
-            self._encoded = encode(self.snapshot(), self.config.sign_key)
-            self._encoded_at = now
+        elif self.engine is None or now - self._encoded_at <= _AGE_STEP_S:
+            return self._encoded
+        # An engine reading's age is true when encoded: bytes served a sample interval later
+        # told a gateway first polling then that the reading was that much newer than it was
+        # (its idle-engine proof reads it). Made again once older than `_AGE_STEP_S`, under
+        # the same seq: nothing else changed, and a gateway that holds this seq keeps what it
+        # took as no news (a new seq re-based its count of its own requests since the reading,
+        # and kept a stalled sidecar's snapshot fresh).
+        self._encoded = encode(self.snapshot(), self.config.sign_key)
+        self._encoded_at = now
         return self._encoded
