@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote_from_bytes
 
-from promptlb.shared import BYTES_PER_TOKEN
+from promptlb.shared import BYTES_PER_TOKEN, first_ids
 
 from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
@@ -123,10 +123,10 @@ def route_of(
     max_tokens = body.get("max_tokens")
     if max_tokens is None:  # an explicit null must not hide max_completion_tokens
         max_tokens = body.get("max_completion_tokens")
-    prompt = body.get("prompt")
     tokens = size // BYTES_PER_TOKEN
-    if type(prompt) is list and prompt and type(prompt[0]) is int:
-        tokens = len(prompt)  # token ids are counted: their JSON is 1.4-1.8 times as long
+    ids = None if chat else first_ids(body)  # the endpoint's field; a batch by its first
+    if ids is not None and type(ids[0]) is int:
+        tokens = len(ids)  # token ids are counted: their JSON is 1.4-1.8 times as long
     return RouteRequest(
         model=body["model"],
         input_tokens=tokens,

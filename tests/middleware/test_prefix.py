@@ -448,7 +448,7 @@ def test_a_prompt_of_token_ids_is_indexed_as_the_emulator_caches_it() -> None:
         (
             "/v1/chat/completions",
             "messages",
-            {"prompt": "p" * 3000, "messages": [{"role": "user", "content": "m" * 3000}]},
+            {"prompt": [1] * 10, "messages": [{"role": "user", "content": "m" * 3000}]},
         ),
     ],
 )
@@ -458,8 +458,13 @@ def test_the_middleware_indexes_the_blocks_the_emulator_caches(
     config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
     reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
     route = reader.build(path, {"model": "m", **body}).route
-    _, cached = emulator_blocks(body[field], chat=field == "messages")
+    tokens, cached = emulator_blocks(body[field], chat=field == "messages")
     assert route.blocks and route.blocks == tuple(cached[INDEX_BLOCKS - 1 :: INDEX_BLOCKS])
+    ids = body.get("prompt")
+    if field == "prompt" and isinstance(ids, list):  # token ids: counted alike, not estimated
+        assert route.input_tokens == tokens == 900
+    else:  # text is estimated from the body's size (a stray prompt's ids counted for nothing)
+        assert route.input_tokens > 500
 
 
 def test_a_prompt_the_rule_cannot_read_is_cached_by_no_one() -> None:
