@@ -276,7 +276,7 @@ class _Handlers:
             return _error(503, "hung" if hung else "model is loading", "service_unavailable")
         # The endpoint as the asker passes it (?chat=1 or 0); else the field the body has.
         asked = request.query.get("chat")
-        chat = asked == "1" if asked in ("0", "1") else "messages" in body
+        chat = asked == "1" if asked in ("0", "1") else isinstance(body.get("messages"), list)
         n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
         n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
         cached = self._cached(blocks, n_in)

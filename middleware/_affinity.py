@@ -200,12 +200,12 @@ class Affinity:
         return points
 
 
-def prompt_head(body: Mapping[str, Any], limit: int) -> str | None:
+def prompt_head(body: Mapping[str, Any], limit: int, chat: bool | None = None) -> str | None:
     """The first ``limit`` characters of the prompt as `prompt_prefix` lays it out (the
-    emulator's prefix cache reads the same), or None when the prompt is shorter: a short prompt
-    shares no prefix worth a node. Stops reading once it has them, so a long history costs no
-    more than a short one."""
-    head = prompt_prefix(body, limit)
+    emulator's prefix cache reads the same; ``chat``: the endpoint), or None when the prompt is
+    shorter: a short prompt shares no prefix worth a node. Stops reading once it has them, so a
+    long history costs no more than a short one."""
+    head = prompt_prefix(body, limit, chat)
     return head if len(head) >= limit else None
 
 
@@ -232,7 +232,10 @@ class KeyMaker:
                 return text or None
         return None
 
-    def __call__(self, body: Mapping[str, Any], header: str | None = None) -> str | None:
+    def __call__(
+        self, body: Mapping[str, Any], header: str | None = None, chat: bool | None = None
+    ) -> str | None:
+        """``chat``: the endpoint, whose field the prefix is read from (as the blocks are)."""
         if self.session:
             if header:
                 return "s:" + header
@@ -240,7 +243,7 @@ class KeyMaker:
             if isinstance(user, str) and user:
                 return "s:" + user
         if self.prefix:
-            head = prompt_head(body, self.prefix_chars)
+            head = prompt_head(body, self.prefix_chars, chat)
             if head is not None:
                 return "p:" + hashlib.blake2b(head.encode(), digest_size=8).hexdigest()
         return None

@@ -219,8 +219,9 @@ class RequestReader:
     ) -> Request:
         prompt_class = asked_class or (self.classify(body) if self.classify is not None else "")
         keys = self.keys
-        session_key = keys(body, keys.header_value(headers)) if keys is not None else None
-        route = route_of(body, len(raw), priority, prompt_class, session_key, _endpoint(path))
+        chat = _endpoint(path)
+        session_key = keys(body, keys.header_value(headers), chat) if keys is not None else None
+        route = route_of(body, len(raw), priority, prompt_class, session_key, chat)
         return Request(path, target, raw, body, headers, route, no_fallback)
 
 

@@ -61,13 +61,14 @@ def prompt_turns(
                 yield None, [one]
 
 
-def prompt_prefix(body: Mapping[str, Any], limit: int) -> str:
+def prompt_prefix(body: Mapping[str, Any], limit: int, chat: bool | None = None) -> str:
     """The first ``limit`` characters of the prompt as an engine's chat template lays it out
     (role, newline, content, newline, message by message), or all of a shorter one. A batch's
-    first prompt stands for it: that is the sequence whose prefix an engine caches first."""
+    first prompt stands for it: that is the sequence whose prefix an engine caches first.
+    ``chat``: the endpoint, as `prompt_turns` takes it."""
     parts: list[str] = []
     size = 0
-    for role, pieces in prompt_turns(body):
+    for role, pieces in prompt_turns(body, chat):
         if role is None:
             parts.append(pieces[0])
             break

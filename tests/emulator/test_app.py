@@ -676,6 +676,24 @@ async def test_the_first_token_comes_with_the_end_of_prefill(
     assert whole >= 17 / 10 - 0.05, whole  # the rest at 10 tokens/s, the last where it was
 
 
+async def test_each_endpoint_reads_its_own_field_and_the_oracle_as_it_is_told(
+    shared_emulator: Emulator,
+) -> None:
+    # A body with both fields: the completions route reads its prompt, the chat route its
+    # messages, and the oracle the endpoint's it is given (it read the messages for both).
+    body = {"prompt": "p" * 3000, "messages": [{"role": "user", "content": "m" * 6000}]}
+    url = shared_emulator.url
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        _, completion = await _post(session, f"{url}/v1/completions", {**body, "max_tokens": 1})
+        _, chat = await _post(session, f"{url}/v1/chat/completions", {**body, "max_tokens": 1})
+        asked = {}
+        for flag in ("0", "1"):
+            async with session.post(f"{url}/_emulator/oracle?chat={flag}", json=body) as resp:
+                asked[flag] = (await resp.json())["prompt_tokens"]
+    assert completion["usage"]["prompt_tokens"] == asked["0"] == 750
+    assert chat["usage"]["prompt_tokens"] == asked["1"] > 1500
+
+
 async def test_a_client_that_leaves_while_queued_is_counted_cancelled(
     start_emulator: StartEmulator,
 ) -> None:

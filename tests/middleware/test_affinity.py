@@ -311,6 +311,11 @@ def test_keys_come_from_the_header_then_user_then_the_prefix() -> None:
     assert both(chat("short", "hi")) is None  # under prefix_chars: no key
     assert both({"model": "m", "prompt": LONG}) is not None
     assert both({"model": "m", "prompt": [LONG, "x"]}) == both({"model": "m", "prompt": LONG})
+    # The endpoint's field, as the prefix blocks read it: a completion body that also carries
+    # messages was keyed by its messages, which its node never sees.
+    stray = {"model": "m", "prompt": LONG, **chat("Another system prompt. " * 40, "hi")}
+    assert both(stray, None, False) == both({"model": "m", "prompt": LONG})
+    assert both(stray, None, True) == both(chat("Another system prompt. " * 40, "hi"))
 
 
 def test_the_key_setting_limits_the_sources() -> None:
