@@ -226,7 +226,9 @@ class Dispatcher:
         # Stored when some path may serve it (fresh with cache_sampled, degraded with
         # degraded_sampled); served stale only by degraded_sampled's say. One flag for both let
         # cache_sampled alone serve hour-old sampled answers in an outage.
-        store_ok = cfg is not None and (cfg.degraded_sampled or cfg.cache_sampled or not is_sampled)
+        store_ok = cfg is not None and (
+            not is_sampled or cfg.degraded_sampled or (cfg.serve_fresh and cfg.cache_sampled)
+        )
         stale_ok = cfg is not None and (cfg.degraded_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
         # The last model hop is the final one: cache hops after it ask the cache for its

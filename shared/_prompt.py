@@ -92,20 +92,22 @@ def _part(part: object) -> str:
     if not isinstance(kind, str) or kind == "text":
         return ""
     payload = part.get(kind)
-    if not payload:
-        # No payload to tell it by: its kind alone, shorter than its JSON (``{"type":...}``);
-        # with the digest it was longer, and a body under one coarse block then held one that
-        # the middleware's shortcut (`body_blocks`) never looked for.
-        return f"<{kind[:32]}>"
     digest = hashlib.blake2b(digest_size=8)
     # Its strings (an image's URL or base64 data, a file's id), each by its length and edges:
     # the whole of a 4 MB image, serialised and hashed, held the event loop for 40 ms on
     # every walk. Two payloads alike in length and both 4 KB edges are one prefix: rare.
     values = payload.items() if isinstance(payload, dict) else [("", payload)]
+    told = False
     for key, value in sorted(values, key=lambda item: str(item[0])):
-        if isinstance(value, str):
+        if isinstance(value, str) and value:
             edges = value if len(value) <= 2 * _EDGE else value[:_EDGE] + value[-_EDGE:]
             digest.update(f"{key}={len(value)}:{edges};".encode("utf-8", "replace"))
+            told = True
+    if not told:
+        # No text to tell it by: its kind alone, shorter than its JSON (``{"type":...}``).
+        # With a digest of nothing it was longer, and a body under one coarse block held a
+        # block the middleware's shortcut (`body_blocks`) never looked for.
+        return f"<{kind[:32]}>"
     return f"<{kind[:32]}:{digest.hexdigest()}>"
 
 

@@ -299,7 +299,10 @@ async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
     [
         ({}, 2),  # degraded_sampled is on by default: a sample may stand in when all is down
         ({"degraded_sampled": False}, 1),  # no hop would ever serve the sample: not kept
-        ({"degraded_sampled": False, "cache_sampled": True}, 2),
+        ({"degraded_sampled": False, "cache_sampled": True, "serve_fresh": True}, 2),
+        # cache_sampled serves fresh answers only under serve_fresh: without it nothing would
+        # serve the sample, which took a deterministic answer's room.
+        ({"degraded_sampled": False, "cache_sampled": True}, 1),
     ],
 )
 async def test_a_sampled_answer_is_stored_only_when_some_hop_may_serve_it(

@@ -84,5 +84,8 @@ def test_tool_calls_and_non_text_parts_are_part_of_the_prompt() -> None:
     # The stand-ins are shorter than the JSON that carries them: a body under one coarse
     # block still has none (`middleware._prefix.body_blocks`).
     bare = {"messages": [{"role": "u", "content": [{"type": "image_url"}] * 40}]}  # no payload
-    for body in (history("f", "{}"), with_image("data:,1"), bare):
-        assert len(prompt_bytes(body)) < len(json.dumps(body, separators=(",", ":")))
+    stringless = {"messages": [{"role": "u", "content": [{"type": "x", "x": 1}] * 60}]}
+    empty = {"messages": [{"role": "u", "content": [{"type": "x", "x": ""}] * 60}]}
+    one = {"messages": [{"role": "u", "content": [{"type": "x", "x": "a"}] * 60}]}
+    for body in (history("f", "{}"), with_image("data:,1"), bare, stringless, empty, one):
+        assert len(prompt_bytes(body)) <= len(json.dumps(body, separators=(",", ":")))
