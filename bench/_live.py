@@ -589,7 +589,9 @@ async def run_all(
                             lag = await _livecache.share_lag(http, target.bases)
                             runs[name].share_lag = lag
                         after = await _livecache.kv_counts(http, cluster.urls)
-                        hits[name] = _livecache.hit_rate(before, after) if prompted else None
+                        hits[name] = (
+                            _livecache.hit_rate(before, after, cluster.urls) if prompted else None
+                        )
                     except Exception as exc:  # an interrupt (BaseException) still ends it all
                         failed[name] = f"{type(exc).__name__}: {exc}"[:2000]
                         print(f"  {name}: {failed[name][:300]}", file=sys.stderr)

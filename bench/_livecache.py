@@ -131,7 +131,9 @@ async def kv_counts(
 
 
 def hit_rate(
-    before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]
+    before: Mapping[str, tuple[int, int]],
+    after: Mapping[str, tuple[int, int]],
+    nodes: Iterable[str],
 ) -> float | None:
     """Cached prompt tokens over prompt tokens between two readings, summed over the nodes;
     None unless every node answered both (a rate over the nodes that did passed for the
@@ -139,7 +141,7 @@ def hit_rate(
     counted before its crash is lost, and its share is what its counters show since (summed
     as they were, one restart's fall cancelled another node's rise; a restarted node whose
     counters passed their old totals by the second reading is not seen as restarted)."""
-    if not after or before.keys() != after.keys():
+    if not after or before.keys() != after.keys() or after.keys() != set(nodes):
         return None
     query = hit = 0
     for name, (q_after, h_after) in after.items():

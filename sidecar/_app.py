@@ -341,7 +341,11 @@ class _Collectors:
         backoff = 0.5
         while True:
             live = self.live
-            if live.server_ok and not live.warm:
+            if live.warm or not live.server_ok:
+                # Warmed (by a POST /warmup too) or gone: a node cold again later starts
+                # over, not at a cap its earlier failures reached (5 minutes unrequired).
+                backoff = 0.5
+            else:
                 try:
                     ok = (await run_warmup(self.app)).ok
                 except Exception:  # a bug must not end warming for good, a restart cold
@@ -352,7 +356,6 @@ class _Collectors:
                     cap = _WARMUP_BACKOFF_S[self.config.warmup_required]
                     backoff = min(backoff * 2, cap)
                     continue
-                backoff = 0.5
             await asyncio.sleep(self.config.sample_interval_s)
 
     def tasks(self) -> list[asyncio.Task[None]]:

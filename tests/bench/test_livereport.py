@@ -78,13 +78,16 @@ def test_the_best_litellm_router_is_ranked_with_its_failures_counted() -> None:
 
 
 def test_live_cache_ratios_and_hit_rate() -> None:
-    assert hit_rate({"a": (100, 10)}, {"a": (300, 160)}) == 0.75
-    assert hit_rate({"a": (5, 0)}, {"a": (5, 0)}) is None
+    assert hit_rate({"a": (100, 10)}, {"a": (300, 160)}, "a") == 0.75
+    assert hit_rate({"a": (5, 0)}, {"a": (5, 0)}, "a") is None
     # A node restarted in between counts what it counted since: summed as they were, its
     # counters' fall cancelled the other node's rise.
-    assert hit_rate({"a": (0, 0), "b": (900, 900)}, {"a": (100, 50), "b": (100, 50)}) == 0.5
-    # A node that did not answer a reading: no rate, not one over part of the cluster.
-    assert hit_rate({"a": (0, 0), "b": (0, 0)}, {"a": (100, 50)}) is None
+    both = {"a": (100, 50), "b": (100, 50)}
+    assert hit_rate({"a": (0, 0), "b": (900, 900)}, both, "ab") == 0.5
+    # A node that did not answer a reading (or either): no rate, not one over part of the
+    # cluster.
+    assert hit_rate({"a": (0, 0), "b": (0, 0)}, {"a": (100, 50)}, "ab") is None
+    assert hit_rate({"a": (0, 0)}, {"a": (100, 50)}, "ab") is None
 
     def run(strategy: str, p90: float, hit: float, kind: str = "promptlb") -> dict[str, object]:
         ttft = {"p50": p90 / 2, "p90": p90, "p99": 2 * p90}

@@ -86,6 +86,6 @@ def test_tool_calls_and_non_text_parts_are_part_of_the_prompt() -> None:
     bare = {"messages": [{"role": "u", "content": [{"type": "image_url"}] * 40}]}  # no payload
     stringless = {"messages": [{"role": "u", "content": [{"type": "x", "x": 1}] * 60}]}
     empty = {"messages": [{"role": "u", "content": [{"type": "x", "x": ""}] * 60}]}
-    one = {"messages": [{"role": "u", "content": [{"type": "x", "x": "a"}] * 60}]}
-    for body in (history("f", "{}"), with_image("data:,1"), bare, stringless, empty, one):
+    short = {"messages": [{"role": "u", "content": [{"type": "x", "x": "a"}] * 60}]}
+    for body in (history("f", "{}"), with_image("data:,1"), bare, stringless, empty, short):
         assert len(prompt_bytes(body)) <= len(json.dumps(body, separators=(",", ":")))
