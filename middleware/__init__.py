@@ -1,6 +1,6 @@
 """The promptlb ASGI middleware: route prompt requests to the node that can take them."""
 
-from ._client import PromptLBClient, PromptLBError
+from ._client import PromptLBClient, PromptLBError, Reply, ReplyStream
 from ._config import (
     AffinityConfig,
     BatchingConfig,
@@ -36,6 +36,8 @@ __all__ = [
     "OutlierConfig",
     "PromptLBClient",
     "PromptLBError",
+    "Reply",
+    "ReplyStream",
     "PromptLBMiddleware",
     "RequestsConfig",
     "RetryConfig",

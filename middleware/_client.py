@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 
-from ._answer import Answer
+from ._answer import Answer, answer_headers
 from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
@@ -19,7 +19,7 @@ from ._replies import Body, carries_error, keep, parsed_body, recorder_for
 from ._request import RequestReader
 from ._sse import StreamAssembler, replay_sse, wants_usage
 
-__all__ = ["PromptLBClient", "PromptLBError"]
+__all__ = ["PromptLBClient", "PromptLBError", "Reply", "ReplyStream"]
 
 
 class PromptLBError(Exception):
@@ -31,6 +31,43 @@ class PromptLBError(Exception):
         self.status = status
         self.body = body
         self.node = node
+
+
+class Reply(dict[str, Any]):
+    """An answer's body, as a dict, with ``headers``: the ``x-promptlb-*`` headers the proxy
+    sends with it (``-node``, ``-model``, ``-attempts``, and ``-degraded: fallback|cache`` or
+    ``-cache: hit``), so that app code tells a lighter model's or a stored answer (up to the
+    cache's ``stale_ttl`` old) from a fresh one, as an HTTP client can."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self, body: dict[str, Any], headers: dict[str, str]) -> None:
+        super().__init__(body)
+        self.headers = headers
+
+
+class ReplyStream:
+    """A stream's events (dicts), with ``headers`` as `Reply` has them, filled in once the
+    answer is found (by the first event). ``aclose()`` lets the node go when left early."""
+
+    __slots__ = ("_events", "headers")
+
+    def __init__(self, events: AsyncGenerator[dict[str, Any], None], headers: dict[str, str]):
+        self._events = events
+        self.headers = headers
+
+    def __aiter__(self) -> ReplyStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await anext(self._events)
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+def _headers(answer: Answer) -> dict[str, str]:
+    return {k.decode(): v.decode("latin-1") for k, v in answer_headers(answer)}
 
 
 class PromptLBClient:
@@ -57,34 +94,30 @@ class PromptLBClient:
             raise RuntimeError("this client belongs to no middleware that can reload")
         return await self._reload(config)
 
-    async def chat(
-        self, *, model: str, messages: list[dict[str, Any]], **params: Any
-    ) -> dict[str, Any]:
+    async def chat(self, *, model: str, messages: list[dict[str, Any]], **params: Any) -> Reply:
         return await self._call(
             "/v1/chat/completions", {"model": model, "messages": messages, **params}
         )
 
-    async def completions(
-        self, *, model: str, prompt: str | list[str], **params: Any
-    ) -> dict[str, Any]:
+    async def completions(self, *, model: str, prompt: str | list[str], **params: Any) -> Reply:
         return await self._call("/v1/completions", {"model": model, "prompt": prompt, **params})
 
-    async def embeddings(
-        self, *, model: str, input: str | list[str], **params: Any
-    ) -> dict[str, Any]:
+    async def embeddings(self, *, model: str, input: str | list[str], **params: Any) -> Reply:
         return await self._call("/v1/embeddings", {"model": model, "input": input, **params})
 
     def chat_stream(
         self, *, model: str, messages: list[dict[str, Any]], **params: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> ReplyStream:
         body = {"model": model, "messages": messages, **params, "stream": True}
-        return self._stream("/v1/chat/completions", body)
+        headers: dict[str, str] = {}
+        return ReplyStream(self._stream("/v1/chat/completions", body, headers), headers)
 
     def completions_stream(
         self, *, model: str, prompt: str | list[str], **params: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> ReplyStream:
         body = {"model": model, "prompt": prompt, **params, "stream": True}
-        return self._stream("/v1/completions", body)
+        headers: dict[str, str] = {}
+        return ReplyStream(self._stream("/v1/completions", body, headers), headers)
 
     @asynccontextmanager
     async def _open(
@@ -104,7 +137,7 @@ class PromptLBClient:
     # the proxy settles the same answers by their status. In-app traffic never charged a
     # failing node, so it was never ejected nor avoided.
 
-    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, path: str, body: dict[str, Any]) -> Reply:
         dispatch = self._dispatch  # a reload meanwhile: the call keeps the one it started with
         async with self._open(dispatch, path, body) as answer:
             up = answer.upstream
@@ -112,7 +145,7 @@ class PromptLBClient:
                 assert answer.entry is not None
                 parsed = parsed_body(answer.entry.body)
                 if isinstance(parsed, dict):
-                    return parsed
+                    return Reply(parsed, _headers(answer))
                 # Stored from a node that answered this route in text (the proxy replays it).
                 error = PromptLBError(502, parsed, answer.model)
             else:
@@ -131,12 +164,15 @@ class PromptLBClient:
                     if recorder is not None:
                         recorder.feed(data)
                     keep(dispatch.store, answer, recorder)
-                    return parsed
+                    return Reply(parsed, _headers(answer))
         raise error
 
-    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> AsyncGenerator[dict[str, Any], None]:
         dispatch = self._dispatch
         async with self._open(dispatch, path, body) as answer:
+            headers.update(_headers(answer))
             up = answer.upstream
             if up is None:
                 assert answer.entry is not None

@@ -221,6 +221,7 @@ async def test_in_app_answers_fill_the_cache_as_proxied_ones_do(serve: Serve, st
         return web.Response(body=events, content_type="text/event-stream")
 
     async with middleware_over(serve, chat, cache={"serve_fresh": True}) as app:
+        said = []
         for _ in range(2):
             if stream:
                 events: list[dict[str, Any]] = []
@@ -229,12 +230,18 @@ async def test_in_app_answers_fill_the_cache_as_proxied_ones_do(serve: Serve, st
                 text = "".join(
                     e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]
                 )
+                said.append(stream_it.headers)
             else:
                 answer = await app.client.chat(model="m", messages=HI, temperature=0)
                 text = answer["choices"][0]["message"]["content"]
+                said.append(answer.headers)
             assert text == "hello"
             await asyncio.sleep(0.05)  # the store is written in the background
     assert len(calls) == 1
+    # As the proxy's headers say it: the node's answer, then a stored one (an app could not
+    # tell a stored answer, up to a day old in an outage, from a fresh one).
+    assert said[0]["x-promptlb-node"] == "a" and "x-promptlb-cache" not in said[0]
+    assert said[1]["x-promptlb-node"] == "cache" and said[1]["x-promptlb-cache"] == "hit"
 
 
 async def test_a_body_over_max_body_bytes_is_refused_in_app_as_over_http(serve: Serve) -> None:
