@@ -63,7 +63,8 @@ def first_ids(body: Mapping[str, Any]) -> list[Any] | None:
     prompt = body.get("prompt")
     if type(prompt) is not list or not prompt:
         return None
-    return prompt[0] if type(prompt[0]) is list else prompt
+    ids = prompt[0] if type(prompt[0]) is list else prompt
+    return ids or None  # (a batch whose first is empty: none, as an empty prompt)
 
 
 def _token_bytes(ids: list[Any]) -> bytes:

@@ -467,6 +467,15 @@ def test_the_middleware_indexes_the_blocks_the_emulator_caches(
         assert route.input_tokens > 500
 
 
+@pytest.mark.parametrize("prompt", [[[]], [[], [7] * 900], []])
+def test_an_empty_first_prompt_is_no_prompt_not_a_crash(prompt: list[object]) -> None:
+    # Read by its first, a batch whose first was empty raised IndexError: a 500 to any client.
+    config = load_config({"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    route = reader.build("/v1/completions", {"model": "m", "prompt": prompt}).route
+    assert route.blocks == () and route.input_tokens >= 1
+
+
 def test_a_prompt_the_rule_cannot_read_is_cached_by_no_one() -> None:
     # Cached as its JSON text by the emulator, never indexed by the middleware.
     tokens, cached = emulator_blocks([{"odd": "x" * 40}] * 100, chat=False)
