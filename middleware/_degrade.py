@@ -76,6 +76,11 @@ class Dispatcher:
                 on_error=lambda op: errors.labels(op).inc(),
             )
         self._families: Mapping[str, str] = cache_cfg.families if cache_cfg else {}
+        # Whether anything serves a stored answer degraded: an outage, or a chain's cache hop
+        # (any chain's: another model's chain may ask this one's key).
+        self._stands_in = cache_cfg is not None and (
+            cache_cfg.on_outage or any(CACHE_HOP in c.then for c in config.fallback)
+        )
         # A refusal's Retry-After when it carries none: the nodes' state may change by the next
         # round of health checks.
         self.retry_after = str(max(1, round(config.health.interval))).encode()
@@ -227,7 +232,9 @@ class Dispatcher:
         # degraded_sampled); served stale only by degraded_sampled's say. One flag for both let
         # cache_sampled alone serve hour-old sampled answers in an outage.
         store_ok = cfg is not None and (
-            not is_sampled or cfg.degraded_sampled or (cfg.serve_fresh and cfg.cache_sampled)
+            not is_sampled
+            or (cfg.degraded_sampled and self._stands_in)
+            or (cfg.serve_fresh and cfg.cache_sampled)
         )
         stale_ok = cfg is not None and (cfg.degraded_sampled or not is_sampled)
         outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok

@@ -303,6 +303,8 @@ async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
         # cache_sampled serves fresh answers only under serve_fresh: without it nothing would
         # serve the sample, which took a deterministic answer's room.
         ({"degraded_sampled": False, "cache_sampled": True}, 1),
+        # degraded_sampled, but nothing serves an answer degraded (no outage, no cache hop).
+        ({"serve_fresh": True, "on_outage": False}, 1),
     ],
 )
 async def test_a_sampled_answer_is_stored_only_when_some_hop_may_serve_it(
