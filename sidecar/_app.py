@@ -352,11 +352,22 @@ class _Collectors:
                     log.exception("warmup failed")
                     ok = False
                 if not ok:
-                    await asyncio.sleep(backoff)
+                    await self._wait_cold(backoff)
                     cap = _WARMUP_BACKOFF_S[self.config.warmup_required]
                     backoff = min(backoff * 2, cap)
                     continue
             await asyncio.sleep(self.config.sample_interval_s)
+
+    async def _wait_cold(self, seconds: float) -> None:
+        """Up to ``seconds``, in sample intervals, while the node stays cold and its server
+        up: a server that restarts meanwhile (or a POST /warmup) ends the wait, which could
+        otherwise hold a restarted node's warmup for minutes."""
+        live, step = self.live, self.config.sample_interval_s
+        deadline = asyncio.get_running_loop().time() + seconds
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            await asyncio.sleep(min(step, left))
+            if live.warm or not live.server_ok:
+                return
 
     def tasks(self) -> list[asyncio.Task[None]]:
         interval = self.config.sample_interval_s
