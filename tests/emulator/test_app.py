@@ -690,7 +690,11 @@ async def test_each_endpoint_reads_its_own_field_and_the_oracle_as_it_is_told(
         for flag in ("0", "1"):
             async with session.post(f"{url}/_emulator/oracle?chat={flag}", json=body) as resp:
                 asked[flag] = (await resp.json())["prompt_tokens"]
-    assert completion["usage"]["prompt_tokens"] == asked["0"] == 750
+        # Told no endpoint, messages that are no list are no chat (the shared rule's reading).
+        odd = {"messages": "text", "prompt": "p" * 3000}
+        async with session.post(f"{url}/_emulator/oracle", json=odd) as resp:
+            untold = (await resp.json())["prompt_tokens"]
+    assert completion["usage"]["prompt_tokens"] == asked["0"] == untold == 750
     assert chat["usage"]["prompt_tokens"] == asked["1"] > 1500
 
 
