@@ -18,6 +18,9 @@ admin token printed, for 20 s of traffic (``--keep-up``, or ``make demo-up``: un
 It stops everything it started, also on Ctrl-C.
 """
 
+# Over 350 lines: one script telling one story, phase after phase, over one cluster it starts
+# and stops; its pieces (the table, the phases, the traffic) are read in that order.
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,10 @@ routing needs (model, size, priority, class, affinity key), carried down the who
 connection, the in-app client builds it from a body, and both get the same `Request`.
 """
 
+# Over 350 lines: the reader and the checks a body must pass before any node sees it (the
+# size, the JSON, its depth and surrogates, the model and token limits), read together as the
+# one place a request is judged.
+
 from __future__ import annotations
 
 import json
