@@ -221,12 +221,23 @@ class RequestReader:
         asked_class: str | None,
         no_fallback: bool,
     ) -> Request:
-        prompt_class = asked_class or (self.classify(body) if self.classify is not None else "")
-        keys = self.keys
         chat = _endpoint(path)
+        prompt_class = asked_class or ""
+        if not prompt_class and self.classify is not None:
+            prompt_class = self.classify(_as_read(body, chat))
+        keys = self.keys
         session_key = keys(body, keys.header_value(headers), chat) if keys is not None else None
         route = route_of(body, len(raw), priority, prompt_class, session_key, chat)
         return Request(path, target, raw, body, headers, route, no_fallback)
+
+
+def _as_read(body: dict[str, Any], chat: bool | None) -> dict[str, Any]:
+    """``body`` as its endpoint reads it, for a classifier (the built-in one or the user's):
+    without the other endpoint's prompt field when it carries both (rare: a copy then only)."""
+    other = "prompt" if chat else "messages" if chat is False else None
+    if other is None or other not in body:
+        return body
+    return {k: v for k, v in body.items() if k != other}
 
 
 def _endpoint(path: str) -> bool | None:

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 from promptlb.middleware._classify import classify, load_classifier
+from promptlb.middleware._config import load_config
 from promptlb.middleware._model_aware import ModelAware
+from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._request import RequestReader
+from promptlb.middleware._shedding import Admission
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
@@ -118,6 +122,27 @@ def test_a_custom_classifier_is_loaded_by_name(
     for spec in ("user_classifier_async:classify", "user_classifier_async:model"):
         with pytest.raises(ConfigError, match="not an async one"):
             load_classifier(spec)
+
+
+def test_the_class_is_of_the_prompt_the_endpoint_reads() -> None:
+    # A completion body that also carried messages was classed by its messages, which its
+    # node never reads (a 40,000-character prompt classed "creative" for a haiku request).
+    config = load_config(
+        {
+            "nodes": [{"name": "a", "url": "http://127.0.0.1:9"}],
+            "classifier": "promptlb.middleware._classify:classify",
+        }
+    )
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    haiku = [{"role": "user", "content": "write a haiku about the sea"}]
+    body = {"model": "m", "prompt": "x" * 40_000, "messages": haiku}
+    assert reader.build("/v1/completions", body).route.prompt_class == classify(
+        {"prompt": "x" * 40_000}
+    )
+    assert reader.build("/v1/chat/completions", body).route.prompt_class == classify(
+        {"messages": haiku}
+    )
+    assert classify({"prompt": "x" * 40_000}) != classify({"messages": haiku})
 
 
 def test_the_strategy_keeps_each_class_on_its_nodes(node: MakeNode) -> None:
