@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from ._balancer import HOP_BY_HOP, Try, Upstream
+from ._batch import BATCH_HEADER
 from ._cache import CacheEntry
 
 __all__ = ["ANSWER_HEADERS", "NODE_DROPPED", "Answer", "answer_headers", "node_headers"]
@@ -56,10 +57,11 @@ def answer_headers(answer: Answer) -> list[tuple[bytes, bytes]]:
 # Not passed on from the node: hop-by-hop headers (but the length, which the body keeps), the
 # node's Date and Server, which the server in front writes for the gateway (Date is a singleton
 # field: two of them are a malformed answer), and the headers this gateway writes itself (a
-# node that is another promptlb sends its own: each would come twice, with two values).
+# node that is another promptlb sends its own: each would come twice, with two values, and its
+# batch header told a caller this gateway never batched that it was batched with others).
 NODE_DROPPED = frozenset(
     name.encode() for name in (HOP_BY_HOP - {"content-length"}) | {"date", "server"}
-) | frozenset(ANSWER_HEADERS)
+) | frozenset((*ANSWER_HEADERS, BATCH_HEADER))
 
 
 def node_headers(

@@ -13,7 +13,7 @@ import aiohttp
 
 from ._answer import NODE_DROPPED, Answer, answer_headers, node_headers
 from ._asgi import RequestWatch, Send, json_error, send_json
-from ._batch import BATCH_HEADER, Fetch, Reply, fail
+from ._batch import Fetch, Reply, fail
 from ._degrade import Dispatcher
 from ._refusals import Refusal
 from ._replies import carries_error
@@ -22,15 +22,9 @@ from ._request import Request
 __all__ = ["respond", "unless_gone", "upstream"]
 
 _log = logging.getLogger("promptlb.middleware")
-# The node's headers a caller's answer does not take: as the proxy's, and those of the body
-# that is written anew (its length, type, encoding) or that the batcher writes itself.
-_REWRITTEN = NODE_DROPPED | {
-    b"content-length",
-    b"content-type",
-    b"content-encoding",
-    b"etag",
-    BATCH_HEADER,
-}
+# The node's headers a caller's answer does not take: as the proxy's (the batcher's own header
+# among them), and those of the body that is written anew (its length, type, encoding).
+_REWRITTEN = NODE_DROPPED | {b"content-length", b"content-type", b"content-encoding", b"etag"}
 
 
 def upstream(dispatch: Dispatcher, request: Request) -> Fetch:

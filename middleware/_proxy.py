@@ -188,9 +188,14 @@ class Proxy:
                 # Settled before anything more is written: a client that has stopped reading
                 # holds the sends below, and the node's slot and connection with them.
                 answer.held.close(exc)
-            if not sse or response.content_length is not None:
+            if (
+                not sse
+                or response.content_length is not None
+                or response.headers.get("content-encoding")
+            ):
                 # A body cut short must not end as if whole (a short JSON, a length the server
-                # would refuse): the connection closes on it instead.
+                # would refuse): the connection closes on it instead. So does a compressed
+                # stream: a plain-text trailer inside its gzip broke the client's decoding.
                 return
             event = {
                 "error": {

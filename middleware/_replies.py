@@ -4,17 +4,21 @@ bounded copy of a non-stream answer kept for the cache while it passes through."
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 
 from ._answer import Answer, answer_headers
 from ._asgi import Send
 from ._cache import CacheEntry
-from ._sse import StreamAssembler, marks_error, replay_sse
+from ._sse import COMPLETE, StreamAssembler, marks_error, replay_sse
 
 __all__ = ["SSE", "Body", "carries_error", "keep", "parsed_body", "recorder_for", "send_cached"]
 
 SSE = b"text/event-stream"
+# A body's finish reasons, read off its bytes (the body is parsed only when it may be an error).
+_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]*)"')
+_COMPLETE = frozenset(reason.encode() for reason in COMPLETE)
 
 
 class Body:
@@ -46,7 +50,17 @@ def recorder_for(answer: Answer, path: str, sse: bool, limit: int) -> StreamAsse
     its bytes as plain JSON to a client that asked for none). The proxy's and the in-app
     client's, so that both fill the cache alike."""
     up = answer.upstream
-    if answer.store_key is None or up is None or up.response.headers.get("content-encoding"):
+    if answer.store_key is None or up is None:
+        return None
+    headers = up.response.headers
+    if headers.get("content-encoding"):
+        return None
+    if (
+        up.response.content_length is None
+        and "chunked" not in headers.get("transfer-encoding", "").lower()
+    ):
+        # Ended by the connection's close (HTTP/1.0, some proxies): a node dying mid-answer
+        # looks like its end, and the cut answer was kept and served as a hit for a day.
         return None
     if sse:
         return StreamAssembler(path.endswith("/chat/completions"), max_bytes=limit)
@@ -85,6 +99,8 @@ def keep(
         # inside a JSON string the quotes are escaped, so most answers skip the parse).
         if b'"error"' in complete and carries_error(parsed_body(complete)):
             return
+        if any(r not in _COMPLETE for r in _REASON.findall(complete)):
+            return  # cut by the engine ("abort", "error"): half an answer
         content_type = up.response.headers.get("Content-Type", content_type)
         if not content_type.isascii():
             # aiohttp reads a header's bytes that are no UTF-8 as lone surrogates, which

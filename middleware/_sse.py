@@ -10,9 +10,19 @@ from typing import Any
 
 from ._cache import CacheEntry
 
-__all__ = ["StreamAssembler", "marks_error", "replay_sse", "replayable", "wants_usage"]
+__all__ = [
+    "COMPLETE",
+    "StreamAssembler",
+    "marks_error",
+    "replay_sse",
+    "replayable",
+    "wants_usage",
+]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
+# The finish reasons of an answer that ended by itself; any other ("abort", "error") is the
+# engine's cut, and half an answer is no answer to keep.
+COMPLETE = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
 
 
 def _more_than_text(part: dict[str, Any]) -> bool:
@@ -186,8 +196,14 @@ class StreamAssembler:
                     self._size += into["text"].add(delta["content"])
             elif choice.get("text"):
                 self._size += into["text"].add(choice["text"])
-            if choice.get("finish_reason"):
-                into["finish_reason"] = choice["finish_reason"]
+            reason = choice.get("finish_reason")
+            if reason:
+                if reason not in COMPLETE:
+                    # Ended by the engine, not by the answer (vLLM's "abort", an "error"):
+                    # half an answer, then [DONE], was kept and replayed to every twin.
+                    self._give_up()
+                    return
+                into["finish_reason"] = reason
 
     @property
     def has_usage(self) -> bool:

@@ -737,12 +737,15 @@ CHAT_SCOPE: dict[str, Any] = {
 }
 
 
-def _endless_sse(*, sized: bool = False) -> web.Application:
+def _endless_sse(*, sized: bool = False, encoded: bool = False) -> web.Application:
     """A node whose answer streams an event every 20 ms, for good (``sized``: under a declared
-    length it never reaches)."""
+    length it never reaches; ``encoded``: labelled gzip, as behind a compressing proxy)."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream"}
+        if encoded:
+            headers["Content-Encoding"] = "gzip"  # (passed on as bytes: never decoded here)
+        response = web.StreamResponse(headers=headers)
         if sized:
             response.content_length = 1_000_000
         await response.prepare(request)
@@ -817,6 +820,26 @@ async def test_a_client_that_stops_reading_a_broken_stream_does_not_hold_its_nod
             await app.balancer.stop()
 
 
+async def test_a_compressed_stream_past_its_deadline_closes_with_no_plain_text_event(
+    serve: Serve,
+) -> None:
+    # The error event, plain text after the node's gzip bytes, broke the client's decoding.
+    async with serve(_endless_sse(encoded=True)) as url:
+        app = PromptLBMiddleware(
+            noop,
+            config={
+                "nodes": [{"name": "a", "url": url, "models": ["m"]}],
+                "retry": {"total_timeout": 0.3},
+            },
+        )
+        try:
+            sent = await raw_stream_call(app)
+        finally:
+            await app.balancer.stop()
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert b'"error"' not in body and sent[-1]["more_body"]  # the connection closes on it
+
+
 async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_length_was_set(
     serve: Serve,
 ) -> None:
@@ -849,17 +872,27 @@ async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_lengt
 
 
 @asynccontextmanager
-async def raw_node_app(head: bytes, answer: bytes) -> AsyncIterator[PromptLBMiddleware]:
-    """The middleware over one node that answers 200 with the raw header lines ``head`` (what
-    aiohttp's own server refuses to send) and ``answer``."""
+async def raw_node_app(
+    head: bytes,
+    answer: bytes,
+    *,
+    framed: bool = True,
+    calls: list[int] | None = None,
+    **config: Any,
+) -> AsyncIterator[PromptLBMiddleware]:
+    """The middleware (``config`` the rest of its config) over one node that answers 200 with
+    the raw header lines ``head`` (what aiohttp's own server refuses to send) and ``answer``:
+    with its length, or (not ``framed``) ended by closing the connection, as HTTP/1.0 has it.
+    Each answer is counted into ``calls``."""
 
     async def raw_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         got = (await reader.readuntil(b"\r\n\r\n")).lower()
         length = got.partition(b"content-length:")[2].partition(b"\r\n")[0]
         await reader.readexactly(int(length or 0))
-        writer.write(
-            b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (head, len(answer), answer)
-        )
+        if calls is not None:
+            calls.append(1)
+        frame = b"Content-Length: %d\r\n" % len(answer) if framed else b"Connection: close\r\n"
+        writer.write(b"HTTP/1.1 200 OK\r\n%s%s\r\n%s" % (head, frame, answer))
         await writer.drain()
         writer.close()
 
@@ -867,8 +900,9 @@ async def raw_node_app(head: bytes, answer: bytes) -> AsyncIterator[PromptLBMidd
     port = server.sockets[0].getsockname()[1]
     async with server:
         url = f"http://127.0.0.1:{port}"
+        nodes = [{"name": "a", "url": url}]
         app = PromptLBMiddleware(
-            noop, config={"nodes": [{"name": "a", "url": url}], "health": {"enabled": False}}
+            noop, config={"nodes": nodes, "health": {"enabled": False}, **config}
         )
         try:
             yield app
@@ -886,6 +920,55 @@ def chat_once() -> Callable[[], Awaitable[dict[str, Any]]]:
         raise AssertionError("unreachable")
 
     return receive
+
+
+async def test_an_answer_ended_by_the_connections_close_is_never_cached() -> None:
+    # Without a length or chunks, a node dying mid-answer looks like its end: the cut answer
+    # was kept and served as a fresh hit, and stale for a day.
+    calls: list[int] = []
+    head = b"Content-Type: application/json\r\n"
+    cut = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "The ans'
+    cache = {"serve_fresh": True}
+    async with (
+        raw_node_app(head, cut, framed=False, calls=calls, cache=cache) as app,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+    ):
+        body = {**CHAT_BODY, "temperature": 0}
+        for _ in range(2):
+            got = await http.post("/v1/chat/completions", json=body)
+            assert got.content == cut and "x-promptlb-cache" not in got.headers
+            await asyncio.sleep(0.05)  # (a store is written in the background)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("reason", ["abort", "stop"])
+async def test_an_answer_the_engine_cut_is_never_cached(reason: str) -> None:
+    # finish_reason "abort" (vLLM's pause with abort): half an answer, kept and served again.
+    calls: list[int] = []
+    head = b"Content-Type: application/json\r\n"
+    choice = {"index": 0, "message": {"role": "assistant", "content": "The"}}
+    answer = json.dumps({"choices": [{**choice, "finish_reason": reason}]}).encode()
+    cache = {"serve_fresh": True}
+    async with (
+        raw_node_app(head, answer, calls=calls, cache=cache) as app,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+    ):
+        for _ in range(2):
+            assert (await http.post("/v1/chat/completions", json=CHAT_BODY)).content == answer
+            await asyncio.sleep(0.05)  # (a store is written in the background)
+    assert len(calls) == (2 if reason == "abort" else 1)
+
+
+async def test_a_nodes_own_batch_header_is_not_passed_on(serve: Serve) -> None:
+    # A node that is another promptlb sent x-promptlb-batch: passed on, it told a caller this
+    # gateway never batched that it had been batched with nine others.
+    async def embed(request: web.Request) -> web.Response:
+        data = [{"object": "embedding", "index": 0, "embedding": [0.0]}]
+        return web.json_response({"data": data}, headers={"x-promptlb-batch": "9"})
+
+    async with gateway_over(serve, {"/v1/embeddings": embed}) as (_, http):
+        got = await http.post("/v1/embeddings", json={"model": "m", "input": [1, 2, 3]})
+        assert got.status_code == 200 and "x-promptlb-batch" not in got.headers
 
 
 async def test_headers_the_server_refuses_are_the_nodes_failure() -> None:

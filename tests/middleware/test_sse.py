@@ -79,6 +79,17 @@ def test_an_emulator_stream_assembles_into_its_whole_answer(chat: bool, step: in
     assert assemble(chat, emulator_stream(reply), step) == reply.whole()
 
 
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_stream_the_engine_cut_is_not_kept(reason: str) -> None:
+    # vLLM ends an aborted request with finish_reason "abort", then a normal [DONE]: the half
+    # answer was kept and replayed to every twin request.
+    reply = Reply(chat=True, model="big", n_in=4, n_out=4, body={})
+    cut = reply.event(words(0, 2), None) + reply.event("", reason) + b"data: [DONE]\n\n"
+    assert assemble(True, cut, 4096) is None
+    whole = reply.event(words(0, 2), None) + reply.event("", "stop") + b"data: [DONE]\n\n"
+    assert assemble(True, whole, 4096) is not None
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_replay_assembles_back_into_what_was_stored(chat: bool) -> None:
     whole = Reply(chat=chat, model="big", n_in=4, n_out=10, body={}).whole()
