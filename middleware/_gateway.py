@@ -48,6 +48,18 @@ HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answe
 GRACEFUL_SHUTDOWN = 30.0
 
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# A request's target and header lines, at most (nginx's large_client_header_buffers hold 32
+# KiB): uvicorn's httptools protocol keeps them all, unbounded, and one connection sending
+# 60 MB of header lines quickly grew the gateway by 1.1 GB, its request then served.
+MAX_HEAD_BYTES = 64 * 1024
+_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
+class _HeadTooLarge(Exception):
+    pass
 # The rest of a body its answer did not wait for (a 404, an admin 401) gets this many header
 # timeouts from its first byte after the answer (40 s by default, as nginx's lingering_time
 # of 30 s), then the connection closes: nothing else timed it, and a byte every few seconds of
@@ -70,6 +82,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
     class Guarded(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _unread = False  # the timer is the unread body's, not a request's headers'
+        _head = 0  # bytes of the request's target and header lines so far
+        _too_large = False
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -111,9 +125,34 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._head = 0
             if self._unread:  # the next request's headers get a deadline of their own
                 self._disarm()
             self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._head += size
+            if self._head > MAX_HEAD_BYTES:
+                # Raised out of the parser, which uvicorn answers with `send_400_response`
+                # and a close: no more of it is parsed or kept.
+                self._too_large = True
+                raise _HeadTooLarge
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._too_large:
+                return super().send_400_response(msg)
+            self._disarm()
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
+            return None
 
         def on_headers_complete(self) -> None:
             self._disarm()

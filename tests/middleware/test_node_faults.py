@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import psutil
 import pytest
 from promptlb.middleware import PromptLBMiddleware
 
@@ -303,6 +304,36 @@ async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_p
         assert idle.recv(1024).startswith(b"HTTP/1.1 408")
         assert idle.recv(1024) == b""
         assert time.monotonic() - started < 2
+
+
+async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # uvicorn keeps every header line: 60 MB of them, sent quickly, grew the gateway by a
+    # gigabyte and the request was served. Past MAX_HEAD_BYTES: a 431 and the connection shut;
+    # a request with headers under it is served as before.
+    gateway = _guarded_gateway(launch, tmp_path)
+
+    def flood() -> bytes:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+            conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+            line = b"X-Filler: " + b"y" * 990 + b"\r\n"
+            with contextlib.suppress(OSError):  # closed on us part way: the point
+                for _ in range(2_000):  # 2 MB, never the end of the headers
+                    conn.sendall(line)
+            heard = b""
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    heard += chunk
+            return heard
+
+    heard = await asyncio.to_thread(flood)
+    assert heard.startswith(b"HTTP/1.1 431"), heard[:200]
+    rss = psutil.Process(gateway.pid).memory_info().rss
+    assert rss < 400 << 20, rss  # (a gigabyte per connection before)
+    big_but_fine = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 30_000
+    with _answered(gateway, big_but_fine + b"\r\n\r\n", b"200"):
+        pass
 
 
 async def test_bare_newlines_between_requests_do_not_hold_a_connection(
