@@ -60,6 +60,8 @@ _TOO_LARGE = (
 
 class _HeadTooLarge(Exception):
     pass
+
+
 # The rest of a body its answer did not wait for (a 404, an admin 401) gets this many header
 # timeouts from its first byte after the answer (40 s by default, as nginx's lingering_time
 # of 30 s), then the connection closes: nothing else timed it, and a byte every few seconds of
