@@ -97,9 +97,11 @@ class Node:
             return "draining"
         if snap is not None and not (snap.ready and snap.warm):
             return "warming"
-        if snap is not None and self.leak_mark is not None and oom_within > 0:
-            # (A mark made before a reload turned the projection off drains no more: it would
-            # have held the node until its model server restarted.)
+        if last is not None and self.leak_mark is not None and oom_within > 0:
+            # As draining: the mark stands until a snapshot clears it (a restart, the memory
+            # back), stale or not; a sidecar gone quiet gave the node its full share back
+            # after stale_after. (A mark made before a reload turned the projection off drains
+            # no more: it would have held the node until its model server restarted.)
             return "leaking"
         return "ready"
 
@@ -305,7 +307,7 @@ class NodeTable:
         if held is not None and held.boot == snapshot.boot and snapshot.seq < held.seq:
             return False
         was_serving = held is not None and held.ready and held.warm and not held.draining
-        self._watch_leak(node, snapshot)
+        self._watch_leak(node, snapshot, now)
         node.snapshot, node.snapshot_at = snapshot, now
         view = node.view
         view.snapshot = snapshot  # fresh: `tick` would take it, with a rebuild
@@ -334,10 +336,14 @@ class NodeTable:
         self._relist(node, now)
         return True
 
-    def _watch_leak(self, node: Node, snapshot: Snapshot) -> None:
+    def _watch_leak(self, node: Node, snapshot: Snapshot, now: float) -> None:
         mark = leak_mark(node.leak_mark, snapshot, self._config.outlier.drain_before_oom)
         if mark == node.leak_mark:
             return
+        if mark is None:
+            # Back from a drain: ramped up from here, as a node back from any other (it came
+            # back at its full share at once, a restarted server cold in all but name).
+            node.ready_since = now
         node.leak_mark = mark
         self._dirty = True
         if mark is not None:

@@ -376,6 +376,29 @@ def test_a_node_projected_out_of_memory_is_drained_and_back_after_a_clean_restar
     assert len(lines) == 4 and "draining" in lines[0] and "100s" in lines[0]
 
 
+def test_a_node_back_from_a_leak_drain_ramps_up_and_a_quiet_sidecar_does_not_end_the_drain(
+    snap: MakeSnapshot,
+) -> None:
+    # Back from the drain it had its full share at once (a restarted server, cold in all but
+    # name); and its sidecar gone quiet for stale_after gave that share back with the mark
+    # still standing (the node flapping between leaking and ready as the sidecar came and went).
+    from dataclasses import replace
+
+    t = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
+    t.record_snapshot(n0, growing, 1.0)
+    assert names(t, 1.0) == {"n1", "n2"}
+    assert names(t, 20.0) == {"n1", "n2"}  # its snapshot stale, the mark still stands
+    assert t.state_of(n0) == "leaking"
+    restarted = replace(snap("n0", 1, boot="fresh"), rss=2**28, rss_slope=0.0, mem_free=2**33)
+    t.record_snapshot(n0, restarted, 30.0)
+    assert names(t, 30.0) == {"n0", "n1", "n2"}
+    assert n0.view.ramp == 0.1  # ramped up from its return
+    t.tick(40.0)
+    assert n0.view.ramp == 1.0
+
+
 def test_leaking_nodes_still_serve_a_model_nothing_else_serves(snap: MakeSnapshot) -> None:
     from dataclasses import replace
 
