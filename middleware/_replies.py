@@ -11,14 +11,14 @@ from collections.abc import Callable
 from ._answer import Answer, answer_headers
 from ._asgi import Send
 from ._cache import CacheEntry
-from ._sse import COMPLETE, StreamAssembler, marks_error, replay_sse
+from ._sse import CUT, StreamAssembler, marks_error, replay_sse
 
 __all__ = ["SSE", "Body", "carries_error", "keep", "parsed_body", "recorder_for", "send_cached"]
 
 SSE = b"text/event-stream"
 # A body's finish reasons, read off its bytes (the body is parsed only when it may be an error).
 _REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"]*)"')
-_COMPLETE = frozenset(reason.encode() for reason in COMPLETE)
+_CUT = frozenset(reason.encode() for reason in CUT)
 
 
 class Body:
@@ -99,7 +99,7 @@ def keep(
         # inside a JSON string the quotes are escaped, so most answers skip the parse).
         if b'"error"' in complete and carries_error(parsed_body(complete)):
             return
-        if any(r not in _COMPLETE for r in _REASON.findall(complete)):
+        if any(r in _CUT for r in _REASON.findall(complete)):
             return  # cut by the engine ("abort", "error"): half an answer
         content_type = up.response.headers.get("Content-Type", content_type)
         if not content_type.isascii():

@@ -11,7 +11,7 @@ from typing import Any
 from ._cache import CacheEntry
 
 __all__ = [
-    "COMPLETE",
+    "CUT",
     "StreamAssembler",
     "marks_error",
     "replay_sse",
@@ -20,9 +20,10 @@ __all__ = [
 ]
 
 _PLAIN = frozenset({"role", "content"})  # what a delta may carry for the answer to be kept
-# The finish reasons of an answer that ended by itself; any other ("abort", "error") is the
-# engine's cut, and half an answer is no answer to keep.
-COMPLETE = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
+# The finish reasons of an answer the engine cut (vLLM's and SGLang's "abort", an "error"):
+# half an answer, no answer to keep. A list of the cuts, not of the ends: engines name their
+# ends their own ways (TGI's "eos_token" and "stop_sequence").
+CUT = frozenset({"abort", "error", "cancelled", "canceled"})
 
 
 def _more_than_text(part: dict[str, Any]) -> bool:
@@ -198,7 +199,7 @@ class StreamAssembler:
                 self._size += into["text"].add(choice["text"])
             reason = choice.get("finish_reason")
             if reason:
-                if reason not in COMPLETE:
+                if reason in CUT:
                     # Ended by the engine, not by the answer (vLLM's "abort", an "error"):
                     # half an answer, then [DONE], was kept and replayed to every twin.
                     self._give_up()

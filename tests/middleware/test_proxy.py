@@ -941,7 +941,7 @@ async def test_an_answer_ended_by_the_connections_close_is_never_cached() -> Non
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("reason", ["abort", "stop"])
+@pytest.mark.parametrize("reason", ["abort", "stop", "eos_token"])
 async def test_an_answer_the_engine_cut_is_never_cached(reason: str) -> None:
     # finish_reason "abort" (vLLM's pause with abort): half an answer, kept and served again.
     calls: list[int] = []
