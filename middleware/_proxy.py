@@ -157,20 +157,36 @@ class Proxy:
         up = answer.upstream
         assert up is not None
         response = up.response
-        if answer.first:
-            await send({"type": "http.response.body", "body": answer.first, "more_body": True})
+        # An event's start is held until its end comes: a node that breaks off inside an event
+        # then leaves none half-sent, and the error event that follows is the client's to read
+        # (after half an event, the openai client failed on the JSON instead). Chunks of whole
+        # events, nearly all, pass at once.
+        held = b""
+        first = answer.first
+        # (Not in compressed bytes, whose blank lines are no event's end.)
+        sse = sse and not response.headers.get("content-encoding")
+        if sse and first:
+            first, held = _whole_events(first)
+        if first:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
         # The deadline may pass while a slow client holds a send back: the time spent in sends
         # tells whether the client, not the node, took most of it.
         clock = asyncio.get_running_loop().time
         begun = clock()
         blocked = 0.0
         sending: float | None = None  # when the send under way began
-        last = answer.first  # the bytes passed on last
+        last = first or b"\n\n"  # the bytes passed on last (none: the body's start)
         try:
             async with asyncio.timeout_at(up.deadline):
                 async for chunk in response.content.iter_any():
                     if recorder is not None:
                         recorder.feed(chunk)
+                    if sse:
+                        if held:
+                            chunk = held + chunk
+                        chunk, held = _whole_events(chunk)
+                        if not chunk:
+                            continue
                     sending = clock()
                     last = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -188,14 +204,11 @@ class Proxy:
                 # Settled before anything more is written: a client that has stopped reading
                 # holds the sends below, and the node's slot and connection with them.
                 answer.held.close(exc)
-            if (
-                not sse
-                or response.content_length is not None
-                or response.headers.get("content-encoding")
-            ):
+            if not sse or response.content_length is not None:
                 # A body cut short must not end as if whole (a short JSON, a length the server
                 # would refuse): the connection closes on it instead. So does a compressed
-                # stream: a plain-text trailer inside its gzip broke the client's decoding.
+                # stream (no longer `sse` here): a plain-text trailer inside its gzip broke the
+                # client's decoding.
                 return
             event = {
                 "error": {
@@ -213,7 +226,21 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": held, "more_body": False})
+
+
+# Held back no further: past this, an event without its end (a node that never ends one) is
+# passed on as it comes, as before.
+_HELD_MAX = 64 * 1024
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` split after its last whole SSE event: what may go now, and what waits."""
+    if data.endswith(b"\n\n") or len(data) > _HELD_MAX:
+        return data, b""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    return data[:end], data[end:]
 
 
 async def models_response(lb: Balancer, send: Send) -> None:
