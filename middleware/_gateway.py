@@ -48,18 +48,15 @@ HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answe
 GRACEFUL_SHUTDOWN = 30.0
 
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-# A request's target and header lines, at most (nginx's large_client_header_buffers hold 32
-# KiB): uvicorn's httptools protocol keeps them all, unbounded, and one connection sending
-# 60 MB of header lines quickly grew the gateway by 1.1 GB, its request then served.
+# The bytes of a request's head (its request line and header lines), at most, give or take a
+# read (nginx's large_client_header_buffers hold 32 KiB): uvicorn's httptools protocol keeps
+# them all, unbounded, and one connection sending 60 MB of header lines grew the gateway by
+# 1.1 GB, its request then served; one header line of 64 MB took the loop 4 s.
 MAX_HEAD_BYTES = 64 * 1024
 _TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
     b"content-length: 0\r\nconnection: close\r\n\r\n"
 )
-
-
-class _HeadTooLarge(Exception):
-    pass
 
 
 # The rest of a body its answer did not wait for (a 404, an admin 401) gets this many header
@@ -84,8 +81,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
     class Guarded(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _unread = False  # the timer is the unread body's, not a request's headers'
-        _head = 0  # bytes of the request's target and header lines so far
-        _too_large = False
+        _in_head = True  # the bytes coming are a request's head (its line and headers)
+        _head = 0  # ... this many of them so far
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -123,42 +120,39 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             elif cycle.response_complete and self._header_timer is None:
                 self._unread = True  # the rest of a body its answer did not wait for
                 self._arm(header_timeout * _UNREAD_FACTOR)
+            in_head = self._in_head
+            if in_head:
+                self._head += len(data)
             super().data_received(data)
+            # Counted by the read, one addition a read: a head still incomplete past the cap is
+            # refused (a read that also holds its body completed its head, and is not).
+            if in_head and self._in_head and self._head > MAX_HEAD_BYTES:
+                self._head_too_large()
+
+        def _head_too_large(self) -> None:
+            self._disarm()
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            # As `_too_slow`: behind an answer still being written, the connection just closes.
+            if cycle is None or cycle.response_complete:
+                self.transport.write(_TOO_LARGE)
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head = 0
             if self._unread:  # the next request's headers get a deadline of their own
                 self._disarm()
             self._arm()
 
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
-
-        def _count(self, size: int) -> None:
-            self._head += size
-            if self._head > MAX_HEAD_BYTES:
-                # Raised out of the parser, which uvicorn answers with `send_400_response`
-                # and a close: no more of it is parsed or kept.
-                self._too_large = True
-                raise _HeadTooLarge
-
-        def send_400_response(self, msg: str) -> None:
-            if not self._too_large:
-                return super().send_400_response(msg)
-            self._disarm()
-            self.transport.write(_TOO_LARGE)
-            self.transport.close()
-            return None
-
         def on_headers_complete(self) -> None:
+            self._in_head = False
             self._disarm()
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head, self._head = True, 0  # what comes next is the next request's head
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
