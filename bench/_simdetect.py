@@ -63,6 +63,8 @@ class Detection(SimState):
                     marks[node.idx] = mark
                     replica.leaking[node.idx] = mark is not None
                     changed = True
+                    if mark is None and replica.alive[node.idx]:
+                        self._warm(replica, node.idx, now)  # back from the drain: ramped
             view.in_flight_at_snapshot = view.in_flight
             view.others_since_snapshot = 0
             if view.error_rate:  # as NodeTable.tick fades it, about as often
@@ -201,6 +203,9 @@ class Detection(SimState):
                 replica.n_ejected -= 1
                 replica.ejected_until[idx] = 0.0
             if up:
+                if replica.marks[idx] is not None:  # down and back up: restarted (record_health)
+                    replica.marks[idx] = None
+                    replica.leaking[idx] = False
                 self._warm(replica, idx, now)
             else:
                 replica.ramping.pop(idx, None)

@@ -269,6 +269,13 @@ class NodeTable:
                 health.healthy_threshold if ok else health.unhealthy_threshold
             ):
                 node.health_ok, node.health_streak = ok, 0
+                if ok and node.leak_mark is not None:
+                    # Down and back up: its model server restarted (after the OOM the mark
+                    # foretold, say). Only a snapshot cleared the mark, and a node whose
+                    # sidecar was gone for good stayed drained for good.
+                    node.leak_mark = None
+                    self._dirty = True
+                    log.info("node %s: back up after a leak drain, back in", node.name)
                 if ok and node.ejected_until:
                     # Envoy's successful_active_health_check_uneject_host: a node that was
                     # ejected, went unhealthy and passes its checks again is back.
@@ -340,9 +347,10 @@ class NodeTable:
         mark = leak_mark(node.leak_mark, snapshot, self._config.outlier.drain_before_oom)
         if mark == node.leak_mark:
             return
-        if mark is None:
+        if mark is None and node.ready_since is not None:
             # Back from a drain: ramped up from here, as a node back from any other (it came
-            # back at its full share at once, a restarted server cold in all but name).
+            # back at its full share at once, a restarted server cold in all but name). One
+            # not healthy ramps up when its checks pass again, as always.
             node.ready_since = now
         node.leak_mark = mark
         self._dirty = True

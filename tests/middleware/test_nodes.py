@@ -399,6 +399,37 @@ def test_a_node_back_from_a_leak_drain_ramps_up_and_a_quiet_sidecar_does_not_end
     assert n0.view.ramp == 1.0
 
 
+def test_a_leak_drained_node_down_and_back_up_is_in_again_ramping_even_with_its_sidecar_gone(
+    snap: MakeSnapshot,
+) -> None:
+    # The mark was cleared by a snapshot alone: with its sidecar gone for good, a node whose
+    # model server had restarted stayed drained for good. And a mark cleared while the node
+    # was unhealthy set its ramp's start then, so it came back at its full share.
+    from dataclasses import replace
+
+    t = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
+    t.record_snapshot(n0, growing, 1.0)
+    for when in (100.0, 101.0, 102.0):  # its model server killed for its memory
+        t.record_health(n0, False, "refused", when)
+    for when in (160.0, 161.0, 162.0):  # back, the sidecar never again
+        t.record_health(n0, True, "200", when)
+    assert names(t, 162.0) == {"n0", "n1", "n2"} and n0.view.ramp == 0.1
+
+    t2 = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
+    m0 = t2.nodes["n0"]
+    t2.record_snapshot(m0, replace(growing, node="n0"), 1.0)
+    for when in (2.0, 3.0, 4.0):
+        t2.record_health(m0, False, "503", when)
+    freed = replace(snap("n0", 2), rss=2**28, rss_slope=0.0, mem_free=2**33)
+    t2.record_snapshot(m0, freed, 5.0)
+    for when in (100.0, 101.0, 102.0):
+        t2.record_health(m0, True, "200", when)
+    t2.tick(102.0)
+    assert m0.view.ramp == 0.1
+
+
 def test_leaking_nodes_still_serve_a_model_nothing_else_serves(snap: MakeSnapshot) -> None:
     from dataclasses import replace
 
