@@ -83,6 +83,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
         _unread = False  # the timer is the unread body's, not a request's headers'
         _in_head = True  # the bytes coming are a request's head (its line and headers)
         _head = 0  # ... this many of them so far
+        _tail = 0  # bytes in a row past the head that carried no body (a chunked trailer)
+        _bodied = False  # the read under way carried body bytes
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -123,11 +125,23 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             in_head = self._in_head
             if in_head:
                 self._head += len(data)
+            self._bodied = False
             super().data_received(data)
             # Counted by the read, one addition a read: a head still incomplete past the cap is
             # refused (a read that also holds its body completed its head, and is not).
-            if in_head and self._in_head and self._head > MAX_HEAD_BYTES:
-                self._head_too_large()
+            if in_head:
+                if self._in_head and self._head > MAX_HEAD_BYTES:
+                    self._head_too_large()
+            elif not self._in_head:
+                # Past the head, reads that carry no body are a chunked body's trailer lines
+                # (kept as headers, unbounded) or chunk sizes: held to the same cap.
+                self._tail = 0 if self._bodied else self._tail + len(data)
+                if self._tail > MAX_HEAD_BYTES:
+                    self._head_too_large()
+
+        def on_body(self, body: bytes) -> None:
+            self._bodied = True
+            super().on_body(body)
 
         def _head_too_large(self) -> None:
             self._disarm()
@@ -152,7 +166,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._in_head, self._head = True, 0  # what comes next is the next request's head
+            self._in_head, self._head, self._tail = True, 0, 0  # next: the next request's head
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
