@@ -182,9 +182,7 @@ class Proxy:
                     if recorder is not None:
                         recorder.feed(chunk)
                     if sse:
-                        if held:
-                            chunk = held + chunk
-                        chunk, held = _whole_events(chunk)
+                        chunk, held = _whole_events(chunk, held)
                         if not chunk:
                             continue
                     sending = clock()
@@ -234,13 +232,23 @@ class Proxy:
 _HELD_MAX = 64 * 1024
 
 
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """``data`` split after its last whole SSE event: what may go now, and what waits."""
+def _whole_events(chunk: bytes, held: bytes = b"") -> tuple[bytes, bytes]:
+    """``held + chunk`` split after its last whole SSE event: what may go now, and what waits.
+    Only the chunk (and the end of what was held) is searched: a stream that ends no event
+    would otherwise rescan its held bytes with every chunk."""
+    data = held + chunk if held else chunk
     if data.endswith(b"\n\n") or len(data) > _HELD_MAX:
         return data, b""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    start = max(0, len(held) - 3)
+    end = 0
+    for blank in _EVENT_ENDS:  # a blank line, as the spec's line ends make one
+        at = data.rfind(blank, start)
+        if at >= 0:
+            end = max(end, at + len(blank))
     return data[:end], data[end:]
+
+
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\r")
 
 
 async def models_response(lb: Balancer, send: Send) -> None:
