@@ -203,9 +203,8 @@ class Detection(SimState):
                 replica.n_ejected -= 1
                 replica.ejected_until[idx] = 0.0
             if up:
-                if replica.marks[idx] is not None:  # down and back up: restarted (record_health)
-                    replica.marks[idx] = None
-                    replica.leaking[idx] = False
+                # (record_health's clearing of a leak mark on a node back up applies only to a
+                # stale snapshot, which simulated sidecars never have.)
                 self._warm(replica, idx, now)
             else:
                 replica.ramping.pop(idx, None)

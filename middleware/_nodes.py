@@ -269,10 +269,15 @@ class NodeTable:
                 health.healthy_threshold if ok else health.unhealthy_threshold
             ):
                 node.health_ok, node.health_streak = ok, 0
-                if ok and node.leak_mark is not None:
-                    # Down and back up: its model server restarted (after the OOM the mark
-                    # foretold, say). Only a snapshot cleared the mark, and a node whose
-                    # sidecar was gone for good stayed drained for good.
+                if (
+                    ok
+                    and node.leak_mark is not None
+                    and now - node.snapshot_at > self._config.stale_after
+                ):
+                    # Down and back up with no snapshot to say more: its model server restarted
+                    # (after the OOM the mark foretold, say). Only a snapshot cleared the mark,
+                    # and a node whose sidecar was gone for good stayed drained for good. With
+                    # one, its next snapshot decides (a blip of failed checks is no restart).
                     node.leak_mark = None
                     self._dirty = True
                     log.info("node %s: back up after a leak drain, back in", node.name)

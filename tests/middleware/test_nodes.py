@@ -416,6 +416,18 @@ def test_a_leak_drained_node_down_and_back_up_is_in_again_ramping_even_with_its_
     for when in (160.0, 161.0, 162.0):  # back, the sidecar never again
         t.record_health(n0, True, "200", when)
     assert names(t, 162.0) == {"n0", "n1", "n2"} and n0.view.ramp == 0.1
+    # With its sidecar still answering, a blip of failed checks is no restart: still drained.
+    t3 = table(outlier=OutlierConfig(drain_before_oom=300.0))
+    k0 = t3.nodes["n0"]
+    t3.record_snapshot(k0, replace(growing, node="n0"), 1.0)
+    drained = replace(growing, seq=2, rss_slope=0.0)
+    for when in (2.0, 3.0, 4.0):
+        t3.record_health(k0, False, "timeout", when)
+    t3.record_snapshot(k0, drained, 4.5)
+    for when in (5.0, 6.0, 7.0):
+        t3.record_health(k0, True, "200", when)
+    t3.record_snapshot(k0, replace(drained, seq=3), 7.5)
+    assert names(t3, 7.5) == {"n1", "n2"}
 
     t2 = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
     m0 = t2.nodes["n0"]
