@@ -44,7 +44,7 @@ def prompt_blocks(prompt: object, *, chat: bool) -> tuple[int, list[int]]:
     """A chat's ``messages`` or a completion's ``prompt``: its tokens and its block hashes.
     Token ids are four bytes each under the rule (`prompt_bytes`); their JSON text took about
     seven, and pinned twice the blocks."""
-    data = prompt_bytes({"messages" if chat else "prompt": prompt}, chat)
+    data = prompt_bytes({"messages" if chat else "prompt": prompt})
     if not data:
         # No prompt the rule reads, so none the middleware indexes: its length counted from
         # its JSON, no block cached (cached as that JSON, the two disagreed on what is held).

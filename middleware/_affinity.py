@@ -200,12 +200,12 @@ class Affinity:
         return points
 
 
-def prompt_head(body: Mapping[str, Any], limit: int, chat: bool | None = None) -> str | None:
+def prompt_head(body: Mapping[str, Any], limit: int) -> str | None:
     """The first ``limit`` characters of the prompt as `prompt_prefix` lays it out (the
-    emulator's prefix cache reads the same; ``chat``: the endpoint), or None when the prompt is
-    shorter: a short prompt shares no prefix worth a node. Stops reading once it has them, so a
-    long history costs no more than a short one."""
-    head = prompt_prefix(body, limit, chat)
+    emulator's prefix cache reads the same), or None when the prompt is shorter: a short prompt
+    shares no prefix worth a node. Stops reading once it has them, so a long history costs no
+    more than a short one."""
+    head = prompt_prefix(body, limit)
     return head if len(head) >= limit else None
 
 
@@ -232,10 +232,7 @@ class KeyMaker:
                 return text or None
         return None
 
-    def __call__(
-        self, body: Mapping[str, Any], header: str | None = None, chat: bool | None = None
-    ) -> str | None:
-        """``chat``: the endpoint, whose field the prefix is read from (as the blocks are)."""
+    def __call__(self, body: Mapping[str, Any], header: str | None = None) -> str | None:
         if self.session:
             if header:
                 return "s:" + header
@@ -243,7 +240,7 @@ class KeyMaker:
             if isinstance(user, str) and user:
                 return "s:" + user
         if self.prefix:
-            head = prompt_head(body, self.prefix_chars, chat)
+            head = prompt_head(body, self.prefix_chars)
             if head is not None:
                 return "p:" + hashlib.blake2b(head.encode(), digest_size=8).hexdigest()
         return None

@@ -92,17 +92,17 @@ def prompt_blocks(prompt: bytes) -> tuple[int, ...]:
     return tuple(block_hashes(prompt, every=INDEX_BLOCKS))
 
 
-def body_blocks(body: Mapping[str, Any], size: int, chat: bool | None = None) -> tuple[int, ...]:
-    """`prompt_blocks` of a request body of ``size`` bytes as sent (``chat``: the endpoint,
-    as `prompt_bytes` takes it). The prompt as the engine sees it is never longer than the JSON
-    that carries it (the markup around each turn is longer than the newlines that replace it),
-    so a body under one coarse block has none, and most short requests skip the walk."""
+def body_blocks(body: Mapping[str, Any], size: int) -> tuple[int, ...]:
+    """`prompt_blocks` of a request body of ``size`` bytes as sent. The prompt as the engine
+    sees it is never longer than the JSON that carries it (the markup around each turn is
+    longer than the newlines that replace it), so a body under one coarse block has none, and
+    most short requests skip the walk."""
     if size < INDEX_BYTES:
-        ids = None if chat else first_ids(body)
+        ids = first_ids(body)
         # Token ids are four bytes each as the engine's prompt, more than their JSON ("7,").
         if ids is None or len(ids) * BYTES_PER_TOKEN < INDEX_BYTES:
             return ()
-    return prompt_blocks(prompt_bytes(body, chat))
+    return prompt_blocks(prompt_bytes(body))
 
 
 def first_choice(first_block: int, candidates: Sequence[NodeView]) -> NodeView:

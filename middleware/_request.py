@@ -122,13 +122,12 @@ def route_of(
     priority: Priority = "standard",
     prompt_class: str = "",
     session_key: str | None = None,
-    chat: bool | None = None,
 ) -> RouteRequest:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:  # an explicit null must not hide max_completion_tokens
         max_tokens = body.get("max_completion_tokens")
     tokens = size // BYTES_PER_TOKEN
-    ids = None if chat else first_ids(body)  # the endpoint's field; a batch by its first
+    ids = first_ids(body)  # a batch by its first
     if ids is not None and type(ids[0]) is int:
         tokens = len(ids)  # token ids are counted: their JSON is 1.4-1.8 times as long
     return RouteRequest(
@@ -141,7 +140,7 @@ def route_of(
         prompt_class=prompt_class,
         # Hashed as the engine will see the prompt (its chat template's text, not this JSON):
         # the same conversation sent with other spacing or key order is the same prefix.
-        blocks=body_blocks(body, size, chat),
+        blocks=body_blocks(body, size),
     )
 
 
@@ -221,19 +220,19 @@ class RequestReader:
         asked_class: str | None,
         no_fallback: bool,
     ) -> Request:
-        chat = _endpoint(path)
-        prompt_class = asked_class or ""
-        if not prompt_class and self.classify is not None:
-            prompt_class = self.classify(_as_read(body, chat))
+        # Routing reads the prompt its endpoint reads (for the blocks, the size in tokens, the
+        # affinity key and the class): the one place the endpoint decides, not each reader.
+        read = _as_read(body, _endpoint(path))
+        prompt_class = asked_class or (self.classify(read) if self.classify is not None else "")
         keys = self.keys
-        session_key = keys(body, keys.header_value(headers), chat) if keys is not None else None
-        route = route_of(body, len(raw), priority, prompt_class, session_key, chat)
+        session_key = keys(read, keys.header_value(headers)) if keys is not None else None
+        route = route_of(read, len(raw), priority, prompt_class, session_key)
         return Request(path, target, raw, body, headers, route, no_fallback)
 
 
 def _as_read(body: dict[str, Any], chat: bool | None) -> dict[str, Any]:
-    """``body`` as its endpoint reads it, for a classifier (the built-in one or the user's):
-    without the other endpoint's prompt field when it carries both (rare: a copy then only)."""
+    """``body`` as its endpoint reads it: without the other endpoint's prompt field when it
+    carries it (rare: a copy then only)."""
     other = "prompt" if chat else "messages" if chat is False else None
     if other is None or other not in body:
         return body

@@ -38,18 +38,18 @@ BLOCK_TOKENS = 16
 BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 
 
-def prompt_bytes(body: Mapping[str, Any], chat: bool | None = None) -> bytes:
+def prompt_bytes(body: Mapping[str, Any]) -> bytes:
     """The prompt as the engine sees it: each chat turn as ``role\\ncontent\\n`` (the text
     parts of list content joined), or a completion's first prompt; a prompt of token ids as
     four bytes each (the rule's token; equal ids alike), a batch of them by its first. Empty
-    for anything else. ``chat`` as `prompt_turns` reads it: the endpoint's field alone."""
+    for anything else."""
     parts: list[str] = []
-    for role, pieces in prompt_turns(body, chat):
+    for role, pieces in prompt_turns(body):
         if role is None:
             parts.append(pieces[0])
             break
         parts.append(f"{role}\n{''.join(pieces)}\n")
-    if not parts and not chat:
+    if not parts:
         ids = first_ids(body)
         if ids:
             return _token_bytes(ids)

@@ -22,15 +22,12 @@ __all__ = ["prompt_prefix", "prompt_turns"]
 _EDGE = 4096  # characters of each end of a non-text part's payload that its stand-in hashes
 
 
-def prompt_turns(
-    body: Mapping[str, Any], chat: bool | None = None
-) -> Iterator[tuple[str | None, list[str]]]:
+def prompt_turns(body: Mapping[str, Any]) -> Iterator[tuple[str | None, list[str]]]:
     """The prompt's turns in order, as ``(role, text pieces)``: the role is ``""`` for a
     message whose role is not a string and None for a completion prompt. Lazy, so that a
-    reader that has enough stops reading a long history. ``chat``: the request's endpoint, when
-    known, reads its own field alone (an engine's chat route reads ``messages``, its completions
-    route ``prompt``, whatever else the body carries); else ``messages`` when it is a list."""
-    messages = body.get("messages") if chat is not False else None
+    reader that has enough stops reading a long history. ``messages`` when it is a list, else
+    ``prompt`` (a reader that knows the endpoint passes the body without the other field)."""
+    messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
             if not isinstance(message, dict):
@@ -50,8 +47,6 @@ def prompt_turns(
             role = message.get("role")
             yield (role if isinstance(role, str) else ""), pieces
         return
-    if chat:
-        return  # a chat request without its messages: no prompt
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         yield None, [prompt]
@@ -61,14 +56,13 @@ def prompt_turns(
                 yield None, [one]
 
 
-def prompt_prefix(body: Mapping[str, Any], limit: int, chat: bool | None = None) -> str:
+def prompt_prefix(body: Mapping[str, Any], limit: int) -> str:
     """The first ``limit`` characters of the prompt as an engine's chat template lays it out
     (role, newline, content, newline, message by message), or all of a shorter one. A batch's
-    first prompt stands for it: that is the sequence whose prefix an engine caches first.
-    ``chat``: the endpoint, as `prompt_turns` takes it."""
+    first prompt stands for it: that is the sequence whose prefix an engine caches first."""
     parts: list[str] = []
     size = 0
-    for role, pieces in prompt_turns(body, chat):
+    for role, pieces in prompt_turns(body):
         if role is None:
             parts.append(pieces[0])
             break

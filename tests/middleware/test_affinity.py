@@ -16,7 +16,10 @@ from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._affinity import Affinity, KeyMaker, prompt_head
 from promptlb.middleware._balancer import Balancer
 from promptlb.middleware._config import AffinityConfig, load_config
+from promptlb.middleware._nodes import NodeTable
 from promptlb.middleware._refusals import NoNodeAvailable
+from promptlb.middleware._request import RequestReader
+from promptlb.middleware._shedding import Admission
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
@@ -314,8 +317,16 @@ def test_keys_come_from_the_header_then_user_then_the_prefix() -> None:
     # The endpoint's field, as the prefix blocks read it: a completion body that also carries
     # messages was keyed by its messages, which its node never sees.
     stray = {"model": "m", "prompt": LONG, **chat("Another system prompt. " * 40, "hi")}
-    assert both(stray, None, False) == both({"model": "m", "prompt": LONG})
-    assert both(stray, None, True) == both(chat("Another system prompt. " * 40, "hi"))
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://127.0.0.1:9"}], "affinity": {"prefix_chars": 512}}
+    )
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+
+    def key(path: str) -> str | None:
+        return reader.build(path, stray).route.session_key
+
+    assert key("/v1/completions") == both({"model": "m", "prompt": LONG})
+    assert key("/v1/chat/completions") == both(chat("Another system prompt. " * 40, "hi"))
 
 
 def test_the_key_setting_limits_the_sources() -> None:
