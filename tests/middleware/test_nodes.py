@@ -9,11 +9,12 @@ from collections import Counter
 import pytest
 from promptlb.middleware import Config, NodeConfig
 from promptlb.middleware._config import HealthConfig, OutlierConfig
-from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._nodes import Node, NodeTable
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._rules import ERROR_FLOOR, ERROR_HALF_LIFE
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._view import RouteRequest
+from promptlb.shared import Snapshot
 
 from tests.middleware.conftest import MakeSnapshot
 
@@ -376,6 +377,18 @@ def test_a_node_projected_out_of_memory_is_drained_and_back_after_a_clean_restar
     assert len(lines) == 4 and "draining" in lines[0] and "100s" in lines[0]
 
 
+def _drained(snap: MakeSnapshot) -> tuple[NodeTable, Node, Snapshot]:
+    """A table (slow start 10 s) whose node n0 was marked leaking at t=1 by the snapshot
+    returned: 1,000 MB left at 10 MB/s."""
+    from dataclasses import replace
+
+    t = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
+    n0 = t.nodes["n0"]
+    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
+    t.record_snapshot(n0, growing, 1.0)
+    return t, n0, growing
+
+
 def test_a_node_back_from_a_leak_drain_ramps_up_and_a_quiet_sidecar_does_not_end_the_drain(
     snap: MakeSnapshot,
 ) -> None:
@@ -384,10 +397,7 @@ def test_a_node_back_from_a_leak_drain_ramps_up_and_a_quiet_sidecar_does_not_end
     # still standing (the node flapping between leaking and ready as the sidecar came and went).
     from dataclasses import replace
 
-    t = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
-    n0 = t.nodes["n0"]
-    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
-    t.record_snapshot(n0, growing, 1.0)
+    t, n0, _ = _drained(snap)
     assert names(t, 1.0) == {"n1", "n2"}
     assert names(t, 20.0) == {"n1", "n2"}  # its snapshot stale, the mark still stands
     assert t.state_of(n0) == "leaking"
@@ -407,19 +417,14 @@ def test_a_leak_drained_node_down_and_back_up_is_in_again_ramping_even_with_its_
     # was unhealthy set its ramp's start then, so it came back at its full share.
     from dataclasses import replace
 
-    t = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
-    n0 = t.nodes["n0"]
-    growing = replace(snap("n0", 1), rss=2**30, rss_slope=10 * 2**20, mem_free=1000 * 2**20)
-    t.record_snapshot(n0, growing, 1.0)
+    t, n0, growing = _drained(snap)
     for when in (100.0, 101.0, 102.0):  # its model server killed for its memory
         t.record_health(n0, False, "refused", when)
     for when in (160.0, 161.0, 162.0):  # back, the sidecar never again
         t.record_health(n0, True, "200", when)
     assert names(t, 162.0) == {"n0", "n1", "n2"} and n0.view.ramp == 0.1
     # With its sidecar still answering, a blip of failed checks is no restart: still drained.
-    t3 = table(outlier=OutlierConfig(drain_before_oom=300.0))
-    k0 = t3.nodes["n0"]
-    t3.record_snapshot(k0, replace(growing, node="n0"), 1.0)
+    t3, k0, _ = _drained(snap)
     drained = replace(growing, seq=2, rss_slope=0.0)
     for when in (2.0, 3.0, 4.0):
         t3.record_health(k0, False, "timeout", when)
@@ -429,9 +434,7 @@ def test_a_leak_drained_node_down_and_back_up_is_in_again_ramping_even_with_its_
     t3.record_snapshot(k0, replace(drained, seq=3), 7.5)
     assert names(t3, 7.5) == {"n1", "n2"}
 
-    t2 = table(slow_start=10.0, outlier=OutlierConfig(drain_before_oom=300.0))
-    m0 = t2.nodes["n0"]
-    t2.record_snapshot(m0, replace(growing, node="n0"), 1.0)
+    t2, m0, _ = _drained(snap)
     for when in (2.0, 3.0, 4.0):
         t2.record_health(m0, False, "503", when)
     freed = replace(snap("n0", 2), rss=2**28, rss_slope=0.0, mem_free=2**33)

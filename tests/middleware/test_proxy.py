@@ -837,11 +837,10 @@ async def test_a_client_that_stops_reading_a_broken_stream_does_not_hold_its_nod
             await app.balancer.stop()
 
 
-async def test_a_compressed_stream_past_its_deadline_closes_with_no_plain_text_event(
-    serve: Serve,
-) -> None:
-    # The error event, plain text after the node's gzip bytes, broke the client's decoding.
-    async with serve(_endless_sse(encoded=True)) as url:
+async def _past_deadline(serve: Serve, node: web.Application) -> list[dict[str, Any]]:
+    """A streamed chat through a middleware whose answers have 0.3 s, to ``node``'s endless
+    stream: the messages it sent."""
+    async with serve(node) as url:
         app = PromptLBMiddleware(
             noop,
             config={
@@ -850,9 +849,16 @@ async def test_a_compressed_stream_past_its_deadline_closes_with_no_plain_text_e
             },
         )
         try:
-            sent = await raw_stream_call(app)
+            return await raw_stream_call(app)
         finally:
             await app.balancer.stop()
+
+
+async def test_a_compressed_stream_past_its_deadline_closes_with_no_plain_text_event(
+    serve: Serve,
+) -> None:
+    # The error event, plain text after the node's gzip bytes, broke the client's decoding.
+    sent = await _past_deadline(serve, _endless_sse(encoded=True))
     body = b"".join(m.get("body", b"") for m in sent[1:])
     assert b'"error"' not in body and sent[-1]["more_body"]  # the connection closes on it
 
@@ -861,18 +867,7 @@ async def test_a_stream_past_its_deadline_ends_with_a_504_event_unless_its_lengt
     serve: Serve,
 ) -> None:
     for sized in (False, True):
-        async with serve(_endless_sse(sized=sized)) as url:
-            app = PromptLBMiddleware(
-                noop,
-                config={
-                    "nodes": [{"name": "a", "url": url, "models": ["m"]}],
-                    "retry": {"total_timeout": 0.3},
-                },
-            )
-            try:
-                sent = await raw_stream_call(app)
-            finally:
-                await app.balancer.stop()
+        sent = await _past_deadline(serve, _endless_sse(sized=sized))
         body = b"".join(m.get("body", b"") for m in sent[1:])
         last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
         if sized:
