@@ -320,11 +320,16 @@ class NodeTable:
             return False
         was_serving = held is not None and held.ready and held.warm and not held.draining
         self._watch_leak(node, snapshot, now)
+        # The engine's reading sent again (a sidecar keeps its last one through late scrapes,
+        # and its other collectors' news comes under new seqs): its queue is still that of
+        # the moment it was read, so the count of ours since then stands.
+        again = snapshot.same_reading(held)
         node.snapshot, node.snapshot_at = snapshot, now
         view = node.view
         view.snapshot = snapshot  # fresh: `tick` would take it, with a rebuild
-        view.in_flight_at_snapshot = view.in_flight
-        view.others_since_snapshot = 0
+        if not again:
+            view.in_flight_at_snapshot = view.in_flight
+            view.others_since_snapshot = 0
         if snapshot.models and not node.config.models:
             learnt = frozenset(snapshot.models)
             if learnt != node.learnt_models:
@@ -338,7 +343,7 @@ class NodeTable:
                 self._dirty = True  # new lists: a wrapper keeps its narrowing per list
         view.tier = snapshot.tier
         engine = snapshot.engine
-        if engine is not None and engine.running and engine.tps:
+        if engine is not None and engine.running and engine.tps and not again:
             rate = engine.tps / engine.running
             node.decode_rate = _ewma(node.decode_rate, rate)
         serving = snapshot.ready and snapshot.warm and not snapshot.draining

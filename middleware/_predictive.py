@@ -243,7 +243,10 @@ class ServiceModel:
 
     def see(self, snapshot: Snapshot, in_flight_at_snapshot: int) -> None:
         """A new snapshot: learn the slots, and the trend of the others' queue."""
+        again = snapshot.same_reading(self.snapshot)
         self.snapshot = snapshot
+        if again:
+            return  # the same engine reading: nothing new to learn from (it would weigh twice)
         engine = snapshot.engine
         if engine is None:
             self.others = None

@@ -198,6 +198,12 @@ class EngineSample:
     # late), and a reader that asks "was this read after X?" needs to know. 0 from a writer
     # that does not say.
     age_ms: int = 0
+    # Which of the sidecar's engine readings this is, counted from 1 within its boot: the
+    # other collectors' ticks send the same reading again under new seqs, and a gateway that
+    # took each as new re-based its count of its own requests since the reading on every one
+    # (a late /metrics on a busy engine then read as a queue shorter by what it had sent
+    # since). 0 from a writer that does not say: each snapshot is then taken as a new reading.
+    reading: int = 0
 
     def __post_init__(self) -> None:
         kv, tps, cap = self.kv_cache, self.tps, self.kv_tokens
@@ -211,6 +217,8 @@ class EngineSample:
             and (cap is None or (type(cap) is int and 1 <= cap <= MAX_COUNT))
             and type(self.age_ms) is int
             and 0 <= self.age_ms <= MAX_AGE_MS
+            and type(self.reading) is int
+            and 0 <= self.reading <= _MAX_INT
         ):
             return
         _int("engine.running", self.running)
@@ -220,6 +228,7 @@ class EngineSample:
         if cap is not None:
             _int("engine.kv_tokens", cap, 1)
         _int("engine.age_ms", self.age_ms, 0, MAX_AGE_MS)
+        _int("engine.reading", self.reading, 0, _MAX_INT)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
@@ -227,7 +236,9 @@ class EngineSample:
             return raw
         if not isinstance(raw, Mapping):
             raise _bad(
-                "engine", raw, "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?}"
+                "engine",
+                raw,
+                "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?, reading?}",
             )
         try:
             return cls(
@@ -237,6 +248,7 @@ class EngineSample:
                 tps=raw.get("tps"),
                 kv_tokens=raw.get("kv_tokens"),
                 age_ms=raw.get("age_ms", 0),
+                reading=raw.get("reading", 0),
             )
         except KeyError as exc:
             raise SnapshotError(f"snapshot field 'engine.{exc.args[0]}' is missing") from None
@@ -352,6 +364,20 @@ class Snapshot:
             return None
         return free / slope
 
+    def same_reading(self, other: Snapshot | None) -> bool:
+        """Whether ``other``, of the same sidecar boot, carries this snapshot's engine reading
+        (sent again with the other collectors' news). False when either has none, or when the
+        sidecar does not count its readings: each is then new."""
+        if other is None or other.boot != self.boot:
+            return False
+        mine, theirs = self.engine, other.engine
+        return (
+            mine is not None
+            and theirs is not None
+            and mine.reading != 0
+            and mine.reading == theirs.reading
+        )
+
     def to_wire(self) -> dict[str, Any]:
         """The msgpack map, without ``sig``."""
         wire: dict[str, Any] = {
@@ -397,6 +423,8 @@ class Snapshot:
                 wire["engine"]["kv_tokens"] = engine.kv_tokens
             if engine.age_ms:
                 wire["engine"]["age_ms"] = engine.age_ms
+            if engine.reading:
+                wire["engine"]["reading"] = engine.reading
         return wire
 
     @classmethod

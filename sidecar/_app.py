@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import random
@@ -300,6 +301,8 @@ class _Collectors:
         else:
             self._failed_scrapes = 0
             self.live.engine_read_at = time.monotonic()
+            self.live.readings += 1
+            engine = dataclasses.replace(engine, reading=self.live.readings)
         self.live.engine = engine
         self.live.changed()
 

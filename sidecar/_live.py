@@ -54,6 +54,7 @@ class Live:
     gpus: tuple[GpuSample, ...] = ()
     engine: EngineSample | None = None
     engine_read_at: float = 0.0  # time.monotonic() of the reading in `engine`
+    readings: int = 0  # engine readings taken in this boot (`EngineSample.reading`)
     rss: int | None = None
     rss_slope: float | None = None
     mem_free: int | None = None

@@ -216,7 +216,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
 
 SNAPSHOT_KEYS = frozenset(
     {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
-    | {"running", "waiting", "kv_cache", "tps", "kv_tokens", "age_ms"}
+    | {"running", "waiting", "kv_cache", "tps", "kv_tokens", "age_ms", "reading"}
 )
 
 
@@ -237,6 +237,7 @@ def _snapshot(
     tps: float | None = None,
     kv_tokens: int | None = None,
     age_ms: int = 0,
+    reading: int = 0,
 ) -> Snapshot:
     engine = None
     if running is not None:
@@ -247,6 +248,7 @@ def _snapshot(
             tps=tps,
             kv_tokens=kv_tokens,
             age_ms=age_ms,
+            reading=reading,
         )
     return Snapshot(
         node=name,

@@ -315,6 +315,34 @@ def test_in_flight_at_snapshot_is_remembered_for_the_effective_queue(snap: MakeS
     assert n0.view.effective_queue == 4
 
 
+def test_the_same_engine_reading_sent_again_keeps_the_count_of_ours_since_it(
+    snap: MakeSnapshot,
+) -> None:
+    # A busy engine answers /metrics late: its sidecar keeps the last reading, and its other
+    # collectors' news sends it again under new seqs. Each was taken as a new reading, and the
+    # count of our requests since it re-based: the two sent since vanished from the queue.
+    t = table()
+    n0 = t.nodes["n0"]
+    n0.view.in_flight = 3
+    t.record_snapshot(n0, snap("n0", 1, running=5, tps=50.0, reading=4), 1.0)  # 3 are ours
+    rate = n0.decode_rate
+    n0.view.in_flight = 5
+    n0.view.others_since_snapshot = 2  # and the other replicas told of 2 more
+    assert n0.view.effective_queue == 5 + 2 + 2
+    t.record_snapshot(n0, snap("n0", 2, running=5, tps=90.0, age_ms=800, reading=4), 1.5)
+    assert n0.view.snapshot is not None and n0.view.snapshot.seq == 2  # its other news taken
+    assert n0.view.effective_queue == 5 + 2 + 2  # the same reading: the same queue
+    assert n0.decode_rate == rate  # nor learnt from twice (its tps differs to show it)
+    t.record_snapshot(n0, snap("n0", 3, running=5, reading=5), 2.0)  # a new reading: re-based
+    assert (n0.view.in_flight_at_snapshot, n0.view.others_since_snapshot) == (5, 0)
+    assert n0.view.effective_queue == 5
+    # A sidecar that does not number its readings: each snapshot is a new one, as before.
+    t.record_snapshot(n0, snap("n0", 4, running=9), 2.5)
+    n0.view.in_flight = 7
+    t.record_snapshot(n0, snap("n0", 5, running=9), 3.0)
+    assert n0.view.in_flight_at_snapshot == 7
+
+
 def test_unknown_models_and_nodes_without_models() -> None:
     t = table()
     assert t.candidates("other") is None

@@ -597,6 +597,26 @@ def test_a_snapshot_with_a_vanishing_token_rate_does_not_poison_the_speed(
     assert model.rate == pytest.approx(100.0 * 4 / 200.0)
 
 
+def test_the_same_engine_reading_sent_again_teaches_the_model_nothing(node: MakeNode) -> None:
+    # A sidecar sends its last reading again with its other collectors' news: learnt from
+    # twice, the others' trend decayed toward nothing and one reading's speed weighed double.
+    model = ServiceModel(0.97)
+    for seq, running in ((1, 2), (2, 6)):
+        view = node("a", running=running, tps=100.0, seq=seq, reading=seq)
+        assert view.snapshot is not None
+        model.see(view.snapshot, 0)
+    trend, rate = model.trend, model.rate
+    assert trend > 0
+    again = node("a", running=6, tps=300.0, seq=3, age_ms=900, reading=2).snapshot
+    assert again is not None
+    model.see(again, 0)
+    assert (model.trend, model.rate, model.snapshot) == (trend, rate, again)
+    newer = node("a", running=6, tps=300.0, seq=4, reading=3).snapshot
+    assert newer is not None
+    model.see(newer, 0)  # a new reading, the same queue: the trend eases, the rate moves
+    assert model.trend < trend and model.rate != rate
+
+
 def test_a_hedged_request_is_learnt_with_the_prefix_its_answering_node_held(
     node: MakeNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:

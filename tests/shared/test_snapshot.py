@@ -137,6 +137,7 @@ engines = st.builds(
     tps=st.none() | numbers(0, 1e9),  # the schema bounds tokens/s at 1e9,
     kv_tokens=st.none() | st.integers(1, 2**53),
     age_ms=st.integers(0, MAX_AGE_MS),
+    reading=st.integers(0, 2**63 - 1),
 )
 
 snapshots = st.builds(
@@ -318,6 +319,24 @@ def test_an_engine_readings_age_travels_and_a_writer_without_it_reads_as_fresh()
     assert decode(wire(engine={"running": 2, "waiting": 1})).engine == EngineSample(
         running=2, waiting=1, age_ms=0
     )
+
+
+def test_an_engine_readings_number_travels_and_tells_the_same_reading_sent_again() -> None:
+    first = snap(engine=EngineSample(running=3, waiting=1, reading=7))
+    assert msgpack.unpackb(encode(first), raw=False)["engine"]["reading"] == 7
+    assert decode(encode(first)) == first
+    again = snap(seq=2, cpu=0.5, engine=EngineSample(running=3, waiting=1, age_ms=900, reading=7))
+    assert first.same_reading(again) and again.same_reading(first)
+    newer = snap(seq=3, engine=EngineSample(running=3, waiting=1, reading=8))  # equal, but new
+    assert not again.same_reading(newer)
+    rebooted = snap(boot="other", engine=EngineSample(running=3, waiting=1, reading=7))
+    assert not first.same_reading(rebooted)  # counted from 1 again in a new boot
+    assert not first.same_reading(snap(seq=2)) and not snap().same_reading(first)
+    assert not first.same_reading(None)
+    # A writer that does not count its readings: each snapshot is a new one, as before.
+    unsaid = snap(engine=EngineSample(running=3, waiting=1))
+    assert not unsaid.same_reading(snap(seq=2, engine=EngineSample(running=3, waiting=1)))
+    assert "reading" not in msgpack.unpackb(encode(unsaid), raw=False)["engine"]
 
 
 def test_full_snapshot_round_trips() -> None:
@@ -557,6 +576,10 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": True}),
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": None}),
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": MAX_AGE_MS + 1}),
+    ("engine.reading", {"running": 0, "waiting": 0, "reading": -1}),
+    ("engine.reading", {"running": 0, "waiting": 0, "reading": 1.0}),
+    ("engine.reading", {"running": 0, "waiting": 0, "reading": True}),
+    ("engine.reading", {"running": 0, "waiting": 0, "reading": 2**63}),
 ]
 
 
