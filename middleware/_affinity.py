@@ -167,6 +167,9 @@ class Affinity:
     ) -> None:
         self._inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
+        self._inner.refused(request, node)
+
     def forget_node(self, name: str) -> None:
         self._inner.forget_node(name)
 

@@ -425,9 +425,12 @@ class Balancer:
             # while the try ran (a reload re-pointed its name, discovery let it go): it would
             # bring back what its removal made the strategy forget, under a name that may now
             # be another server's.
-            if ok and 200 <= code < 300 and self.table.nodes.get(node.name) is node:
+            if ok and self.table.nodes.get(node.name) is node:
                 try:
-                    self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
+                    if 200 <= code < 300:
+                        self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
+                    elif code >= 400:
+                        self.strategy.refused(route, node.view)
                 except Exception:  # learning must never break a request
                     _log.exception("strategy %s failed to observe", self.config.strategy)
 

@@ -73,7 +73,8 @@ class NodeConfig:
         object.__setattr__(self, "url", check_url("url", self.url))
         if self.sidecar is not None:
             object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
-        positive("weight", self.weight)
+        # A ratio between nodes: near 1e308, weighted round robin's running sums became NaN.
+        positive("weight", self.weight, most=1e6)
         if (
             self.api_key_env is not None
             and self.api_key is not None
@@ -113,7 +114,9 @@ class AffinityConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ConfigError(key, value, f"an integer in {low}..{high}")
-        positive("epsilon", self.epsilon)
+        # Past it the bound is no bound (101 times the average), and a huge one overflowed
+        # the bound's arithmetic into an error on every keyed pick.
+        positive("epsilon", self.epsilon, most=100.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -104,11 +104,13 @@ def check_header_name(key: str, value: object) -> None:
         raise ConfigError(key, value, "an HTTP header name such as x-session-id")
 
 
-def positive(key: str, value: float, *, zero: bool = False) -> None:
+def positive(key: str, value: float, *, zero: bool = False, most: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(key, value, "a finite number")
     if value < 0 or (value == 0 and not zero):
         raise ConfigError(key, value, ">= 0" if zero else "> 0")
+    if most is not None and value > most:
+        raise ConfigError(key, value, f"at most {most:g}")
 
 
 def whole_number(key: str, value: object, low: int) -> int:

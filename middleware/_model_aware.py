@@ -117,6 +117,9 @@ class ModelAware:
     ) -> None:
         self.inner.observe(request, node, latency_s, ttft_s, queue_at_pick)
 
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
+        self.inner.refused(request, node)
+
     def forget_node(self, name: str) -> None:
         self.inner.forget_node(name)
 

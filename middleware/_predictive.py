@@ -71,6 +71,13 @@ _OUT_SPREAD = 16.0  # an answer teaches a max_tokens at most this many times its
 # A cold node failing this share of its tries is not probed: only answers warm a node, so one
 # that fails fast took every probe (each a request's first try) until outlier ejection.
 _PROBE_ERRORS = 0.25
+# A node that refused this many tries in a row (4xx: no failure, nothing learnt; a wrong API key,
+# a model it lacks) sits out picks, twice as many after each further refusal: answering at once
+# and never learnt, it was a cold node with nothing in flight, and took every probe (99.8% of
+# the traffic of three nodes, all refused, where round robin sent it a third).
+_REFUSALS = 3
+_SIT_OUT = 8
+_MAX_SIT_OUT = 1024
 # Expected times this close to the best are a tie, settled by our own requests in flight. In the
 # simulator (three or four seeds, 1 and 8 replicas) 0.2 took shared-system-prompt's TTFT p90 at
 # one replica from 0.37 s to 0.18 s (least_conn 0.20 s) and at eight from 0.80 s to 0.57 s, and
@@ -122,6 +129,8 @@ class ServiceModel:
         "peak",
         "prior",
         "rate",
+        "refused",
+        "sit_out",
         "slots",
         "snapshot",
         "theta",
@@ -143,6 +152,8 @@ class ServiceModel:
         self.trend = 0.0  # EWMA of the others' queue change between snapshots
         self.others: int | None = None  # the others' queue at the last snapshot
         self.snapshot: Snapshot | None = None
+        self.refused = 0  # tries the node refused since its last answer learnt
+        self.sit_out = 0  # picks it sits out yet, once it has refused `_REFUSALS` in a row
 
     def service(self, out_tokens: float, in_tokens: float) -> float:
         a, b, c = self.theta
@@ -179,6 +190,7 @@ class ServiceModel:
         """One observed try: ``service_s`` in all, of which ``decode_s`` (when the first token's
         time is known) after the first token. Decoding never waits in a queue, so split in two
         it is a clean reading of b, and only the head carries the error of the guessed wait."""
+        self.refused = self.sit_out = 0
         if self.count >= _SETTLED:
             # One reading moves a settled model at most so far (both parts scaled alike): one
             # streamed answer that stalled 300 s, after fifty of 2 s, priced its node at minutes
@@ -241,6 +253,16 @@ class ServiceModel:
             for i in range(9):
                 p[i] *= scale
 
+    def sits_out(self) -> bool:
+        """Whether a node that refused `_REFUSALS` tries in a row or more sits this pick out:
+        it is looked at once in every `_SIT_OUT` picks and one, twice as seldom after each
+        refusal more (an answer learnt, here or at another replica, ends it)."""
+        if self.sit_out:
+            self.sit_out -= 1
+            return True
+        self.sit_out = min(_SIT_OUT << min(self.refused - _REFUSALS, 16), _MAX_SIT_OUT)
+        return False
+
     def see(self, snapshot: Snapshot, in_flight_at_snapshot: int) -> None:
         """A new snapshot: learn the slots, and the trend of the others' queue."""
         again = snapshot.same_reading(self.snapshot)
@@ -251,7 +273,10 @@ class ServiceModel:
         if engine is None:
             self.others = None
             return
-        if engine.waiting > 0 and engine.running > self.slots:
+        # Learnt when a queue shows them; and raised by a reading running more with none: an
+        # engine seen queueing early on (vLLM queues arrivals until its next step) set them
+        # for good, and its node looked full at a sixtieth of its slots.
+        if engine.running > self.slots and (engine.waiting > 0 or self.slots):
             self.slots = engine.running
         if engine.running > self.peak:
             self.peak = engine.running
@@ -540,10 +565,14 @@ class Predictive:
         answered = busy_unknown = False
         times: dict[str, float] = {}
         models = self._models
+        sat: list[str] | None = None  # the names sitting this pick out (`ServiceModel.sits_out`)
         for node in looked:
             name = node.name
-            uncached = None if held is None else self._prefill(request, held.get(name, 0))
             model = models.get(name) or self._model(name)
+            if model.refused >= _REFUSALS and model.sits_out():
+                sat = [name] if sat is None else [*sat, name]  # (rare: a list per pick else)
+                continue
+            uncached = None if held is None else self._prefill(request, held.get(name, 0))
             t = self._time(request, node, model, out, uncached)
             if model.count:
                 answered = True
@@ -599,7 +628,7 @@ class Predictive:
             # candidate says (not the sample looked at, which differs by replica), unless that
             # node is much worse, so that replicas that do not share an index agree.
             agreed = first_choice(request.blocks[0], candidates)
-            if agreed.name not in times:
+            if agreed.name not in times and (sat is None or agreed.name not in sat):
                 t = self.expected_time(request, agreed, out)
                 times[agreed.name] = math.inf if t is None else t  # 0.0 is a time: not None
             t = times.get(agreed.name)
@@ -743,6 +772,9 @@ class Predictive:
         if self.index is not None:
             self.index.tell((node.name, out, prefill, service, decode, clean))
 
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
+        self._model(node.name).refused += 1
+
     def forget_node(self, name: str) -> None:
         self._models.pop(name, None)
         self._old_models.pop(name, None)
@@ -760,10 +792,13 @@ class Predictive:
     def _learn_class(self, request: RouteRequest, tokens: float) -> None:
         # By model too: an embeddings model's requests said nothing of a chat model's.
         key = (request.model, request.prompt_class)
-        old = self._history.get(key)
-        if old is None and len(self._history) >= _MAX_CLASSES:
-            return  # classes can come from a header: they must not pile up
-        self._history[key] = tokens if old is None else old + 0.05 * (tokens - old)
+        history = self._history
+        old = history.pop(key, None)  # back in last: the least recently taught goes first
+        if old is None and len(history) >= _MAX_CLASSES:
+            # Classes can come from a header: they must not pile up, nor may junk ones keep
+            # out for good a class or a model first seen after them.
+            del history[next(iter(history))]
+        history[key] = tokens if old is None else old + 0.05 * (tokens - old)
 
     def model_of(self, name: str) -> ServiceModel | None:
         """The learnt model of node ``name``, for the status page and tests."""

@@ -90,6 +90,11 @@ class Strategy(Protocol):
         byte, ``queue_at_pick`` its `NodeView.effective_queue` when it was picked. Strategies
         that learn (``predictive``) learn here; the others ignore it."""
 
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
+        """A try on ``node`` ended in the node's own refusal (a 4xx but 429): no failure, and
+        nothing to learn from. ``predictive`` probes a node that refuses every try less and
+        less; the others ignore it."""
+
     def forget_node(self, name: str) -> None:
         """Node ``name`` left the table (removed, or its name now another server's): what was
         learnt of it goes, or a server that takes the name later would inherit it."""
@@ -120,6 +125,9 @@ class Static:
         ttft_s: float | None,
         queue_at_pick: int,
     ) -> None:
+        return None
+
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
         return None
 
     def forget_node(self, name: str) -> None:

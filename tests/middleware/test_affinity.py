@@ -71,6 +71,9 @@ class Recording:
     ) -> None:
         self.observed.append((node.name, latency_s, ttft_s, queue_at_pick))
 
+    def refused(self, request: RouteRequest, node: NodeView) -> None:
+        return None
+
     def forget_node(self, name: str) -> None:
         return None
 

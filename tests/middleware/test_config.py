@@ -72,6 +72,14 @@ tags = ["code"]
         ("[[nodes]]\nname = 'a'\nurl = 'ftp://x'\n", "nodes[0].url", "http(s) URL"),
         ("[[nodes]]\nname = 'a'\n", "nodes[0].url", "required"),
         ("[[nodes]]\nname = 'a'\nurl = 'http://x:1'\nweight = -1\n", "nodes[0].weight", "> 0"),
+        # Near 1e308 weighted round robin's sums became NaN; a huge epsilon overflowed the
+        # load bound into an error on every keyed pick.
+        (
+            "[[nodes]]\nname = 'a'\nurl = 'http://x:1'\nweight = 1e300\n",
+            "nodes[0].weight",
+            "at most",
+        ),
+        ("[affinity]\nepsilon = 1e308\n" + NODE, "affinity.epsilon", "at most 100"),
         (
             "[[nodes]]\nname = 'a'\nurl = 'http://x:1'\ncolour = 'red'\n",
             "nodes[0].colour",

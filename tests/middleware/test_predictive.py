@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections import Counter
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._predictive import HOLDER_TIE, NEAR_TIE, Predictive, ServiceModel
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._simple import LeastConn
@@ -18,7 +22,8 @@ from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
 from promptlb.shared import ConfigError
 
-from tests.middleware.conftest import MakeCluster, MakeNode
+from tests.conftest import Serve
+from tests.middleware.conftest import MakeCluster, MakeNode, chat_node, no_app
 
 # A synthetic node: 0.3 s to the first token, 50 tokens/s, 0.5 ms per prompt token.
 A, B, C = 0.3, 0.02, 0.0005
@@ -518,6 +523,26 @@ def test_unknown_slots_are_one_more_than_the_most_seen_running_never_much_room(
     assert busy is not None and quiet is not None and busy > quiet + 5.0
 
 
+def test_slots_learnt_from_an_early_queue_grow_with_a_reading_running_more(
+    node: MakeNode,
+) -> None:
+    # vLLM queues arrivals until its next step: one reading in a burst (4 running, 2 waiting)
+    # set a 256-slot node's slots at 4 for good, and it looked full at a sixtieth of them.
+    model = ServiceModel(0.97)
+    for seq, (running, waiting) in enumerate(((4, 2), (32, 0), (20, 0)), 1):
+        view = node("a", seq=seq, running=running, waiting=waiting)
+        assert view.snapshot is not None
+        model.see(view.snapshot, 0)
+    assert (model.slots, model.peak) == (32, 32)
+    model.mean_service = 2.0
+    assert model.wait(20) == 0.0
+    never = ServiceModel(0.97)  # never seen a queue: slots stay unknown, the peak leads
+    view = node("b", running=12, waiting=0)
+    assert view.snapshot is not None
+    never.see(view.snapshot, 0)
+    assert (never.slots, never.peak) == (0, 12)
+
+
 def test_a_zero_or_absurd_max_tokens_neither_routes_nor_teaches(node: MakeNode) -> None:
     from promptlb.middleware._request import route_of as route_request
 
@@ -615,6 +640,116 @@ def test_the_same_engine_reading_sent_again_teaches_the_model_nothing(node: Make
     assert newer is not None
     model.see(newer, 0)  # a new reading, the same queue: the trend eases, the rate moves
     assert model.trend < trend and model.rate != rate
+
+
+def test_the_output_lengths_kept_are_those_taught_last(node: MakeNode) -> None:
+    # Classes come from a header: once 1,024 were kept, a class (or a model) first seen after
+    # them used the default length until a restart.
+    strategy = make_strategy("predictive", cache_aware=False)
+    assert isinstance(strategy, Predictive)
+    view = node("a", running=1)
+    for i in range(1_100):
+        strategy.observe(
+            RouteRequest(model="m", prompt_class=f"junk{i}", max_tokens=50), view, 1.0, None, 0
+        )
+    for _ in range(200):
+        strategy.observe(
+            RouteRequest(model="m", prompt_class="long", max_tokens=4000), view, 1.0, None, 0
+        )
+    assert len(strategy._history) == 1_024
+    assert strategy.expected_output(RouteRequest(model="m", prompt_class="long")) > 2_000
+    assert ("m", "junk0") not in strategy._history  # the least recently taught went
+    assert ("m", "junk1099") in strategy._history
+
+
+def test_a_node_that_refuses_every_try_sits_out_more_and_more_picks(node: MakeNode) -> None:
+    # A node answering 4xx at once (a wrong API key, a model it lacks) is no failure and
+    # teaches nothing: never learnt and never busy, it took every probe, 998 of 1,000 picks.
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(0)
+    views = [node(name, running=2) for name in "abc"]
+    got: Counter[str] = Counter()
+    at: list[int] = []
+    for i in range(1_000):
+        req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+        view = strategy.pick(req, views, rng)
+        got[view.name] += 1
+        if view.name == "c":
+            at.append(i)
+            strategy.refused(req, view)
+        else:
+            strategy.observe(req, view, 2.0, None, 0)
+    assert 3 <= got["c"] <= 15, got  # probed again now and then, ever more seldom
+    gaps = [b - a for a, b in itertools.pairwise(at[2:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 100, at
+    # An answer learnt (here, or told by another replica) ends it: a node whose key was
+    # fixed is back at its share at once.
+    model = strategy.model_of("c")
+    assert model is not None and model.refused >= 3
+    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+    strategy.observe(req, views[2], 2.0, None, 0)
+    assert (model.refused, model.sit_out) == (0, 0)
+    for _ in range(20):  # as fast as the others: looked at on every pick, it gets its share
+        strategy.observe(req, views[2], 2.0, None, 0)
+    picks = Counter(strategy.pick(req, views, rng).name for _ in range(300))
+    assert picks["c"] >= 50, picks
+
+
+def test_a_node_refusing_alone_is_still_picked_and_two_refusals_change_nothing(
+    node: MakeNode,
+) -> None:
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(1)
+    only = [node("c", running=0)]
+    for _ in range(10):
+        assert strategy.pick(request(), only, rng) is only[0]  # nowhere else to go
+        strategy.refused(request(), only[0])
+    pair = [node("a", running=0), node("b", running=0)]
+    for _ in range(2):  # a client's bad requests now and then: below the mark
+        strategy.refused(request(), pair[1])
+    model = strategy.model_of("b")
+    assert model is not None and (model.refused, model.sit_out) == (2, 0)
+    picks = Counter(strategy.pick(request(), pair, rng).name for _ in range(200))
+    assert picks["b"] >= 40, picks
+
+
+async def test_the_balancer_tells_predictive_of_a_nodes_refusals(serve: Serve) -> None:
+    """Over HTTP: of three nodes one answers every request 401; 60 requests one at a time."""
+
+    async def fine(request: web.Request) -> web.Response:
+        return web.json_response({"id": "x", "choices": [{"index": 0, "text": "ok"}]})
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad key"}}, status=401)
+
+    async with (
+        serve(chat_node(fine)) as a,
+        serve(chat_node(fine)) as b,
+        serve(chat_node(refuse)) as c,
+    ):
+        urls = {"a": a, "b": b, "c": c}
+        nodes = [{"name": n, "url": u, "models": ["m"]} for n, u in urls.items()]
+        app = PromptLBMiddleware(
+            no_app, config={"nodes": nodes, "strategy": "predictive", "health": {"enabled": False}}
+        )
+        transport = httpx.ASGITransport(app=app)
+        got: Counter[str] = Counter()
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+                for _ in range(60):
+                    body = {
+                        "model": "m",
+                        "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }
+                    response = await http.post("/v1/chat/completions", json=body)
+                    got[response.headers["x-promptlb-node"]] += 1
+                    assert response.status_code in (200, 401)
+        finally:
+            await app.dispatcher.stop()
+    assert got["c"] <= 8 and got["a"] + got["b"] >= 52, got  # before: c took nearly all
 
 
 def test_a_hedged_request_is_learnt_with_the_prefix_its_answering_node_held(
