@@ -184,6 +184,7 @@ class IndexShare:
         self.replica = secrets.token_hex(8)  # to skip our own entries when reading
         self._last_id: bytes | None = None  # None: read from the stream's end at first
         self._down = False
+        self._refused = False  # Redis refuses our writes (told once a streak)
         self._task: asyncio.Task[None] | None = None
         index.share()
 
@@ -263,8 +264,8 @@ class IndexShare:
             # the read beside it: the others' records still come.
             replies = await pipe.execute(raise_on_error=False)
             got = replies[-1]
-            if fields is not None and isinstance(replies[0], BaseException):
-                self._metrics.index_share_errors.labels("write").inc()
+            if fields is not None:
+                self._wrote(replies[0])
             op = "read"
             if isinstance(got, BaseException):
                 raise got
@@ -289,6 +290,24 @@ class IndexShare:
         if self._down:
             self._down = False
             log.info("promptlb: index sharing through Redis works again")
+
+    def _wrote(self, reply: object) -> None:
+        """Count and tell (once a streak, as an outage is) a write Redis refused while it
+        answered the read: out of memory under ``noeviction``, a replica made read-only by a
+        failover. Counted only, the replica stopped sharing with no word in its log."""
+        if isinstance(reply, BaseException):
+            self._metrics.index_share_errors.labels("write").inc()
+            if not self._refused:
+                self._refused = True
+                log.warning(
+                    "promptlb: Redis refuses this replica's index share writes (%s: %s); the "
+                    "others no longer learn what it sends until it takes them again",
+                    type(reply).__name__,
+                    reply,
+                )
+        elif self._refused:
+            self._refused = False
+            log.info("promptlb: Redis takes this replica's index share writes again")
 
     def _learn(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> bool:
         """The others' entries into the index; whether a full batch came (more may wait)."""
