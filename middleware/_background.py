@@ -343,6 +343,9 @@ class Evidence:
             held = node.snapshot
             if held is not None and (held.boot, held.seq) == (snapshot.boot, snapshot.seq):
                 failures.pop(node.name, None)
+                # (Answering again ends a problem: left open, its "ok again" never came, and
+                # the same failure later was not told either.)
+                self._problem(node, "snapshot", None)
                 return  # the sidecar saw nothing new since the last poll: no news, no error
             if snapshot.node != node.name and self._keys is not None:
                 raise SnapshotError(
@@ -446,7 +449,7 @@ class Evidence:
                 infos = await asyncio.get_running_loop().getaddrinfo(
                     disc.name, disc.port, type=socket.SOCK_STREAM
                 )
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, UnicodeError) as exc:  # (a name the codec refuses)
             reason = exc if not isinstance(exc, TimeoutError) else f"no answer in {disc.timeout:g}s"
             log.warning(
                 "dns discovery of %s failed: %s; keeping the current nodes", disc.name, reason

@@ -78,7 +78,8 @@ class NodeConfig:
         if (
             self.api_key_env is not None
             and self.api_key is not None
-            and self.api_key != os.environ.get(self.api_key_env)  # a copy: read from it before
+            # A copy, read from it before (its ends stripped as then).
+            and self.api_key != (os.environ.get(self.api_key_env) or "").strip()
         ):
             # One of them was silently ignored (the environment's).
             raise ConfigError("api_key_env", self.api_key_env, "no api_key beside it")
@@ -86,7 +87,19 @@ class NodeConfig:
             key = os.environ.get(self.api_key_env)
             if not key:
                 raise ConfigError("api_key_env", self.api_key_env, "a set environment variable")
-            object.__setattr__(self, "api_key", key)
+            object.__setattr__(self, "api_key", _one_line(key, "api_key_env", self.api_key_env))
+        elif self.api_key is not None:
+            object.__setattr__(self, "api_key", _one_line(self.api_key, "api_key", None))
+
+
+def _one_line(secret: str, key: str, source: str | None) -> str:
+    """A secret sent in a header, its ends stripped (a Kubernetes Secret made from a file ends
+    in a newline); one with a control character inside is refused, unprinted: aiohttp refused
+    it on every try, which failed outright, not retried elsewhere nor charged to the node."""
+    clean = secret.strip()
+    if not clean or not clean.isprintable():
+        raise ConfigError(key, source or Redacted(secret), "one line of printable text")
+    return clean
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +154,14 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         if self.mode == "dns" and not self.name:
             raise ConfigError("name", self.name, "a DNS name to resolve (discovery mode dns)")
+        if self.mode == "dns":
+            try:
+                # As the resolver takes it: an empty label (gw..svc) or one over 63 characters
+                # raised UnicodeError out of the lookup, which stopped the gateway's start
+                # (naming no key) or left a reload with no gossip or health loops at all.
+                self.name.encode("idna")
+            except UnicodeError:
+                raise ConfigError("name", self.name, "a DNS name, its labels 1-63 long") from None
         if self.sidecar_port == 0 and not isinstance(self.sidecar_port, bool):
             # Discovered nodes without sidecars: each health check went to a sidecar port with
             # nothing there, and each gossip round failed.
@@ -478,11 +499,16 @@ def _read_token(key: str, path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8").strip() or None
+        token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise ConfigError(key, path, f"a readable file ({exc})") from None
     except UnicodeDecodeError:
         raise ConfigError(key, path, "a UTF-8 text file holding the token") from None
+    if not token.isprintable():
+        # Sent as a header: aiohttp refused two lines (old and new token, mid-rotation) on
+        # every poll and check, and every node stayed "unknown" for good.
+        raise ConfigError(key, path, "a file holding one token on one line")
+    return token or None
 
 
 T = TypeVar("T")

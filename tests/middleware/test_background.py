@@ -405,6 +405,45 @@ async def test_a_snapshot_answer_past_the_size_bound_is_not_read_whole(serve: Se
     assert sent["bytes"] < 16 * 1024 * 1024
 
 
+async def test_a_sidecar_back_with_the_snapshot_it_had_ends_its_problem(
+    serve: Serve, snap: MakeSnapshot, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its same seq again returned before the problem was cleared: "ok again" never came, and
+    # the same failure later went untold.
+    failing = {"now": False}
+    body = encode(snap("a", 7, running=1))
+
+    async def snapshot(request: web.Request) -> web.Response:
+        if failing["now"]:
+            return web.Response(status=500)
+        return web.Response(body=body, content_type="application/msgpack")
+
+    app = web.Application()
+    app.router.add_get("/snapshot", snapshot)
+    async with serve(app) as url:
+        config = Config(
+            nodes=(NodeConfig(name="a", url="http://127.0.0.1:9", sidecar=url),),
+            health=HealthConfig(enabled=False),
+            gossip_interval=3600.0,  # rounds run here, by hand
+            stale_after=7200.0,
+        )
+        lb = Balancer(config)
+        await lb.start()
+        evidence = lb._evidence
+        assert evidence is not None
+        try:
+            with caplog.at_level(logging.INFO, logger="promptlb"):
+                for down in (True, False, True, False):
+                    failing["now"] = down
+                    evidence._sit_out.clear()  # (the backoff's sit-out: every round polls)
+                    await evidence.gossip_round(whole=True)
+        finally:
+            await lb.stop()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("node a:")]
+    assert len(said) == 4, said
+    assert ["ok again" in m for m in said] == [False, True, False, True], said
+
+
 def test_a_problem_with_other_numbers_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     # A sidecar's clock off by more than stale_after: "is 6.1s old", "is 6.2s old"... each
     # round logged a warning, where a problem is logged once when it starts or changes.

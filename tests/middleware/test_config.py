@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -448,6 +449,49 @@ def test_a_token_file_that_is_not_text_is_a_config_error(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="UTF-8") as info:
         config.admin_secret()
     assert info.value.key == "admin_token_file"
+
+
+def test_a_token_file_of_two_lines_is_a_config_error(tmp_path: Path) -> None:
+    # Old and new token, mid-rotation: sent as a header, aiohttp refused it on every poll and
+    # check, and every node stayed "unknown" for good (every request a 503).
+    token = tmp_path / "token"
+    token.write_text("old-token\nnew-token\n")
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://a:1"}], "sidecar_token_file": str(token)}
+    )
+    with pytest.raises(ConfigError, match="one line") as info:
+        config.sidecar_token()
+    assert info.value.key == "sidecar_token_file"
+    token.write_text("the-token\n")  # a file's last newline is no second line
+    assert config.sidecar_token() == "the-token"
+
+
+def test_a_node_api_key_is_stripped_and_one_with_a_line_break_inside_refused_unprinted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Kubernetes Secret made from a file ends in a newline: aiohttp refused the header on
+    # every try, which failed outright (neither retried elsewhere nor charged to the node).
+    monkeypatch.setenv("NODE_KEY", "sk-secret\n")
+    node = NodeConfig(name="a", url="http://a:1", api_key_env="NODE_KEY")
+    assert node.api_key == "sk-secret"
+    assert dataclasses.replace(node, weight=2.0).api_key == "sk-secret"  # copied as read
+    assert NodeConfig(name="a", url="http://a:1", api_key=" sk-x ").api_key == "sk-x"
+    monkeypatch.setenv("NODE_KEY", "sk-old\nsk-new")
+    with pytest.raises(ConfigError) as info:
+        NodeConfig(name="a", url="http://a:1", api_key_env="NODE_KEY")
+    assert info.value.key == "api_key_env" and "sk-" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config({"nodes": [{"name": "a", "url": "http://a:1", "api_key": "sk-1\r\nX: y"}]})
+    assert info.value.key == "nodes[0].api_key" and "sk-" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["gw..svc.cluster.local", "a" * 64 + ".svc"])
+def test_a_discovery_name_the_resolver_refuses_is_a_config_error(name: str) -> None:
+    # UnicodeError out of the lookup stopped the start naming no key, or left a reload with
+    # no gossip or health loops at all.
+    with pytest.raises(ConfigError) as info:
+        load_config({"discovery": {"mode": "dns", "name": name}})
+    assert info.value.key == "discovery.name" and "1-63" in info.value.expected
 
 
 def test_no_expected_status_at_all_is_refused() -> None:
