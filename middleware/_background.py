@@ -19,7 +19,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -202,13 +202,17 @@ class Evidence:
             *(self._gossip(n) for n in nodes if n.config.sidecar),
         )
 
-    def carry_counts(self, previous: Evidence, replaced: Iterable[str]) -> None:
+    def carry_counts(self, previous: Evidence, changed: tuple[list[str], list[str]]) -> None:
         """A reload: the failures in a row and sit-outs of ``previous`` (read once its loops
         stopped: copied sooner, a node that answered meanwhile kept its old count), but those
-        of nodes that are now another server (``replaced``)."""
-        skip = set(replaced)
-        self._failures = {k: v for k, v in previous._failures.items() if k not in skip}
-        self._sit_out = {k: v for k, v in previous._sit_out.items() if k not in skip}
+        of the nodes ``changed`` (`NodeTable.reconfigure`'s): added or now another server,
+        whose check before joining counted here already, and removed (kept, they piled up
+        under discovery's coming and going names)."""
+        skip = {*changed[0], *changed[1]}
+        failures = {k: v for k, v in previous._failures.items() if k not in skip}
+        sit_out = {k: v for k, v in previous._sit_out.items() if k not in skip}
+        self._failures = failures | self._failures
+        self._sit_out = sit_out | self._sit_out
 
     def forget(self, name: str) -> None:
         """Node ``name`` left the table: under discovery, names come and go for good."""

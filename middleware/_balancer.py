@@ -204,7 +204,7 @@ class Balancer:
         if evidence is not None:
             if previous._evidence is not None:
                 await previous._evidence.stop()
-                evidence.carry_counts(previous._evidence, changed[0])
+                evidence.carry_counts(previous._evidence, changed)
                 previous._evidence = None
             await evidence.start(first=False)
             if previous._share is not None:

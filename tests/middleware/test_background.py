@@ -780,5 +780,9 @@ async def test_a_reload_carries_the_failure_counts_but_those_of_replaced_nodes()
         old._sit_out.update(a=3, b=3)
         new = Evidence(config, lb.table, session, lb.metrics, old)
         assert not new._failures  # a newcomer's check counts from nothing
-        new.carry_counts(old, ["b"])  # b: another server now, under the same name
-        assert (new._failures, new._sit_out) == ({"a": 4}, {"a": 3})
+        new._failures.update(b=1)  # ... and has counted b's failed check before it joined
+        old._failures.update(gone=6)
+        old._sit_out.update(gone=7)
+        # b: another server now, under the same name; gone: no longer a member
+        new.carry_counts(old, (["b"], ["gone"]))
+        assert (new._failures, new._sit_out) == ({"a": 4, "b": 1}, {"a": 3})
