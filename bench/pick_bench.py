@@ -8,6 +8,7 @@ Prints a table and writes bench/results/pick.json. Goals (issue 3): <= 20 us per
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -21,6 +22,7 @@ from typing import Any
 from promptlb.bench._report import RESULTS, environment
 from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._prefix import PrefixIndex, prompt_blocks
+from promptlb.middleware._rendezvous import first_choice
 from promptlb.middleware._scoring import Resource
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
@@ -211,6 +213,22 @@ def cache_aware(repeat: int, budget_s: float) -> dict[str, Any]:
     }
 
 
+def new_prefix(repeat: int, budget_s: float) -> dict[str, float]:
+    """Where a prefix no node holds starts (`first_choice`, run for every candidate list at
+    each such pick, however few the pick samples): per call, a new prefix each, by fleet size.
+    Every candidate was scored once: 0.8 ms at 1,000 nodes."""
+    out: dict[str, float] = {}
+    for n in SIZES:
+        views = [NodeView(name=f"gpu-node-{i:04d}.cluster.local", url="") for i in range(n)]
+        call = partial(_first_choice_of_next, itertools.count(1), views)
+        out[f"{n}_nodes"] = per_pick_us(call, repeat, budget_s)
+    return out
+
+
+def _first_choice_of_next(keys: itertools.count[int], views: list[NodeView]) -> NodeView:
+    return first_choice(next(keys), views)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     labels = [case[0] for case in CASES]
     by = {(r["strategy"], r["nodes"]): r for r in rows}
@@ -236,6 +254,7 @@ def main() -> None:
     began = time.perf_counter()
     rows = run(repeat, budget_s)
     cached = cache_aware(repeat, budget_s)
+    cached["us_new_prefix_first_choice"] = new_prefix(repeat, budget_s)
     report: dict[str, Any] = {
         "benchmark": "pick",
         **environment(),  # commit, dirty, when, python, cores: what was measured, where
@@ -253,6 +272,11 @@ def main() -> None:
         f"({cached['us_hashing']:.1f} us of it hashing; goal <= {CACHE_GOAL_US:.0f} us: "
         f"{'ok' if cached['meets_goal'] else 'MISSED'}); index {cached['index_bytes_per_entry']}"
         f" bytes an entry, {cached['index_mb_at_1000_nodes_full']} MB at 1,000 nodes full"
+    )
+    spots = cached["us_new_prefix_first_choice"]
+    print(
+        "where a new prefix starts (rendezvous): "
+        + ", ".join(f"{us:.1f} us at {n.split('_')[0]} nodes" for n, us in spots.items())
     )
     # A quick run goes under quick/, as every other bench's: it overwrote the committed file.
     out = RESULTS / "quick" / "pick.json" if args.quick else RESULTS / "pick.json"

@@ -55,7 +55,8 @@ from collections.abc import Sequence
 from promptlb.shared import ConfigError, Snapshot
 
 from ._config_base import whole_number
-from ._prefix import INDEX_TOKENS, PrefixIndex, Reading, first_choice
+from ._prefix import INDEX_TOKENS, PrefixIndex, Reading
+from ._rendezvous import first_choice
 from ._simple import LeastConn
 from ._strategy import FORGET_SPAN, Scoring, Strategy, distinct_sample
 from ._view import NodeView, RouteRequest

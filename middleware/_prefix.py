@@ -35,7 +35,6 @@ it (`tell`, `readings`), and takes the others' from `learn_readings` by the hook
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from itertools import count
 from typing import Any
@@ -103,33 +102,6 @@ def body_blocks(body: Mapping[str, Any], size: int) -> tuple[int, ...]:
         if ids is None or len(ids) * BYTES_PER_TOKEN < INDEX_BYTES:
             return ()
     return prompt_blocks(prompt_bytes(body))
-
-
-def first_choice(first_block: int, candidates: Sequence[NodeView]) -> NodeView:
-    """Rendezvous hashing of a prefix's first block over the candidates: every replica, with no
-    state shared, picks the same node for a prefix nobody holds yet, and a node leaving moves
-    only its own prefixes. The score is a real mixing hash: CRC-32 seeded with the block is
-    linear in it, and split three nodes 50/25/25."""
-    best, chosen = b"", candidates[0]
-    key = first_block.to_bytes(8, "little")
-    names = _NAME_BYTES
-    if len(names) > 4096:
-        names.clear()  # names come and go under discovery: bounded
-    blake2b = hashlib.blake2b
-    for node in candidates:
-        name = node.name
-        raw = names.get(name)
-        if raw is None:
-            # Encoded once: encoding each name on each call was a third of it (64 nodes: 87 us
-            # -> 55 us; it runs over every candidate, for each prefix nobody holds).
-            raw = names[name] = name.encode()
-        score = blake2b(raw, digest_size=8, key=key).digest()
-        if score > best:
-            best, chosen = score, node
-    return chosen
-
-
-_NAME_BYTES: dict[str, bytes] = {}
 
 
 class _Node:

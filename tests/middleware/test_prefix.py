@@ -25,9 +25,9 @@ from promptlb.middleware._prefix import (
     INDEX_TOKENS,
     PrefixIndex,
     body_blocks,
-    first_choice,
     prompt_blocks,
 )
+from promptlb.middleware._rendezvous import first_choice
 from promptlb.middleware._request import RequestReader
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._shedding import Admission
