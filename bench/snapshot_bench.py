@@ -21,7 +21,15 @@ from typing import Any
 import aiohttp
 from promptlb.bench._report import RESULTS, environment
 from promptlb.emulator import Service, start_service
-from promptlb.shared import EngineSample, GpuSample, SigningKey, Snapshot, decode, encode
+from promptlb.shared import (
+    EPOCHS_V,
+    EngineSample,
+    GpuSample,
+    SigningKey,
+    Snapshot,
+    decode,
+    encode,
+)
 from promptlb.sidecar._gpu import GpuCollector
 
 _MiB = 1024 * 1024
@@ -73,6 +81,7 @@ def eight_gpu_snapshot() -> Snapshot:
         node="gpu-node-07.cluster.local",
         boot="9f2c4e1a7b3d5e60",
         seq=123_456,
+        v=EPOCHS_V,  # as the sidecar writes it: no byte more than v1
         ts=time.time(),
         ready=True,
         warm=True,

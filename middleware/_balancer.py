@@ -430,6 +430,10 @@ class Balancer:
                     if 200 <= code < 300:
                         self.strategy.observe(route, node.view, latency, ttft, upstream.queued)
                     elif code >= 400:
+                        # Any 4xx (429 is no answer, `ok`): a node answering 400 to every
+                        # request (a chat template it lacks) was as cold and as idle as one
+                        # with a wrong key; a client's bad requests bench an idle node for a
+                        # few looks at most (its answers in between end a run).
                         self.strategy.refused(route, node.view)
                 except Exception:  # learning must never break a request
                     _log.exception("strategy %s failed to observe", self.config.strategy)

@@ -91,9 +91,10 @@ class Strategy(Protocol):
         that learn (``predictive``) learn here; the others ignore it."""
 
     def refused(self, request: RouteRequest, node: NodeView) -> None:
-        """A try on ``node`` ended in the node's own refusal (a 4xx but 429): no failure, and
-        nothing to learn from. ``predictive`` probes a node that refuses every try less and
-        less; the others ignore it."""
+        """A try on ``node`` ended in a refusal (a 4xx but 429: a key it does not take, a model
+        it lacks, or the request's own fault): no failure, and nothing to learn from.
+        ``predictive`` looks at a node that refuses every try less and less; the others ignore
+        it."""
 
     def forget_node(self, name: str) -> None:
         """Node ``name`` left the table (removed, or its name now another server's): what was

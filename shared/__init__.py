@@ -14,9 +14,11 @@ from ._kv import (
 from ._prompt import prompt_prefix, prompt_turns
 from ._signing import FreshnessCheck, SigningKey, decode, encode, load_key_file, load_keys
 from ._snapshot import (
+    EPOCHS_V,
     MAX_AGE_MS,
     MAX_SNAPSHOT_BYTES,
     SCHEMA_VERSION,
+    SEQ_EPOCH_BITS,
     EngineSample,
     GpuSample,
     Snapshot,
@@ -26,9 +28,11 @@ __all__ = [
     "BLOCK_BYTES",
     "BLOCK_TOKENS",
     "BYTES_PER_TOKEN",
+    "EPOCHS_V",
     "MAX_AGE_MS",
     "MAX_SNAPSHOT_BYTES",
     "SCHEMA_VERSION",
+    "SEQ_EPOCH_BITS",
     "ConfigError",
     "EngineSample",
     "FreshnessCheck",

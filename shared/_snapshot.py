@@ -21,6 +21,7 @@ import msgpack
 from ._errors import SnapshotError
 
 __all__ = [
+    "EPOCHS_V",
     "MAX_AGE_MS",
     "MAX_COUNT",
     "MAX_NAMES",
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_SNAPSHOT_BYTES",
     "MAX_TPS",
     "SCHEMA_VERSION",
+    "SEQ_EPOCH_BITS",
     "SIG_BYTES",
     "EngineSample",
     "GpuSample",
@@ -38,6 +40,12 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+# From ``v`` 2 a writer's ``seq`` starts a new epoch (its bits above the lowest
+# `SEQ_EPOCH_BITS`) with every new engine reading, and counts up within one for other news: a
+# reader tells a reading sent again from a new one at no byte's cost (a field of its own put
+# the benchmark's 8-GPU signed snapshot over its 512 bytes). Readers of v1 only order by seq.
+EPOCHS_V = 2
+SEQ_EPOCH_BITS = 8
 MAX_SNAPSHOT_BYTES = 64 * 1024
 # HMAC-SHA256 truncated to 128 bits (as IPsec's HMAC-SHA-256-128, RFC 4868): ample against
 # forgery within a freshness window of seconds, and 16 bytes less in every snapshot.
@@ -198,12 +206,6 @@ class EngineSample:
     # late), and a reader that asks "was this read after X?" needs to know. 0 from a writer
     # that does not say.
     age_ms: int = 0
-    # Which of the sidecar's engine readings this is, counted from 1 within its boot: the
-    # other collectors' ticks send the same reading again under new seqs, and a gateway that
-    # took each as new re-based its count of its own requests since the reading on every one
-    # (a late /metrics on a busy engine then read as a queue shorter by what it had sent
-    # since). 0 from a writer that does not say: each snapshot is then taken as a new reading.
-    reading: int = 0
 
     def __post_init__(self) -> None:
         kv, tps, cap = self.kv_cache, self.tps, self.kv_tokens
@@ -217,8 +219,6 @@ class EngineSample:
             and (cap is None or (type(cap) is int and 1 <= cap <= MAX_COUNT))
             and type(self.age_ms) is int
             and 0 <= self.age_ms <= MAX_AGE_MS
-            and type(self.reading) is int
-            and 0 <= self.reading <= _MAX_INT
         ):
             return
         _int("engine.running", self.running)
@@ -228,7 +228,6 @@ class EngineSample:
         if cap is not None:
             _int("engine.kv_tokens", cap, 1)
         _int("engine.age_ms", self.age_ms, 0, MAX_AGE_MS)
-        _int("engine.reading", self.reading, 0, _MAX_INT)
 
     @classmethod
     def checked(cls, raw: object) -> EngineSample:
@@ -238,7 +237,7 @@ class EngineSample:
             raise _bad(
                 "engine",
                 raw,
-                "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?, reading?}",
+                "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?}",
             )
         try:
             return cls(
@@ -248,7 +247,6 @@ class EngineSample:
                 tps=raw.get("tps"),
                 kv_tokens=raw.get("kv_tokens"),
                 age_ms=raw.get("age_ms", 0),
-                reading=raw.get("reading", 0),
             )
         except KeyError as exc:
             raise SnapshotError(f"snapshot field 'engine.{exc.args[0]}' is missing") from None
@@ -366,16 +364,15 @@ class Snapshot:
 
     def same_reading(self, other: Snapshot | None) -> bool:
         """Whether ``other``, of the same sidecar boot, carries this snapshot's engine reading
-        (sent again with the other collectors' news). False when either has none, or when the
-        sidecar does not count its readings: each is then new."""
-        if other is None or other.boot != self.boot:
+        (sent again with the other collectors' news: a busy engine's late /metrics keeps it).
+        A writer of `EPOCHS_V` or later starts a new seq epoch (``seq >> SEQ_EPOCH_BITS``) with
+        every new reading; before it, every snapshot is a new reading."""
+        if other is None or other.boot != self.boot or min(self.v, other.v) < EPOCHS_V:
             return False
-        mine, theirs = self.engine, other.engine
         return (
-            mine is not None
-            and theirs is not None
-            and mine.reading != 0
-            and mine.reading == theirs.reading
+            self.engine is not None
+            and other.engine is not None
+            and self.seq >> SEQ_EPOCH_BITS == other.seq >> SEQ_EPOCH_BITS
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -423,8 +420,6 @@ class Snapshot:
                 wire["engine"]["kv_tokens"] = engine.kv_tokens
             if engine.age_ms:
                 wire["engine"]["age_ms"] = engine.age_ms
-            if engine.reading:
-                wire["engine"]["reading"] = engine.reading
         return wire
 
     @classmethod

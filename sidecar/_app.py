@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import random
@@ -302,7 +301,6 @@ class _Collectors:
             self._failed_scrapes = 0
             self.live.engine_read_at = time.monotonic()
             self.live.readings += 1
-            engine = dataclasses.replace(engine, reading=self.live.readings)
         self.live.engine = engine
         self.live.changed()
 

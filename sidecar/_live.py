@@ -8,7 +8,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from promptlb.shared import MAX_AGE_MS, EngineSample, GpuSample, Snapshot, encode
+from promptlb.shared import (
+    EPOCHS_V,
+    MAX_AGE_MS,
+    SEQ_EPOCH_BITS,
+    EngineSample,
+    GpuSample,
+    Snapshot,
+    encode,
+)
 
 from ._config import SidecarConfig
 from ._model_server import WarmupReport
@@ -54,7 +62,7 @@ class Live:
     gpus: tuple[GpuSample, ...] = ()
     engine: EngineSample | None = None
     engine_read_at: float = 0.0  # time.monotonic() of the reading in `engine`
-    readings: int = 0  # engine readings taken in this boot (`EngineSample.reading`)
+    readings: int = 0  # engine readings taken in this boot: a new one starts a seq epoch
     rss: int | None = None
     rss_slope: float | None = None
     mem_free: int | None = None
@@ -66,6 +74,7 @@ class Live:
     draining: bool = False
     _encoded: bytes | None = None
     _encoded_at: float = 0.0  # time.monotonic() of `_encoded`
+    _epoch_of: int = 0  # `readings` when the current seq epoch began
 
     def changed(self) -> None:
         self.sampled_at = time.time()
@@ -98,6 +107,7 @@ class Live:
             node=cfg.node_name,
             boot=self.boot,
             seq=self.seq,
+            v=EPOCHS_V,
             ts=self.sampled_at or time.time(),
             ready=self.server_ok,
             warm=self.warm_enough,
@@ -126,7 +136,14 @@ class Live:
     def encoded(self) -> bytes:
         now = time.monotonic()
         if self._encoded is None:
-            self.seq += 1
+            if self.readings != self._epoch_of:
+                # A new engine reading: a new epoch (`Snapshot.same_reading`), where a gateway
+                # re-bases its count of its own requests since the reading. Other news counts
+                # up within it (past 255 of them, into the next: a re-base, no harm).
+                self.seq = ((self.seq >> SEQ_EPOCH_BITS) + 1) << SEQ_EPOCH_BITS
+                self._epoch_of = self.readings
+            else:
+                self.seq += 1
         elif self.engine is None or now - self._encoded_at <= _AGE_STEP_S:
             return self._encoded
         # An engine reading's age is true when encoded: bytes served a sample interval later

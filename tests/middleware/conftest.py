@@ -216,7 +216,7 @@ def cluster(tmp_path: Path) -> Iterator[MakeCluster]:
 
 SNAPSHOT_KEYS = frozenset(
     {"seq", "boot", "ready", "warm", "draining", "gpus", "cpu", "mem"}
-    | {"running", "waiting", "kv_cache", "tps", "kv_tokens", "age_ms", "reading"}
+    | {"running", "waiting", "kv_cache", "tps", "kv_tokens", "age_ms", "v"}
 )
 
 
@@ -237,7 +237,7 @@ def _snapshot(
     tps: float | None = None,
     kv_tokens: int | None = None,
     age_ms: int = 0,
-    reading: int = 0,
+    v: int = 1,
 ) -> Snapshot:
     engine = None
     if running is not None:
@@ -248,12 +248,12 @@ def _snapshot(
             tps=tps,
             kv_tokens=kv_tokens,
             age_ms=age_ms,
-            reading=reading,
         )
     return Snapshot(
         node=name,
         boot=boot,
         seq=seq,
+        v=v,
         ts=1_700_000_000.0,
         ready=ready,
         warm=warm,

@@ -14,7 +14,7 @@ from promptlb.middleware._predictive import Predictive
 from promptlb.middleware._rules import ERROR_FLOOR, ERROR_HALF_LIFE
 from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._view import RouteRequest
-from promptlb.shared import Snapshot
+from promptlb.shared import SEQ_EPOCH_BITS, Snapshot
 
 from tests.middleware.conftest import MakeSnapshot
 
@@ -324,22 +324,25 @@ def test_the_same_engine_reading_sent_again_keeps_the_count_of_ours_since_it(
     t = table()
     n0 = t.nodes["n0"]
     n0.view.in_flight = 3
-    t.record_snapshot(n0, snap("n0", 1, running=5, tps=50.0, reading=4), 1.0)  # 3 are ours
+    epoch = 4 << SEQ_EPOCH_BITS  # (a v2 sidecar's seq: its epoch is its engine reading's)
+    t.record_snapshot(n0, snap("n0", epoch, running=5, tps=50.0, v=2), 1.0)  # 3 are ours
     rate = n0.decode_rate
     n0.view.in_flight = 5
     n0.view.others_since_snapshot = 2  # and the other replicas told of 2 more
     assert n0.view.effective_queue == 5 + 2 + 2
-    t.record_snapshot(n0, snap("n0", 2, running=5, tps=90.0, age_ms=800, reading=4), 1.5)
-    assert n0.view.snapshot is not None and n0.view.snapshot.seq == 2  # its other news taken
+    again = snap("n0", epoch + 1, running=5, tps=90.0, age_ms=800, v=2)
+    t.record_snapshot(n0, again, 1.5)
+    assert n0.view.snapshot is again  # its other news taken
     assert n0.view.effective_queue == 5 + 2 + 2  # the same reading: the same queue
     assert n0.decode_rate == rate  # nor learnt from twice (its tps differs to show it)
-    t.record_snapshot(n0, snap("n0", 3, running=5, reading=5), 2.0)  # a new reading: re-based
+    newer = snap("n0", 5 << SEQ_EPOCH_BITS, running=5, v=2)  # a new reading: re-based
+    t.record_snapshot(n0, newer, 2.0)
     assert (n0.view.in_flight_at_snapshot, n0.view.others_since_snapshot) == (5, 0)
     assert n0.view.effective_queue == 5
-    # A sidecar that does not number its readings: each snapshot is a new one, as before.
-    t.record_snapshot(n0, snap("n0", 4, running=9), 2.5)
+    # A v1 sidecar's seq says nothing of its readings: each snapshot is a new one, as before.
+    t.record_snapshot(n0, snap("n0", 6 << SEQ_EPOCH_BITS, running=9), 2.5)
     n0.view.in_flight = 7
-    t.record_snapshot(n0, snap("n0", 5, running=9), 3.0)
+    t.record_snapshot(n0, snap("n0", (6 << SEQ_EPOCH_BITS) + 1, running=9), 3.0)
     assert n0.view.in_flight_at_snapshot == 7
 
 

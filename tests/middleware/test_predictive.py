@@ -20,7 +20,7 @@ from promptlb.middleware._scoring import PowerOfTwoChoices
 from promptlb.middleware._simple import LeastConn
 from promptlb.middleware._strategies import make_strategy
 from promptlb.middleware._view import NodeView, RouteRequest
-from promptlb.shared import ConfigError
+from promptlb.shared import SEQ_EPOCH_BITS, ConfigError
 
 from tests.conftest import Serve
 from tests.middleware.conftest import MakeCluster, MakeNode, chat_node, no_app
@@ -626,17 +626,18 @@ def test_the_same_engine_reading_sent_again_teaches_the_model_nothing(node: Make
     # A sidecar sends its last reading again with its other collectors' news: learnt from
     # twice, the others' trend decayed toward nothing and one reading's speed weighed double.
     model = ServiceModel(0.97)
-    for seq, running in ((1, 2), (2, 6)):
-        view = node("a", running=running, tps=100.0, seq=seq, reading=seq)
+    for epoch, running in ((1, 2), (2, 6)):
+        view = node("a", running=running, tps=100.0, seq=epoch << SEQ_EPOCH_BITS, v=2)
         assert view.snapshot is not None
         model.see(view.snapshot, 0)
     trend, rate = model.trend, model.rate
     assert trend > 0
-    again = node("a", running=6, tps=300.0, seq=3, age_ms=900, reading=2).snapshot
+    seq = (2 << SEQ_EPOCH_BITS) + 1  # the second reading's epoch: other news, that reading
+    again = node("a", running=6, tps=300.0, seq=seq, age_ms=900, v=2).snapshot
     assert again is not None
     model.see(again, 0)
     assert (model.trend, model.rate, model.snapshot) == (trend, rate, again)
-    newer = node("a", running=6, tps=300.0, seq=4, reading=3).snapshot
+    newer = node("a", running=6, tps=300.0, seq=3 << SEQ_EPOCH_BITS, v=2).snapshot
     assert newer is not None
     model.see(newer, 0)  # a new reading, the same queue: the trend eases, the rate moves
     assert model.trend < trend and model.rate != rate
@@ -694,6 +695,69 @@ def test_a_node_that_refuses_every_try_sits_out_more_and_more_picks(node: MakeNo
         strategy.observe(req, views[2], 2.0, None, 0)
     picks = Counter(strategy.pick(req, views, rng).name for _ in range(300))
     assert picks["c"] >= 50, picks
+
+
+def test_a_refusing_node_sits_out_the_first_bursts_spread_and_a_new_prefixs_start(
+    node: MakeNode,
+) -> None:
+    # A fresh gateway spreads by queue until a node answers: one refusing at once was never
+    # in flight, and took 198 of 200 spread picks. And a prefix nobody holds goes to its
+    # rendezvous node, timed though never sampled: 325 of 20,000 picks went to one refusing.
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(0)
+    views = [node(name, running=0) for name in "abc"]
+    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+    spread: Counter[str] = Counter()
+    for _ in range(200):
+        view = strategy.pick(req, views, rng)
+        spread[view.name] += 1
+        if view.name == "c":
+            strategy.refused(req, view)
+        else:
+            view.in_flight += 1  # a long stream, not answered yet
+    assert spread["c"] <= 12, spread
+    many = make_strategy("predictive")
+    assert isinstance(many, Predictive)
+    fleet = [node(f"n{i:02}", running=2) for i in range(32)]
+    for view in fleet:
+        for _ in range(20):
+            many.observe(req, view, 2.0, None, 0)
+    starts: Counter[str] = Counter()
+    for _ in range(5_000):
+        blocks = (rng.getrandbits(63), rng.getrandbits(63))
+        fresh = RouteRequest(model="m", max_tokens=256, input_tokens=500, blocks=blocks)
+        view = many.pick(fresh, fleet, rng)
+        starts[view.name] += 1
+        if view.name == "n00":
+            many.refused(fresh, view)
+        else:
+            many.observe(fresh, view, 2.0, None, 0)
+    assert starts["n00"] <= 12 and len(starts) == 32, starts
+
+
+def test_another_replicas_answers_do_not_end_this_ones_run_of_refusals(node: MakeNode) -> None:
+    # A key may be wrong at one replica alone (a stale Secret mid-rotation): the others'
+    # answers from the node, shared, reset the run, and it took 276 of 1,000 picks, all refused.
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(0)
+    views = [node(name, running=2) for name in "abc"]
+    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+    for view in views:
+        for _ in range(20):
+            strategy.observe(req, view, 2.0, None, 0)
+    got: Counter[str] = Counter()
+    for i in range(1_000):
+        view = strategy.pick(req, views, rng)
+        got[view.name] += 1
+        if view.name == "c":
+            strategy.refused(req, view)
+        else:
+            strategy.observe(req, view, 2.0, None, 0)
+        if i % 10 == 0:
+            strategy._learn_reading(("c", 256.0, 500.0, 2.0, None, True))
+    assert got["c"] <= 15, got
 
 
 def test_a_node_refusing_alone_is_still_picked_and_two_refusals_change_nothing(

@@ -15,9 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from promptlb.shared import (
+    EPOCHS_V,
     MAX_AGE_MS,
     MAX_SNAPSHOT_BYTES,
     SCHEMA_VERSION,
+    SEQ_EPOCH_BITS,
     EngineSample,
     GpuSample,
     SigningKey,
@@ -137,7 +139,6 @@ engines = st.builds(
     tps=st.none() | numbers(0, 1e9),  # the schema bounds tokens/s at 1e9,
     kv_tokens=st.none() | st.integers(1, 2**53),
     age_ms=st.integers(0, MAX_AGE_MS),
-    reading=st.integers(0, 2**63 - 1),
 )
 
 snapshots = st.builds(
@@ -321,22 +322,23 @@ def test_an_engine_readings_age_travels_and_a_writer_without_it_reads_as_fresh()
     )
 
 
-def test_an_engine_readings_number_travels_and_tells_the_same_reading_sent_again() -> None:
-    first = snap(engine=EngineSample(running=3, waiting=1, reading=7))
-    assert msgpack.unpackb(encode(first), raw=False)["engine"]["reading"] == 7
-    assert decode(encode(first)) == first
-    again = snap(seq=2, cpu=0.5, engine=EngineSample(running=3, waiting=1, age_ms=900, reading=7))
+def test_a_v2_writers_seq_epoch_tells_the_same_engine_reading_sent_again() -> None:
+    engine = EngineSample(running=3, waiting=1)
+    epoch = 7 << SEQ_EPOCH_BITS
+    first = snap(v=EPOCHS_V, seq=epoch, engine=engine)
+    again = snap(v=EPOCHS_V, seq=epoch + 1, cpu=0.5, engine=engine)  # other news, same reading
     assert first.same_reading(again) and again.same_reading(first)
-    newer = snap(seq=3, engine=EngineSample(running=3, waiting=1, reading=8))  # equal, but new
+    assert decode(encode(again)).same_reading(first)  # (v and seq travel as they are)
+    newer = snap(v=EPOCHS_V, seq=epoch + (1 << SEQ_EPOCH_BITS), engine=engine)  # equal, new
     assert not again.same_reading(newer)
-    rebooted = snap(boot="other", engine=EngineSample(running=3, waiting=1, reading=7))
-    assert not first.same_reading(rebooted)  # counted from 1 again in a new boot
-    assert not first.same_reading(snap(seq=2)) and not snap().same_reading(first)
+    rebooted = snap(v=EPOCHS_V, boot="other", seq=epoch + 1, engine=engine)
+    assert not first.same_reading(rebooted)  # seqs start again in a new boot
+    no_engine = snap(v=EPOCHS_V, seq=epoch + 2)
+    assert not first.same_reading(no_engine) and not no_engine.same_reading(first)
     assert not first.same_reading(None)
-    # A writer that does not count its readings: each snapshot is a new one, as before.
-    unsaid = snap(engine=EngineSample(running=3, waiting=1))
-    assert not unsaid.same_reading(snap(seq=2, engine=EngineSample(running=3, waiting=1)))
-    assert "reading" not in msgpack.unpackb(encode(unsaid), raw=False)["engine"]
+    # A v1 writer's seq is a plain count: each snapshot is a new reading, as before.
+    assert not snap(seq=epoch, engine=engine).same_reading(snap(seq=epoch + 1, engine=engine))
+    assert not first.same_reading(snap(seq=epoch + 1, engine=engine))
 
 
 def test_full_snapshot_round_trips() -> None:
@@ -576,10 +578,6 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": True}),
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": None}),
     ("engine.age_ms", {"running": 0, "waiting": 0, "age_ms": MAX_AGE_MS + 1}),
-    ("engine.reading", {"running": 0, "waiting": 0, "reading": -1}),
-    ("engine.reading", {"running": 0, "waiting": 0, "reading": 1.0}),
-    ("engine.reading", {"running": 0, "waiting": 0, "reading": True}),
-    ("engine.reading", {"running": 0, "waiting": 0, "reading": 2**63}),
 ]
 
 

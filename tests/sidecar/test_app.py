@@ -18,7 +18,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from promptlb.shared import ConfigError, EngineSample, GpuSample, Snapshot, decode
+from promptlb.shared import (
+    EPOCHS_V,
+    SEQ_EPOCH_BITS,
+    ConfigError,
+    EngineSample,
+    GpuSample,
+    Snapshot,
+    decode,
+)
 from promptlb.sidecar import EngineReading, SidecarConfig, create_app
 from promptlb.sidecar import _app as sidecar_app
 from promptlb.sidecar import _names as sidecar_names
@@ -534,23 +542,28 @@ async def test_an_engine_reading_stands_through_fewer_failed_scrapes_than_unheal
         hang["left"] = 2  # under unhealthy_after: a busy engine late twice keeps its queue
         deadline = time.monotonic() + 0.6
         held = 0  # the kept reading's age as snapshots tell it: readers learn when it was read
-        readings: list[int] = []  # ... and which reading it is: the same one, sent again
-        kept: set[int] = set()
+        seqs: list[int] = []  # ... and, by the seq's epoch, which reading: the same, sent again
+        kept: set[int] = set()  # the seqs that carried the kept reading
         while time.monotonic() < deadline:
             assert live.engine is not None and live.engine.running == 3
-            engine = decode(live.encoded()).engine
-            assert engine is not None
+            snapshot = decode(live.encoded())
+            engine = snapshot.engine
+            assert engine is not None and snapshot.v == EPOCHS_V
             held = max(held, engine.age_ms)
-            readings.append(engine.reading)
+            seqs.append(snapshot.seq)
             if engine.age_ms >= 150:
-                kept.add(engine.reading)
+                kept.add(snapshot.seq)
             await asyncio.sleep(0.01)
         assert hang["left"] == 0  # both late scrapes happened meanwhile
         assert held >= 150  # two scrapes of 0.1 s each failed in a row
-        assert readings[0] >= 1 and readings == sorted(readings), readings  # counted, in order
-        assert len(kept) == 1, kept  # one reading kept through both late scrapes
+        assert seqs == sorted(seqs), seqs
+        epochs = {seq >> SEQ_EPOCH_BITS for seq in kept}
+        # One reading kept through both late scrapes, in one epoch, with the other collectors'
+        # news (new seqs) meanwhile; and new readings before and after it, new epochs.
+        assert len(epochs) == 1 and len(kept) >= 2, kept
+        assert len({seq >> SEQ_EPOCH_BITS for seq in seqs}) >= 2, seqs
         await until(lambda: decode(live.encoded()).engine.age_ms < held)  # type: ignore[union-attr]
-        assert live.engine is not None and live.engine.reading > kept.pop()  # a new one since
+        assert decode(live.encoded()).seq >> SEQ_EPOCH_BITS > epochs.pop()  # a new one since
         hang["left"] = 1_000  # late for good: unknown after unhealthy_after, as before
         await until(lambda: live.engine is None)
         hang["left"] = 0
@@ -626,7 +639,6 @@ async def test_an_engines_own_throughput_gauge_is_its_tps(sidecar_beside: Sideca
         assert live.engine is not None and live.engine.tps == 96.5
         sent = decode(live.encoded()).engine  # as read, stamped with its age
         assert sent is not None and dataclasses.replace(sent, age_ms=0) == live.engine
-        assert sent.reading >= 1  # numbered
 
 
 async def test_an_engine_sample_the_snapshot_refuses_is_dropped_and_logged_once(
