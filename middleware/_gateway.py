@@ -48,8 +48,9 @@ HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last answe
 GRACEFUL_SHUTDOWN = 30.0
 
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-# The bytes of a request's head (its request line and header lines), at most, give or take a
-# read (nginx's large_client_header_buffers hold 32 KiB): uvicorn's httptools protocol keeps
+# The bytes of a request's head (its request line and header lines), at most (nginx's
+# large_client_header_buffers hold 32 KiB; a chunked body's trailer, the same, read by read):
+# uvicorn's httptools protocol keeps
 # them all, unbounded, and one connection sending 60 MB of header lines grew the gateway by
 # 1.1 GB, its request then served; one header line of 64 MB took the loop 4 s.
 MAX_HEAD_BYTES = 64 * 1024
@@ -64,6 +65,16 @@ _TOO_LARGE = (
 # of 30 s), then the connection closes: nothing else timed it, and a byte every few seconds of
 # a body declared a terabyte long held the connection for good.
 _UNREAD_FACTOR = 4
+
+
+def _head_over(data: bytes, before: int) -> bool:
+    """Whether the head ends past `MAX_HEAD_BYTES`, ``before`` of its bytes in earlier reads
+    and the rest in ``data`` (up to its blank line; bare newlines too, which some parsers
+    take). A blank line split across two reads reads as the head going on: at most 3 bytes
+    over the cap refused."""
+    ends = [at + 4 for at in (data.find(b"\r\n\r\n"),) if at >= 0]
+    ends += [at + 2 for at in (data.find(b"\n\n"),) if at >= 0]
+    return before + (min(ends) if ends else len(data)) > MAX_HEAD_BYTES
 
 
 def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
@@ -124,15 +135,16 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._arm(header_timeout * _UNREAD_FACTOR)
             in_head = self._in_head
             if in_head:
+                # Counted by the read, one addition a read; past the cap, before it is parsed
+                # (the app would start on a head parsed whole): refused unless the head ends
+                # within the cap, its body after it in the same read. Judged by reads alone,
+                # a head ending in the read that crossed the cap passed: 120 KB of one header.
                 self._head += len(data)
+                if self._head > MAX_HEAD_BYTES and _head_over(data, self._head - len(data)):
+                    return self._head_too_large()
             self._bodied = False
             super().data_received(data)
-            # Counted by the read, one addition a read: a head still incomplete past the cap is
-            # refused (a read that also holds its body completed its head, and is not).
-            if in_head:
-                if self._in_head and self._head > MAX_HEAD_BYTES:
-                    self._head_too_large()
-            elif not self._in_head:
+            if not in_head and not self._in_head:
                 # Past the head, reads that carry no body are a chunked body's trailer lines
                 # (kept as headers, unbounded) or chunk sizes: held to the same cap.
                 self._tail = 0 if self._bodied else self._tail + len(data)

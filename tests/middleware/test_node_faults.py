@@ -347,6 +347,21 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
     big_but_fine = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 30_000
     with _answered(gateway, big_but_fine + b"\r\n\r\n", b"200"):
         pass
+    # A whole head past the cap, sent at once: judged by reads alone, one ending in the read
+    # that crossed the cap was served (a single header of up to about 120 KB).
+    for size in (70_000, 120_000):
+        whole = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * size + b"\r\n\r\n"
+        heard = await asyncio.to_thread(flood, b"", whole)
+        assert heard.startswith(b"HTTP/1.1 431"), (size, heard[:200])
+    # A head under the cap with a body past it in the same reads: taken, and passed on (the
+    # node refuses a header line that long itself: its 400, not the gateway's 431).
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"z" * 100_000 + b'"}]}'
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"X-Filler: " + b"y" * 60_000 + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+        conn.sendall(head + body)
+        answer = conn.recv(65536)
+    assert b"\r\nx-promptlb-node: " in answer, answer[:200]
 
 
 async def test_bare_newlines_between_requests_do_not_hold_a_connection(
