@@ -16,10 +16,12 @@ $(FILES): FORCE
 	@echo '$(LISTING)' | cmp -s - $@ || echo '$(LISTING)' > $@
 
 # A venv whose python has no pip (a `venv` that failed half-way, e.g. without python3-venv) is
-# made again: `test -x` took it for a good one and every later run failed on pip.
+# made again: `test -x` took it for a good one and every later run failed on pip. The listing
+# is written again with it: gone with the old venv, the next make took it for a change.
 $(STAMP): pyproject.toml $(FILES)
 	$(BIN)/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); \
-	  $(PYTHON) -m venv $(VENV) || { echo "python3 -m venv failed: on Debian, apt-get install python3-venv"; exit 1; }; }
+	  $(PYTHON) -m venv $(VENV) || { echo "python3 -m venv failed: on Debian, apt-get install python3-venv"; exit 1; }; \
+	  echo '$(LISTING)' > $(FILES); }
 	$(BIN)/python -m pip install -q --upgrade pip
 	# strict editable mode: mypy cannot follow setuptools' default finder for mapped packages
 	$(BIN)/python -m pip install -q -e '.[all,dev]' --config-settings editable_mode=strict

@@ -103,7 +103,12 @@ def _parser() -> argparse.ArgumentParser:
         "every node alike); empty: off",
     )
     p.add_argument("--seed", type=int, default=None, help="makes faults and lengths repeatable")
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(  # either case, as the sidecar's and the gateway's
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
     return p
 
 

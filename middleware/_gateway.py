@@ -301,21 +301,31 @@ async def _serve(
         raise SystemExit(1)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    # SIGHUP's default ends the process: from here (the config read and the middleware built)
-    # until `_serve` takes it over, one is ignored. (One during the imports before this, about
-    # half a second, still ends it.)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's text as written, and each option's default (where it listens above all),
+    but for those that have none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="promptlb-gateway",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="promptlb-gateway", description=__doc__, formatter_class=_Help
     )
     parser.add_argument("--config", required=True, help="the promptlb TOML file")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every one)"
+    )
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument(  # either case, as the sidecar's and the emulator's
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error"],
+        help="promptlb's and uvicorn's",
     )
     parser.add_argument(
         "--forwarded-allow-ips",
@@ -335,6 +345,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="on SIGTERM the listener closes and the requests under way get this long to "
         "finish (keep the pod's terminationGracePeriodSeconds above it)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    # SIGHUP's default ends the process: from here (the config read and the middleware built)
+    # until `_serve` takes it over, one is ignored. (One during the imports before this, about
+    # half a second, still ends it.)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    parser = _parser()
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: got {args.port}, expected a TCP port in 0..65535")

@@ -157,7 +157,14 @@ def _parser() -> argparse.ArgumentParser:
         default=(),
         help="comma-separated GPU indices or UUIDs this model server uses; default: every GPU",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # Either case, as the gateway's and the emulator's: one LOG_LEVEL shared by the
+    # containers of a pod crash-looped the one that took the other case.
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
     return p
 
 

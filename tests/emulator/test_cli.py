@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from promptlb.emulator._cli import main
+from promptlb.emulator._cli import _parser, main
 
 if TYPE_CHECKING:
     from tests.emulator.conftest import StartEmulator
@@ -143,3 +143,8 @@ async def test_sigterm_with_a_request_in_flight_exits_promptly(
         f"still running {bound_s:.0f} s after SIGTERM with one request in flight"
     )
     assert returncode == 0
+
+
+@pytest.mark.parametrize("given", ["warning", "WARNING"])
+def test_the_log_level_is_taken_in_either_case(given: str) -> None:
+    assert _parser().parse_args(["--log-level", given]).log_level == "WARNING"

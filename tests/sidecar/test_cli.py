@@ -146,3 +146,10 @@ def test_the_model_servers_key_is_read_stripped_and_a_bad_one_named_not_shown(
         _read_model_key(parser, None)
     err = capsys.readouterr().err
     assert "PROMPTLB_MODEL_API_KEY" in err and "secret-part" not in err
+
+
+@pytest.mark.parametrize("given", ["info", "INFO"])
+def test_the_log_level_is_taken_in_either_case(given: str) -> None:
+    # As the gateway's: one LOG_LEVEL shared by a pod's containers crash-looped one of them.
+    args = _cli._parser().parse_args(["--model-url", "http://127.0.0.1:1", "--log-level", given])
+    assert args.log_level == "INFO"
