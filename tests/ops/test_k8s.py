@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -200,6 +201,26 @@ def test_the_gateway_config_loads_and_points_at_the_headless_service(tmp_path: P
         folder, _, key = path.rpartition("/")
         assert folder == mounts["secrets"] and key in secret["stringData"]
     assert config.admin_token is None  # no secret in the ConfigMap
+
+
+def test_the_gateways_share_their_prefix_index_through_the_redis_service(tmp_path: Path) -> None:
+    # Two predictive replicas that do not share each know where half of every conversation went.
+    configmap = _one("ConfigMap", "promptlb-gateway-config")
+    [(filename, toml)] = configmap["data"].items()
+    (tmp_path / filename).write_text(toml)
+    share = load_config(tmp_path / filename).index_share
+    assert share is not None
+    url = urlsplit(share.redis)
+    service = _one("Service", "promptlb-redis")
+    namespace = service["metadata"]["namespace"]
+    assert url.hostname == f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    [port] = service["spec"]["ports"]
+    assert url.port == port["port"]
+    redis = _one("Deployment", "promptlb-redis")
+    labels = redis["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    ports = {p["name"] for c in redis["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    assert port["targetPort"] in ports
 
 
 def test_the_autoscaler_reads_the_sidecars_own_metrics_through_the_adapter() -> None:
