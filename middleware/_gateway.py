@@ -67,16 +67,6 @@ _TOO_LARGE = (
 _UNREAD_FACTOR = 4
 
 
-def _head_over(data: bytes, before: int) -> bool:
-    """Whether the head ends past `MAX_HEAD_BYTES`, ``before`` of its bytes in earlier reads
-    and the rest in ``data`` (up to its blank line; bare newlines too, which some parsers
-    take). A blank line split across two reads reads as the head going on: at most 3 bytes
-    over the cap refused."""
-    ends = [at + 4 for at in (data.find(b"\r\n\r\n"),) if at >= 0]
-    ends += [at + 2 for at in (data.find(b"\n\n"),) if at >= 0]
-    return before + (min(ends) if ends else len(data)) > MAX_HEAD_BYTES
-
-
 def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a deadline on a request's headers.
 
@@ -96,6 +86,9 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
         _head = 0  # ... this many of them so far
         _tail = 0  # bytes in a row past the head that carried no body (a chunked trailer)
         _bodied = False  # the read under way carried body bytes
+        _read = 0  # the length of the read under way
+        _start = 0  # ... of the read the request under way began in
+        _refused = False  # a head past the cap was refused: nothing more is parsed into a request
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -134,17 +127,19 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._unread = True  # the rest of a body its answer did not wait for
                 self._arm(header_timeout * _UNREAD_FACTOR)
             in_head = self._in_head
+            self._read = len(data)
             if in_head:
-                # Counted by the read, one addition a read; past the cap, before it is parsed
-                # (the app would start on a head parsed whole): refused unless the head ends
-                # within the cap, its body after it in the same read. Judged by reads alone,
-                # a head ending in the read that crossed the cap passed: 120 KB of one header.
                 self._head += len(data)
-                if self._head > MAX_HEAD_BYTES and _head_over(data, self._head - len(data)):
-                    return self._head_too_large()
             self._bodied = False
             super().data_received(data)
-            if not in_head and not self._in_head:
+            if self._refused:
+                return
+            # Counted by the read, one addition a read: a head still incomplete past the cap is
+            # refused here; one that completes is measured as it does (`on_headers_complete`).
+            if in_head:
+                if self._in_head and self._head > MAX_HEAD_BYTES:
+                    self._head_too_large()
+            elif not self._in_head:
                 # Past the head, reads that carry no body are a chunked body's trailer lines
                 # (kept as headers, unbounded) or chunk sizes: held to the same cap.
                 self._tail = 0 if self._bodied else self._tail + len(data)
@@ -152,6 +147,8 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                     self._head_too_large()
 
         def on_body(self, body: bytes) -> None:
+            if self._refused:
+                return  # (no request under way to take it)
             self._bodied = True
             super().on_body(body)
 
@@ -166,17 +163,37 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             self.transport.close()
 
         def on_message_begin(self) -> None:
+            # The read it began in: with the reads counted since, a bound on its head's size.
+            self._start = self._read
             super().on_message_begin()
             if self._unread:  # the next request's headers get a deadline of their own
                 self._disarm()
             self._arm()
 
         def on_headers_complete(self) -> None:
+            if self._refused:
+                return
+            # Measured when the reads it may span could hold more than the cap (a long
+            # prompt's first read, nearly always: a sum over its header lines, a microsecond),
+            # before the app starts on it. Reads alone could not tell where a head ends in the
+            # read that crosses the cap (a body, a pipelined request, blank lines before it),
+            # and let heads of up to a read more through.
+            if self._head + self._start > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
+                self._refused = True
+                self._head_too_large()
+                return
             self._in_head = False
             self._disarm()
             super().on_headers_complete()
 
+        def _head_size(self) -> int:
+            # The request line (its method and version, at most 16 bytes with its spaces and
+            # line end), the target and each header line with its ": " and line end.
+            return len(self.url) + 16 + sum(len(n) + len(v) + 4 for n, v in self.headers)
+
         def on_message_complete(self) -> None:
+            if self._refused:
+                return
             super().on_message_complete()
             self._in_head, self._head, self._tail = True, 0, 0  # next: the next request's head
 

@@ -349,10 +349,12 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
         pass
     # A whole head past the cap, sent at once: judged by reads alone, one ending in the read
     # that crossed the cap was served (a single header of up to about 120 KB).
+    # And one behind blank lines (the parser skips them; a search for the head's end did not).
     for size in (70_000, 120_000):
         whole = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * size + b"\r\n\r\n"
-        heard = await asyncio.to_thread(flood, b"", whole)
-        assert heard.startswith(b"HTTP/1.1 431"), (size, heard[:200])
+        for sent in (whole, b"\r\n\r\n" + whole):
+            heard = await asyncio.to_thread(flood, b"", sent)
+            assert heard.startswith(b"HTTP/1.1 431"), (size, heard[:200])
     # A head under the cap with a body past it in the same reads: taken, and passed on (the
     # node refuses a header line that long itself: its 400, not the gateway's 431).
     body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"z" * 100_000 + b'"}]}'
@@ -362,6 +364,20 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
         conn.sendall(head + body)
         answer = conn.recv(65536)
     assert b"\r\nx-promptlb-node: " in answer, answer[:200]
+    # A small head whose blank line is split across two reads, the body with its second half.
+    small = head.replace(b"y" * 60_000, b"y")
+
+    def split(cut: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(small[:-cut])
+            time.sleep(0.1)
+            conn.sendall(small[-cut:] + body)
+            return conn.recv(65536)
+
+    for cut in (1, 2, 3):
+        answer = await asyncio.to_thread(split, cut)
+        assert b"\r\nx-promptlb-node: " in answer, (cut, answer[:200])
 
 
 async def test_bare_newlines_between_requests_do_not_hold_a_connection(
