@@ -254,14 +254,21 @@ class ServiceModel:
                 p[i] *= scale
 
     def sits_out(self) -> bool:
-        """Whether a node that refused `_REFUSALS` tries in a row or more sits this pick out:
-        it is looked at once in every `_SIT_OUT` picks and one, twice as seldom after each
-        refusal more (an answer learnt, here or at another replica, ends it)."""
+        """Whether a node that refused `_REFUSALS` tries in a row or more sits this pick out
+        (`refuse`). Its sit-out over, it is looked at on every pick until it refuses again."""
         if self.sit_out:
             self.sit_out -= 1
             return True
-        self.sit_out = min(_SIT_OUT << min(self.refused - _REFUSALS, 16), _MAX_SIT_OUT)
         return False
+
+    def refuse(self) -> None:
+        """A refusal more: from the `_REFUSALS`-th in a row, the node sits out the next
+        `_SIT_OUT` picks that look at it, twice as many after each further one (its own
+        answer ends the run). Restarted by a refusal only: restarted whenever a look did not
+        pick it, a node whose key was fixed waited a full sit-out after each such look."""
+        self.refused += 1
+        if self.refused >= _REFUSALS:
+            self.sit_out = min(_SIT_OUT << min(self.refused - _REFUSALS, 16), _MAX_SIT_OUT)
 
     def see(self, snapshot: Snapshot, in_flight_at_snapshot: int) -> None:
         """A new snapshot: learn the slots, and the trend of the others' queue."""
@@ -578,7 +585,7 @@ class Predictive:
         for node in looked:
             name = node.name
             model = models.get(name) or self._model(name)
-            if model.refused >= _REFUSALS and model.sits_out():
+            if model.sit_out and model.sits_out():
                 sat = [name] if sat is None else [*sat, name]  # (rare: a list per pick else)
                 continue
             uncached = None if held is None else self._prefill(request, held.get(name, 0))
@@ -788,7 +795,7 @@ class Predictive:
             self.index.tell((node.name, out, prefill, service, decode, clean))
 
     def refused(self, request: RouteRequest, node: NodeView) -> None:
-        self._model(node.name).refused += 1
+        self._model(node.name).refuse()
 
     def forget_node(self, name: str) -> None:
         self._models.pop(name, None)

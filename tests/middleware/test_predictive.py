@@ -736,6 +736,37 @@ def test_a_refusing_node_sits_out_the_first_bursts_spread_and_a_new_prefixs_star
     assert starts["n00"] <= 12 and len(starts) == 32, starts
 
 
+def test_a_node_that_stops_refusing_is_back_within_its_sit_out(node: MakeNode) -> None:
+    # Its key fixed by a reload (the same server: nothing learnt is dropped), it waited a whole
+    # sit-out again after every look that did not pick it: 1,774 picks to its first answer.
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(0)
+    views = [node(name, running=2) for name in "abc"]
+    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+    for view in views:
+        for _ in range(20):
+            strategy.observe(req, view, 2.0, None, 0)
+    for _ in range(5_000):
+        view = strategy.pick(req, views, rng)
+        if view.name == "c":
+            strategy.refused(req, view)
+        else:
+            strategy.observe(req, view, 2.0, None, 0)
+    model = strategy.model_of("c")
+    assert model is not None
+    left = model.sit_out
+    assert left <= 1_024
+    picks = 0
+    while True:  # c answers from now on
+        picks += 1
+        view = strategy.pick(req, views, rng)
+        strategy.observe(req, view, 2.0, None, 0)
+        if view.name == "c" or picks > 5_000:
+            break
+    assert picks <= left + 20, (picks, left)
+
+
 def test_another_replicas_answers_do_not_end_this_ones_run_of_refusals(node: MakeNode) -> None:
     # A key may be wrong at one replica alone (a stale Secret mid-rotation): the others'
     # answers from the node, shared, reset the run, and it took 276 of 1,000 picks, all refused.
