@@ -9,7 +9,8 @@ among its members the node. Scoring each of 1,000 candidates cost a new prefix's
 the two steps score about 80. Replicas with the same candidates still agree, in any order. A
 node leaving moves its own prefixes and, there, some more of its group's (the group's odds
 shrink with it: 1.7-2x its own at 300 nodes, more in a group of two or three), never another
-group's. Only prefixes no node holds yet come here: a held one goes where it is held.
+group's. Crossing `CLUSTERS` candidates changes the rule, and nearly every new prefix's node
+with it. Only prefixes no node holds yet come here: a held one goes where it is held.
 """
 
 from __future__ import annotations
