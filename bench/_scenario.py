@@ -246,7 +246,9 @@ class Scenario:
                     prompts, rng, self.duration, self.base_rate
                 )
             ]
-        peak = max([self.base_rate] + [self.base_rate * b.factor for b in self.workload.bursts])
+        # The rate's most, where it may change (a burst's start): overlapping bursts multiply,
+        # and a peak of the largest one alone thinned them to under half their rate.
+        peak = max([self.base_rate] + [self.rate_at(b.at) for b in self.workload.bursts])
         shares = [c.share for c in self.workload.mix]
         out: list[Arrival] = []
         t = 0.0
@@ -315,6 +317,42 @@ def _get(
     return value
 
 
+_NODE_KEYS = frozenset(
+    {
+        "name",
+        "count",
+        "slots",
+        "tokens_per_s",
+        "ttft_ms",
+        "prefill_tokens_per_s",
+        "kv_blocks",
+        "tier",
+        "tags",
+        "faults",
+        "memory_limit_mb",
+    }
+)
+
+
+def _only(raw: object, keys: frozenset[str] | set[str], where: str) -> dict[str, Any]:
+    """``raw`` as a table holding none but ``keys``: a misspelt key (``slot = 1``) was the
+    default, silently, where the top level's refused one."""
+    if not isinstance(raw, dict):
+        raise ConfigError(where.rstrip("."), raw, "a table")
+    for key in raw:
+        if key not in keys:
+            raise ConfigError(f"{where}{key}", raw[key], "one of " + ", ".join(sorted(keys)))
+    return raw
+
+
+def _tables(raw: dict[str, Any], key: str, where: str, keys: set[str]) -> list[dict[str, Any]]:
+    """The list of tables at ``key``, each holding none but ``keys`` (`_only`)."""
+    return [
+        _only(item, keys, f"{where}{key}[{i}].")
+        for i, item in enumerate(_get(raw, key, where, list, []))
+    ]
+
+
 def _positive(key: str, value: float, *, zero: bool = False) -> float:
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         raise ConfigError(key, value, ">= 0" if zero else "> 0")
@@ -366,6 +404,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     nodes: list[NodeSpec] = []
     for i, raw in enumerate(raw_nodes):
         where = f"nodes[{i}]."
+        raw = _only(raw, _NODE_KEYS, where)
         count = _get(raw, "count", where, int, 1)
         faults = tuple(
             Fault(
@@ -373,7 +412,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
                 kind=_fault_kind(f.get("kind"), f"{where}faults[{j}].kind"),
                 value=float(f.get("value", 0.0)),
             )
-            for j, f in enumerate(_get(raw, "faults", where, list, []))
+            for j, f in enumerate(_tables(raw, "faults", where, {"at", "kind", "value"}))
         )
         base = _get(raw, "name", where, str)
         for k in range(count):
@@ -408,7 +447,9 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise ConfigError("nodes", names, "unique node names")
-    raw_work = _get(data, "workload", "", dict)
+    raw_work = _only(
+        _get(data, "workload", "", dict), {"rate", "load", "prompts", "mix", "bursts"}, "workload."
+    )
     rate = _get(raw_work, "rate", "workload.", (int, float), None)
     load = _get(raw_work, "load", "workload.", (int, float), None)
     raw_prompts = raw_work.get("prompts")
@@ -437,7 +478,11 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             prompt_tokens=_dist(c.get("prompt_tokens", 64), f"workload.mix[{i}].prompt_tokens"),
             max_tokens=_dist(c.get("max_tokens", 64), f"workload.mix[{i}].max_tokens"),
         )
-        for i, c in enumerate(_get(raw_work, "mix", "workload.", list, [{"name": "default"}]))
+        for i, c in enumerate(
+            _tables(raw_work, "mix", "workload.", {"name", "share", "prompt_tokens", "max_tokens"})
+            if "mix" in raw_work
+            else [{"name": "default"}]
+        )
     )
     bursts = tuple(
         Burst(
@@ -445,7 +490,9 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             duration=parse_duration(f"workload.bursts[{i}].duration", b.get("duration", 0)),
             factor=_positive(f"workload.bursts[{i}].factor", b.get("factor", 1.0)),
         )
-        for i, b in enumerate(_get(raw_work, "bursts", "workload.", list, []))
+        for i, b in enumerate(
+            _tables(raw_work, "bursts", "workload.", {"at", "duration", "factor"})
+        )
     )
     options = _get(data, "strategy_options", "", dict, {})
     for key, value in options.items():

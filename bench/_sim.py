@@ -8,8 +8,10 @@ the cluster, so the scaled run does not overwrite the scenario's own). Above 64 
 gives node classes (the scenario's original nodes) rather than every node.
 
 Latency percentiles are over the requests that succeeded; the error rate counts the rest.
-Throughput is successes per second of the whole run, from 0 to the last completion (backlog
-drained). Utilisation is slot-seconds of work within the trace's window over slots x window.
+Throughput is the completions within the trace's window over its length (``throughput_rps``);
+goodput over the span is the successes over the window or, past it, to the last completion
+(``goodput_over_span_rps``). Utilisation is slot-seconds of work within the trace's window over
+slots x window.
 """
 # Over 350 lines: the sim command and its report; the model itself is in the _sim* modules.
 

@@ -9,7 +9,7 @@ import math
 from operator import attrgetter
 
 from promptlb.middleware._nodes import leak_mark
-from promptlb.middleware._rules import MIN_RAMP, after_try, ejection_time, faded, ramp
+from promptlb.middleware._rules import MIN_RAMP, after_try, eases, ejection_time, faded, ramp
 from promptlb.shared import Snapshot
 
 from ._simbase import DETECT, OUTLIER, UNEJECT, SimState
@@ -111,6 +111,7 @@ class Detection(SimState):
 
     def _warm(self, replica: Replica, idx: int, now: float) -> None:
         """The node just became a candidate again: slow start from `MIN_RAMP` of its share."""
+        replica.back_at[idx] = now  # (its `ready_since`, from which ejections ease)
         if self.params.slow_start > 0:
             replica.ramping[idx] = now
             replica.views[idx].ramp = MIN_RAMP
@@ -125,6 +126,10 @@ class Detection(SimState):
         limit = self.params.outlier_failures
         if ok:
             replica.consecutive[idx] = 0
+            times, back = replica.times_ejected[idx], replica.back_at[idx]
+            if eases(times, back, replica.eased_at[idx], now, OUTLIER.base_ejection_time):
+                replica.times_ejected[idx] -= 1
+                replica.eased_at[idx] = now
             return
         if not limit:
             return
@@ -147,6 +152,7 @@ class Detection(SimState):
         replica.n_ejected += 1
         replica.ejected_until[idx] = until
         replica.ramping.pop(idx, None)
+        replica.back_at[idx] = None
         self.ejections += 1
         replica.rebuild()
         self._push(until, UNEJECT, r, idx)
@@ -209,6 +215,7 @@ class Detection(SimState):
             else:
                 replica.ramping.pop(idx, None)
                 replica.views[idx].ramp = 1.0
+                replica.back_at[idx] = None
         if replica.ramping:
             self._ramp(replica, now)
         replica.rebuild()

@@ -1,5 +1,7 @@
-"""The perfect dispatcher, the bound every strategy is measured against: one dispatcher with
-exact, instant knowledge of every queue, joining the shortest expected delay. Each node keeps a
+"""The perfect dispatcher, the reference every strategy is measured against: one dispatcher
+with exact, instant knowledge of every queue, joining the shortest expected delay. Greedy, one
+arrival at a time: a reference, not a lower bound on p99 (predictive's came out at 0.97-0.99x
+of it on three committed scenarios, the oracle's at 0.97x on multi-tenant-chat). Each node keeps a
 forecast of when its slots free up; alike nodes share a heap, so a pick costs a few heap reads.
 
 The oracle is the same dispatcher that also knows every node's KV cache: the node where the

@@ -46,9 +46,11 @@ class Replica:
 
     __slots__ = (
         "alive",
+        "back_at",
         "budget",
         "cands",
         "consecutive",
+        "eased_at",
         "ejected",
         "ejected_until",
         "faded_at",
@@ -76,6 +78,10 @@ class Replica:
         self.ejected_until = [0.0] * n
         self.n_ejected = 0
         self.times_ejected = [0] * n
+        # Since when each node is back (its `ready_since`; None: out), and when its ejection
+        # count last eased (`_rules.eases`).
+        self.back_at: list[float | None] = [0.0] * n
+        self.eased_at = [0.0] * n
         self.consecutive = [0] * n
         self.faded_at = [0.0] * n  # when each view's error rate was last faded to
         self.ramping: dict[int, float] = {}  # node index -> ready since

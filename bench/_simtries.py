@@ -50,8 +50,12 @@ class Tries(Perfect, Detection):
 
     def _refused(self, req: Req, node: Node, now: float) -> None:
         """The node's 400 at once: the request's fault, passed on and never retried, and an
-        answer as far as the node's health goes."""
+        answer as far as the node's health goes; the strategy is told of it as the balancer
+        tells it (`Strategy.refused`)."""
         if not self.perfect:
+            route, view = req.route, req.view
+            if route is not None and view is not None:
+                self.replicas[req.replica].strategy.refused(route, view)
             self._record(req.replica, node.idx, ok=True, now=now)
         self._fail(req, "bad_request", now)
 

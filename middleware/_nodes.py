@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from promptlb.shared import Snapshot
 
 from ._config import Config, NodeConfig
-from ._rules import after_try, ejection_cap, ejection_time, faded, ramp
+from ._rules import after_try, eases, ejection_cap, ejection_time, faded, ramp
 from ._view import NodeView
 
 __all__ = ["Node", "NodeTable", "leak_mark"]
@@ -391,14 +391,8 @@ class NodeTable:
         outlier = self._config.outlier
         if ok:
             node.consecutive_failures = 0
-            # Envoy's: each base_ejection_time a node stays back, its next ejection is a step
-            # shorter again (the count only grew: bursts days apart ended in the longest).
-            back = node.ready_since
-            if (
-                node.times_ejected
-                and back is not None
-                and now - max(back, node.eased_at) >= outlier.base_ejection_time
-            ):
+            back, base = node.ready_since, outlier.base_ejection_time
+            if eases(node.times_ejected, back, node.eased_at, now, base):
                 node.times_ejected -= 1
                 node.eased_at = now
             return

@@ -15,6 +15,7 @@ __all__ = [
     "MIN_RAMP",
     "RetryBudget",
     "after_try",
+    "eases",
     "ejection_cap",
     "ejection_time",
     "faded",
@@ -64,6 +65,14 @@ def ejection_time(times_ejected: int, base: float, most: float) -> float:
     """Seconds an outlier stays out on its ``times_ejected``-th ejection: longer each time a
     node keeps failing, up to ``most`` (Envoy's outlier detection)."""
     return min(base * times_ejected, most)
+
+
+def eases(times_ejected: int, back: float | None, eased_at: float, now: float, base: float) -> bool:
+    """Whether a node ejected before, back since ``back`` (None: not back), has now stayed
+    back a ``base`` ejection time since then or since its count last eased (``eased_at``):
+    its next ejection is then a step shorter (Envoy's; the count only grew, and bursts days
+    apart ended in the longest)."""
+    return times_ejected > 0 and back is not None and now - max(back, eased_at) >= base
 
 
 def ejection_cap(pool: int, percent: float) -> int:

@@ -220,6 +220,38 @@ def test_bursts_raise_the_rate_in_their_window() -> None:
     assert inside / (outside / 2) == pytest.approx(3.0, rel=0.15)
 
 
+def test_overlapping_bursts_multiply_and_their_trace_follows() -> None:
+    data = _valid()
+    data["duration"] = "90s"
+    data["workload"]["bursts"] = [
+        {"at": "20s", "duration": "40s", "factor": 2},
+        {"at": "40s", "duration": "40s", "factor": 2},
+    ]
+    scenario = parse_scenario(data)
+    assert scenario.rate_at(50) == 80  # 20/s, twice twice
+    arrivals = scenario.arrivals()
+    overlap = sum(1 for a in arrivals if 40 <= a.at < 60) / 20
+    assert overlap == pytest.approx(80, rel=0.1)  # thinned against one burst's peak: 38/s
+
+
+def test_scenario_tables_refuse_keys_they_do_not_know() -> None:
+    # A misspelt key (slot = 1) was its default, silently; only the top level's were refused.
+    for path, key in (
+        (("nodes", 0), "nodes[0].slot"),
+        (("workload", "mix", 0), "workload.mix[0].prompt_token"),
+        (("nodes", 1, "faults", 0), "nodes[1].faults[0].factor"),
+        (("workload",), "workload.ratee"),
+    ):
+        data = _valid()
+        target: Any = data
+        for step in path:
+            target = target[step]
+        target[key.rsplit(".", 1)[1]] = 1
+        with pytest.raises(ConfigError) as err:
+            parse_scenario(data)
+        assert err.value.key == key
+
+
 def test_load_follows_capacity() -> None:
     data = _valid()
     del data["workload"]["rate"]

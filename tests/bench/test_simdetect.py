@@ -60,6 +60,24 @@ def test_failures_of_tries_under_way_while_ejected_start_no_new_streak() -> None
     assert replica.ejected[1] and replica.times_ejected[1] == 2  # five new failures
 
 
+def test_an_ejection_eases_a_step_for_each_base_time_a_node_stays_back() -> None:
+    # As NodeTable.record_result (`_rules.eases`): the count only grew in the simulator, and a
+    # node ejected again after a good minute back was out for 60 s where the gateway's is 30.
+    sim = _sim()
+    replica = sim.replicas[0]
+    for _ in range(5):
+        sim._record(0, 1, ok=False, now=1.0)
+    assert replica.times_ejected[1] == 1 and replica.back_at[1] is None
+    sim._uneject(0, 1, 31.0)
+    sim._record(0, 1, ok=True, now=50.0)  # back 19 s: not yet
+    assert replica.times_ejected[1] == 1
+    sim._record(0, 1, ok=True, now=62.0)  # back 31 s: a step shorter
+    assert replica.times_ejected[1] == 0
+    for _ in range(5):
+        sim._record(0, 1, ok=False, now=100.0)
+    assert replica.times_ejected[1] == 1 and replica.ejected_until[1] == 130.0
+
+
 def test_a_node_ejected_then_unhealthy_is_back_once_its_checks_pass() -> None:
     sim = _sim()
     replica = sim.replicas[0]

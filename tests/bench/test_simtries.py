@@ -86,3 +86,17 @@ def test_a_prompt_and_answer_past_the_nodes_context_is_a_400_at_once(strategy: s
     edge = [Arrival(0.0, "q", 50, 13), Arrival(0.1, "q", 50, 12)]
     result = _Sim(small, edge, strategy, 10.0, SimParams(replicas=1), {}, None).run()
     assert result.errors == {"bad_request": 1} and result.ok == 1
+
+
+def test_the_strategy_is_told_of_a_nodes_refusals_as_the_balancer_tells_it() -> None:
+    # A node whose context no prompt fits answers 400 at once: the balancer tells the strategy
+    # (`Strategy.refused`), and predictive lets it sit out; the simulator told it nothing, and
+    # it took 288 of 294 requests there, every one refused.
+    nodes = [
+        NodeSpec(name="big", slots=16, tokens_per_s=100.0, ttft_ms=50.0),
+        NodeSpec(name="small", slots=16, tokens_per_s=100.0, ttft_ms=50.0, kv_blocks=64),
+    ]
+    arrivals = [Arrival(i * 0.1, "long", 2000, 50) for i in range(300)]
+    result = simulate(nodes, arrivals, "predictive", duration=30.0, params=SimParams(replicas=1))
+    assert result.errors.get("bad_request", 0) <= 60, result.errors
+    assert result.ok >= 240
