@@ -246,9 +246,11 @@ class Scenario:
                     prompts, rng, self.duration, self.base_rate
                 )
             ]
-        # The rate's most, where it may change (a burst's start): overlapping bursts multiply,
-        # and a peak of the largest one alone thinned them to under half their rate.
-        peak = max([self.base_rate] + [self.rate_at(b.at) for b in self.workload.bursts])
+        # The rate's most, where it may change (a burst's start or end): overlapping bursts
+        # multiply (a peak of the largest one alone thinned them to under half their rate),
+        # and a lull's end inside a burst raises it.
+        changes = [t for b in self.workload.bursts for t in (b.at, b.at + b.duration)]
+        peak = max([self.base_rate] + [self.rate_at(t) for t in changes])
         shares = [c.share for c in self.workload.mix]
         out: list[Arrival] = []
         t = 0.0
@@ -364,6 +366,7 @@ def _dist(raw: Any, where: str) -> Dist:
         return Dist(kind="fixed", mean=_positive(where, raw))
     if not isinstance(raw, dict):
         raise ConfigError(where, raw, "a number or a table {dist, mean, sigma, lo, hi}")
+    _only(raw, {"dist", "mean", "sigma", "lo", "hi"}, f"{where}.")
     kind = raw.get("dist", "lognormal")
     if kind not in ("fixed", "lognormal", "uniform"):
         raise ConfigError(f"{where}.dist", kind, "fixed, lognormal or uniform")

@@ -144,7 +144,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 # (kept as headers, unbounded) or chunk sizes: held to the same cap.
                 self._tail = 0 if self._bodied else self._tail + len(data)
                 if self._tail > MAX_HEAD_BYTES:
-                    self._head_too_large()
+                    self._head_too_large(pipelined=False)
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
@@ -152,15 +152,30 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             self._bodied = True
             super().on_body(body)
 
-        def _head_too_large(self) -> None:
+        def _head_too_large(self, *, pipelined: bool = True) -> None:
+            """431 and close. A head behind answers still being written (``pipelined``)
+            waits for them, reading paused: closed at once, the requests before it were
+            sent to nodes and their answers thrown away. (A trailer too long is the request
+            under way's own: its connection closes at once.)"""
             self._disarm()
             if self.transport.is_closing():
                 return
             cycle = self.cycle
-            # As `_too_slow`: behind an answer still being written, the connection just closes.
             if cycle is None or cycle.response_complete:
                 self.transport.write(_TOO_LARGE)
+            elif pipelined:
+                self._refused = True
+                self.flow.pause_reading()
+                return  # `on_response_complete` answers it once the answers before it are out
             self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._refused and not self.transport.is_closing():
+                self.flow.pause_reading()  # (resumed by uvicorn for the next request)
+                cycle = self.cycle
+                if not self.pipeline and (cycle is None or cycle.response_complete):
+                    self._head_too_large()
 
         def on_message_begin(self) -> None:
             # The read it began in: with the reads counted since, a bound on its head's size.
@@ -262,6 +277,9 @@ def server_config(
         # is missing, and the hop then costs half again as much CPU. Guarded: headers must
         # arrive within ``header_timeout``.
         http=_guarded(header_timeout),
+        # No WebSocket routes: an upgrade is served as plain HTTP (with a WebSocket library
+        # installed, "auto" took over the connection, and a refused head's upgrade raised).
+        ws="none",
         proxy_headers=forwarded_allow_ips is not None,
         forwarded_allow_ips=forwarded_allow_ips,
         timeout_graceful_shutdown=math.ceil(graceful_shutdown),  # uvicorn takes whole seconds

@@ -232,6 +232,14 @@ def test_overlapping_bursts_multiply_and_their_trace_follows() -> None:
     arrivals = scenario.arrivals()
     overlap = sum(1 for a in arrivals if 40 <= a.at < 60) / 20
     assert overlap == pytest.approx(80, rel=0.1)  # thinned against one burst's peak: 38/s
+    # A lull (factor below 1) ending inside a burst: the most is at the lull's end.
+    data["workload"]["bursts"] = [
+        {"at": "0s", "duration": "50s", "factor": 0.5},
+        {"at": "25s", "duration": "50s", "factor": 4},
+    ]
+    scenario = parse_scenario(data)
+    after = sum(1 for a in scenario.arrivals() if 50 <= a.at < 75) / 25
+    assert after == pytest.approx(80, rel=0.1)  # 40/s against a peak at a start alone
 
 
 def test_scenario_tables_refuse_keys_they_do_not_know() -> None:
@@ -241,6 +249,7 @@ def test_scenario_tables_refuse_keys_they_do_not_know() -> None:
         (("workload", "mix", 0), "workload.mix[0].prompt_token"),
         (("nodes", 1, "faults", 0), "nodes[1].faults[0].factor"),
         (("workload",), "workload.ratee"),
+        (("workload", "mix", 0, "max_tokens"), "workload.mix[0].max_tokens.sgima"),
     ):
         data = _valid()
         target: Any = data

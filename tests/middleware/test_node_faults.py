@@ -306,6 +306,12 @@ async def test_a_connection_that_sends_nothing_is_closed(launch: Launcher, tmp_p
         assert time.monotonic() - started < 2
 
 
+_TOO_LARGE_ANSWER = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
 async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
     launch: Launcher, tmp_path: Path
 ) -> None:
@@ -355,6 +361,15 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
         for sent in (whole, b"\r\n\r\n" + whole):
             heard = await asyncio.to_thread(flood, b"", sent)
             assert heard.startswith(b"HTTP/1.1 431"), (size, heard[:200])
+    # One behind a request still being answered (pipelined): that answer first, then the 431
+    # (the connection was closed at once, the answer the node gave thrown away).
+    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}'
+    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 70_000 + b"\r\n\r\n"
+    heard = await asyncio.to_thread(flood, b"", first + big)
+    assert heard.startswith(b"HTTP/1.1 200") and b'"choices"' in heard, heard[:300]
+    assert heard.endswith(_TOO_LARGE_ANSWER), heard[-300:]
     # A head under the cap with a body past it in the same reads: taken, and passed on (the
     # node refuses a header line that long itself: its 400, not the gateway's 431).
     body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"z" * 100_000 + b'"}]}'

@@ -767,6 +767,38 @@ def test_a_node_that_stops_refusing_is_back_within_its_sit_out(node: MakeNode) -
     assert picks <= left + 20, (picks, left)
 
 
+def test_a_refusing_node_takes_one_try_at_a_time_when_its_refusals_come_back_late(
+    node: MakeNode,
+) -> None:
+    # Its sit-out over, it was looked at on every pick until its next refusal came in: with
+    # refusals 20 picks late, every pick meanwhile could land there (258 of 20,000).
+    strategy = make_strategy("predictive")
+    assert isinstance(strategy, Predictive)
+    rng = random.Random(0)
+    views = [node(name) for name in "abc"]
+    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
+    for view in views:
+        for _ in range(20):
+            strategy.observe(req, view, 2.0, None, 0)
+    due: dict[int, list[tuple[bool, NodeView]]] = {}
+    refused = 0
+    for t in range(20_000):
+        for answered, view in due.pop(t, []):
+            view.in_flight -= 1
+            if answered:
+                strategy.observe(req, view, 2.0, None, 0)
+            else:
+                strategy.refused(req, view)
+        view = strategy.pick(req, views, rng)
+        view.in_flight += 1
+        if view.name == "c":
+            refused += 1
+            due.setdefault(t + 20, []).append((False, view))
+        else:
+            due.setdefault(t + 40, []).append((True, view))
+    assert refused <= 50, refused
+
+
 def test_another_replicas_answers_do_not_end_this_ones_run_of_refusals(node: MakeNode) -> None:
     # A key may be wrong at one replica alone (a stale Secret mid-rotation): the others'
     # answers from the node, shared, reset the run, and it took 276 of 1,000 picks, all refused.
