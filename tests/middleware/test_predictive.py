@@ -736,17 +736,25 @@ def test_a_refusing_node_sits_out_the_first_bursts_spread_and_a_new_prefixs_star
     assert starts["n00"] <= 12 and len(starts) == 32, starts
 
 
-def test_a_node_that_stops_refusing_is_back_within_its_sit_out(node: MakeNode) -> None:
-    # Its key fixed by a reload (the same server: nothing learnt is dropped), it waited a whole
-    # sit-out again after every look that did not pick it: 1,774 picks to its first answer.
+def three_learnt(
+    node: MakeNode, **snapshot: Any
+) -> tuple[Predictive, random.Random, list[NodeView], RouteRequest]:
+    """Predictive over nodes a, b and c (``snapshot``: their snapshots' fields), each taught
+    twenty 2 s answers to the request returned."""
     strategy = make_strategy("predictive")
     assert isinstance(strategy, Predictive)
-    rng = random.Random(0)
-    views = [node(name, running=2) for name in "abc"]
+    views = [node(name, **snapshot) for name in "abc"]
     req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
     for view in views:
         for _ in range(20):
             strategy.observe(req, view, 2.0, None, 0)
+    return strategy, random.Random(0), views, req
+
+
+def test_a_node_that_stops_refusing_is_back_within_its_sit_out(node: MakeNode) -> None:
+    # Its key fixed by a reload (the same server: nothing learnt is dropped), it waited a whole
+    # sit-out again after every look that did not pick it: 1,774 picks to its first answer.
+    strategy, rng, views, req = three_learnt(node, running=2)
     for _ in range(5_000):
         view = strategy.pick(req, views, rng)
         if view.name == "c":
@@ -772,14 +780,7 @@ def test_a_refusing_node_takes_one_try_at_a_time_when_its_refusals_come_back_lat
 ) -> None:
     # Its sit-out over, it was looked at on every pick until its next refusal came in: with
     # refusals 20 picks late, every pick meanwhile could land there (258 of 20,000).
-    strategy = make_strategy("predictive")
-    assert isinstance(strategy, Predictive)
-    rng = random.Random(0)
-    views = [node(name) for name in "abc"]
-    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
-    for view in views:
-        for _ in range(20):
-            strategy.observe(req, view, 2.0, None, 0)
+    strategy, rng, views, req = three_learnt(node)
     due: dict[int, list[tuple[bool, NodeView]]] = {}
     refused = 0
     for t in range(20_000):
@@ -802,14 +803,7 @@ def test_a_refusing_node_takes_one_try_at_a_time_when_its_refusals_come_back_lat
 def test_another_replicas_answers_do_not_end_this_ones_run_of_refusals(node: MakeNode) -> None:
     # A key may be wrong at one replica alone (a stale Secret mid-rotation): the others'
     # answers from the node, shared, reset the run, and it took 276 of 1,000 picks, all refused.
-    strategy = make_strategy("predictive")
-    assert isinstance(strategy, Predictive)
-    rng = random.Random(0)
-    views = [node(name, running=2) for name in "abc"]
-    req = RouteRequest(model="m", max_tokens=256, input_tokens=500)
-    for view in views:
-        for _ in range(20):
-            strategy.observe(req, view, 2.0, None, 0)
+    strategy, rng, views, req = three_learnt(node, running=2)
     got: Counter[str] = Counter()
     for i in range(1_000):
         view = strategy.pick(req, views, rng)
