@@ -89,6 +89,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
         _read = 0  # the length of the read under way
         _start = 0  # ... of the read the request under way began in
         _refused = False  # a head past the cap was refused: nothing more is parsed into a request
+        _dropped = 0  # bytes dropped since
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -126,6 +127,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             elif cycle.response_complete and self._header_timer is None:
                 self._unread = True  # the rest of a body its answer did not wait for
                 self._arm(header_timeout * _UNREAD_FACTOR)
+            if self._refused:
+                # A head refused behind answers still being written: what comes after it is
+                # dropped, not parsed (uvicorn resumes reading whenever the app waits on the
+                # client, and lines piled up unbounded), up to the cap, then the connection
+                # closes. Read on, a client that leaves is still seen.
+                self._dropped += len(data)
+                if self._dropped > MAX_HEAD_BYTES:
+                    self.transport.close()
+                return
             in_head = self._in_head
             self._read = len(data)
             if in_head:
@@ -154,9 +164,10 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
 
         def _head_too_large(self, *, pipelined: bool = True) -> None:
             """431 and close. A head behind answers still being written (``pipelined``)
-            waits for them, reading paused: closed at once, the requests before it were
-            sent to nodes and their answers thrown away. (A trailer too long is the request
-            under way's own: its connection closes at once.)"""
+            waits for them, what the client sends meanwhile dropped (`data_received`): closed
+            at once, the requests before it were sent to nodes and their answers thrown away.
+            (A trailer too long is the request under way's own: its connection closes at
+            once.)"""
             self._disarm()
             if self.transport.is_closing():
                 return
@@ -165,19 +176,19 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self.transport.write(_TOO_LARGE)
             elif pipelined:
                 self._refused = True
-                self.flow.pause_reading()
                 return  # `on_response_complete` answers it once the answers before it are out
             self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self._refused and not self.transport.is_closing():
-                self.flow.pause_reading()  # (resumed by uvicorn for the next request)
                 cycle = self.cycle
                 if not self.pipeline and (cycle is None or cycle.response_complete):
                     self._head_too_large()
 
         def on_message_begin(self) -> None:
+            if self._refused:
+                return  # (a request after a refused head, in the same read: not one)
             # The read it began in: with the reads counted since, a bound on its head's size.
             self._start = self._read
             super().on_message_begin()
@@ -277,8 +288,8 @@ def server_config(
         # is missing, and the hop then costs half again as much CPU. Guarded: headers must
         # arrive within ``header_timeout``.
         http=_guarded(header_timeout),
-        # No WebSocket routes: an upgrade is served as plain HTTP (with a WebSocket library
-        # installed, "auto" took over the connection, and a refused head's upgrade raised).
+        # No WebSocket routes: uvicorn's WebSocket handling stays off whatever is installed
+        # (with a WebSocket library, "auto" took an upgrade on a refused head, and raised).
         ws="none",
         proxy_headers=forwarded_allow_ips is not None,
         forwarded_allow_ips=forwarded_allow_ips,

@@ -124,6 +124,7 @@ class ServiceModel:
     __slots__ = (
         "count",
         "forget",
+        "in_flight_at_refusal",
         "mean_service",
         "others",
         "p",
@@ -155,6 +156,7 @@ class ServiceModel:
         self.snapshot: Snapshot | None = None
         self.refused = 0  # tries the node refused since its last answer learnt
         self.sit_out = 0  # picks it sits out yet, once it has refused `_REFUSALS` in a row
+        self.in_flight_at_refusal = 0  # our tries on it when it last refused (`sits_out`)
 
     def service(self, out_tokens: float, in_tokens: float) -> float:
         a, b, c = self.theta
@@ -255,20 +257,23 @@ class ServiceModel:
 
     def sits_out(self, in_flight: int) -> bool:
         """Whether a node that refused `_REFUSALS` tries in a row or more sits this pick out:
-        during its sit-out (`refuse`), and while a try of ours is out on it. Its sit-out over,
-        it is looked at on every pick until its next answer or refusal: one at a time (with
-        refusals coming back 20 picks late, it took 258 of 20,000 picks, not 32)."""
+        during its sit-out (`refuse`), and while a try of ours started since its last refusal
+        is out on it. Its sit-out over, it is looked at on every pick until its next answer
+        or refusal, one try at a time (with refusals coming back 20 picks late, it took 258
+        of 20,000 picks, not 32); the tries it had before, answers still streaming, do not
+        hold it out."""
         if self.sit_out:
             self.sit_out -= 1
             return True
-        return in_flight > 0
+        return in_flight > self.in_flight_at_refusal
 
-    def refuse(self) -> None:
+    def refuse(self, in_flight: int) -> None:
         """A refusal more: from the `_REFUSALS`-th in a row, the node sits out the next
         `_SIT_OUT` picks that look at it, twice as many after each further one (its own
         answer ends the run). Restarted by a refusal only: restarted whenever a look did not
         pick it, a node whose key was fixed waited a full sit-out after each such look."""
         self.refused += 1
+        self.in_flight_at_refusal = in_flight
         if self.refused >= _REFUSALS:
             self.sit_out = min(_SIT_OUT << min(self.refused - _REFUSALS, 16), _MAX_SIT_OUT)
 
@@ -797,7 +802,7 @@ class Predictive:
             self.index.tell((node.name, out, prefill, service, decode, clean))
 
     def refused(self, request: RouteRequest, node: NodeView) -> None:
-        self._model(node.name).refuse()
+        self._model(node.name).refuse(node.in_flight)
 
     def forget_node(self, name: str) -> None:
         self._models.pop(name, None)

@@ -395,6 +395,41 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
         assert b"\r\nx-promptlb-node: " in answer, (cut, answer[:200])
 
 
+async def test_what_follows_a_head_refused_behind_an_answer_is_dropped_not_kept(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # Its 431 waits for the answer before it (6 s here). Paused, reading was resumed by
+    # uvicorn as the app read its body: header lines kept coming, parsed and kept, 2 GB in 8 s.
+    model = launch("emulator", "--model", "m", "--tokens-per-s", "5", "--output-spread", "0")
+    gateway = launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
+    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}'
+    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    # (Past the cap within the same send: refused before the app has read its body.)
+    big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 300_000 + b"\r\n"
+    rss = psutil.Process(gateway.pid).memory_info().rss
+
+    def pile() -> int:
+        accepted = 0
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=0.5) as conn:
+            conn.sendall(first + big)
+            time.sleep(0.3)
+            lines = (b"X-More: " + b"z" * 1014 + b"\r\n") * 64
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                try:
+                    accepted += conn.send(lines)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break  # closed on us: the point
+        return accepted
+
+    accepted = await asyncio.to_thread(pile)
+    assert accepted < 8 << 20, accepted  # (hundreds of megabytes before, and growing)
+    assert psutil.Process(gateway.pid).memory_info().rss < rss + (50 << 20)
+
+
 async def test_bare_newlines_between_requests_do_not_hold_a_connection(
     launch: Launcher, tmp_path: Path
 ) -> None:

@@ -800,6 +800,24 @@ def test_a_refusing_node_takes_one_try_at_a_time_when_its_refusals_come_back_lat
     assert refused <= 50, refused
 
 
+def test_a_busy_node_is_not_held_out_by_the_answers_it_was_streaming_before_it_refused(
+    node: MakeNode,
+) -> None:
+    # Three quick 400s (a client's bad prompts) on a node with two long streams of ours: held
+    # out while any try was in flight, it got none of 2,000 picks until a stream ended.
+    strategy, rng, views, req = three_learnt(node, running=2)
+    for view in views:
+        view.in_flight = 2
+    for _ in range(3):
+        strategy.refused(req, views[2])
+    got: Counter[str] = Counter()
+    for _ in range(2_000):
+        view = strategy.pick(req, views, rng)
+        got[view.name] += 1
+        strategy.observe(req, view, 2.0, None, 0)  # answered at once: its run ends
+    assert got["c"] >= 400, got
+
+
 def test_another_replicas_answers_do_not_end_this_ones_run_of_refusals(node: MakeNode) -> None:
     # A key may be wrong at one replica alone (a stale Secret mid-rotation): the others'
     # answers from the node, shared, reset the run, and it took 276 of 1,000 picks, all refused.
