@@ -90,6 +90,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
         _start = 0  # ... of the read the request under way began in
         _refused = False  # a head past the cap was refused: nothing more is parsed into a request
         _dropped = 0  # bytes dropped since
+        _headers = 0  # the request's header lines, before any trailer's
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -155,6 +156,12 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._tail = 0 if self._bodied else self._tail + len(data)
                 if self._tail > MAX_HEAD_BYTES:
                     self._head_too_large(pipelined=False)
+            else:
+                # A head begun in this read, after the end of a body: counted from here (all
+                # of the read: the bytes before it are not told apart), else uncounted.
+                self._head = len(data)
+                if self._head > MAX_HEAD_BYTES:
+                    self._head_too_large()
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
@@ -209,17 +216,34 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._head_too_large()
                 return
             self._in_head = False
+            self._headers = len(self.headers)  # those after it, a chunked body's trailer's
             self._disarm()
             super().on_headers_complete()
 
+        def send_400_response(self, msg: str) -> None:
+            if self._refused:
+                return  # (bytes after a refused head: a 400 landed inside the answer before)
+            super().send_400_response(msg)
+
         def _head_size(self) -> int:
             # The request line (its method and version, at most 16 bytes with its spaces and
-            # line end), the target and each header line with its ": " and line end.
-            return len(self.url) + 16 + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            # line end), the target and each header line with its colon and line end (the
+            # spaces around a value are not counted).
+            return len(self.url) + 16 + sum(len(n) + len(v) + 3 for n, v in self.headers)
 
         def on_message_complete(self) -> None:
             if self._refused:
                 return
+            if len(self.headers) > self._headers:
+                # A chunked body's trailer lines: uvicorn appends them to the request's
+                # headers, which the app passed on to the node as headers (injected ones too).
+                # ASGI has no trailers: dropped, and held to the cap (those in a read with
+                # body bytes were counted nowhere).
+                trailer = self.headers[self._headers :]
+                del self.headers[self._headers :]
+                if sum(len(n) + len(v) + 4 for n, v in trailer) > MAX_HEAD_BYTES:
+                    self._head_too_large(pipelined=False)
+                    return
             super().on_message_complete()
             self._in_head, self._head, self._tail = True, 0, 0  # next: the next request's head
 

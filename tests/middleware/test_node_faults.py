@@ -18,10 +18,11 @@ import aiohttp
 import httpx
 import psutil
 import pytest
+from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 
 from tests.conftest import Launcher, Serve, Service
-from tests.middleware.conftest import Flags, MakeCluster, Messages
+from tests.middleware.conftest import Flags, MakeCluster, Messages, chat_node
 
 HEALTH = "[health]\ninterval = '300ms'\ninterval_jitter = '50ms'\ntimeout = '300ms'\n"
 # Two failures in a row eject: what the old rules did to a node for a poison request or two.
@@ -428,6 +429,64 @@ async def test_what_follows_a_head_refused_behind_an_answer_is_dropped_not_kept(
     accepted = await asyncio.to_thread(pile)
     assert accepted < 8 << 20, accepted  # (hundreds of megabytes before, and growing)
     assert psutil.Process(gateway.pid).memory_info().rss < rss + (50 << 20)
+
+
+def _raw(port: int, sent: bytes, wait: float = 3.0) -> bytes:
+    """``sent`` on a raw connection; all the server answers until it closes or ``wait``."""
+    heard = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as conn:
+        conn.sendall(sent)
+        with contextlib.suppress(OSError):
+            while chunk := conn.recv(65536):
+                heard += chunk
+    return heard
+
+
+async def test_a_chunked_bodys_trailer_reaches_no_node_as_headers(
+    launch: Launcher, serve: Serve, tmp_path: Path
+) -> None:
+    # uvicorn appends trailer lines to the request's headers, which the gateway passed on: a
+    # client could add headers after the body (and, in the body's read, past any cap).
+    seen: list[list[str]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append([name.lower() for name in request.headers])
+        return web.json_response({"id": "x", "choices": [{"index": 0, "text": "ok"}]})
+
+    async with serve(chat_node(chat)) as url:
+        # (No health checks: this loop, where the node answers, waits while the gateway starts.)
+        config = _gateway_config(tmp_path, url)
+        config.write_text("[health]\nenabled = false\n" + config.read_text())
+        gateway = launch("middleware", "--config", str(config))
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n" % (len(body), body)
+        )
+        heard = await asyncio.to_thread(_raw, gateway.port, head + b"X-Injected: 1\r\n\r\n")
+        assert heard.startswith(b"HTTP/1.1 200"), heard[:200]
+        assert seen and "x-injected" not in seen[-1], seen
+        count = len(seen)
+        long = head + b"X-T: " + b"y" * 100_000 + b"\r\n\r\n"  # with the body, in one send
+        heard = await asyncio.to_thread(_raw, gateway.port, long)
+        assert heard == b"" and len(seen) == count, heard[:200]  # closed; no node asked
+
+
+async def test_bytes_after_a_refused_head_put_nothing_inside_the_answer_before_it(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # The rest of the read was still parsed: a malformed line after the refused head made
+    # uvicorn write its 400 into the stream under way, and cut it.
+    model = launch("emulator", "--model", "m", "--tokens-per-s", "20", "--output-spread", "0")
+    gateway = launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
+    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}'
+    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-F: " + b"y" * 70_000 + b"\r\n\r\n"
+    bad = b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"
+    heard = await asyncio.to_thread(_raw, gateway.port, first + big + bad)
+    assert heard.startswith(b"HTTP/1.1 200") and b"400 Bad Request" not in heard, heard[-300:]
+    assert heard.endswith(_TOO_LARGE_ANSWER), heard[-300:]
 
 
 async def test_bare_newlines_between_requests_do_not_hold_a_connection(
