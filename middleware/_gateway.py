@@ -156,12 +156,6 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._tail = 0 if self._bodied else self._tail + len(data)
                 if self._tail > MAX_HEAD_BYTES:
                     self._head_too_large(pipelined=False)
-            else:
-                # A head begun in this read, after the end of a body: counted from here (all
-                # of the read: the bytes before it are not told apart), else uncounted.
-                self._head = len(data)
-                if self._head > MAX_HEAD_BYTES:
-                    self._head_too_large()
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
@@ -176,13 +170,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             (A trailer too long is the request under way's own: its connection closes at
             once.)"""
             self._disarm()
+            # Nothing more parsed into a request: the rest of this read would start requests
+            # on a connection that is closing.
+            self._refused = True
             if self.transport.is_closing():
                 return
             cycle = self.cycle
             if cycle is None or cycle.response_complete:
                 self.transport.write(_TOO_LARGE)
             elif pipelined:
-                self._refused = True
                 return  # `on_response_complete` answers it once the answers before it are out
             self.transport.close()
 
@@ -212,7 +208,6 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             # read that crosses the cap (a body, a pipelined request, blank lines before it),
             # and let heads of up to a read more through.
             if self._head + self._start > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
-                self._refused = True
                 self._head_too_large()
                 return
             self._in_head = False
