@@ -91,6 +91,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
         _refused = False  # a head past the cap was refused: nothing more is parsed into a request
         _dropped = 0  # bytes dropped since
         _headers = 0  # the request's header lines, before any trailer's
+        _headed = False  # the read under way ended a head
 
         def _arm(self, timeout: float = header_timeout) -> None:
             if self._header_timer is None:
@@ -141,7 +142,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             self._read = len(data)
             if in_head:
                 self._head += len(data)
-            self._bodied = False
+            self._bodied = self._headed = False
             super().data_received(data)
             if self._refused:
                 return
@@ -152,10 +153,15 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                     self._head_too_large()
             elif not self._in_head:
                 # Past the head, reads that carry no body are a chunked body's trailer lines
-                # (kept as headers, unbounded) or chunk sizes: held to the same cap.
-                self._tail = 0 if self._bodied else self._tail + len(data)
+                # (kept as headers, unbounded) or chunk sizes: held to the same cap. (Not one
+                # that ended a head: pipelined requests after a body's end are none of it.)
+                self._tail = 0 if self._bodied or self._headed else self._tail + len(data)
                 if self._tail > MAX_HEAD_BYTES:
                     self._head_too_large(pipelined=False)
+            elif self._head_size() > MAX_HEAD_BYTES:
+                # A head begun in this read after a body's end and not ended: its reads are
+                # counted from the next; this one's lines, as parsed.
+                self._head_too_large()
 
         def on_body(self, body: bytes) -> None:
             if self._refused:
@@ -176,9 +182,11 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
             if self.transport.is_closing():
                 return
             cycle = self.cycle
-            if cycle is None or cycle.response_complete:
+            if not pipelined:
+                pass  # the request's own trailer: answered or not, no second answer to it
+            elif cycle is None or cycle.response_complete:
                 self.transport.write(_TOO_LARGE)
-            elif pipelined:
+            else:
                 return  # `on_response_complete` answers it once the answers before it are out
             self.transport.close()
 
@@ -211,6 +219,7 @@ def _guarded(header_timeout: float) -> type[HttpToolsProtocol]:
                 self._head_too_large()
                 return
             self._in_head = False
+            self._headed = True
             self._headers = len(self.headers)  # those after it, a chunked body's trailer's
             self._disarm()
             super().on_headers_complete()

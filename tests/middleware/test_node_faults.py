@@ -479,6 +479,64 @@ async def test_a_chunked_bodys_trailer_reaches_no_node_as_headers(
         assert heard == b"" and len(seen) == count, heard[:200]  # closed; no node asked
 
 
+async def test_requests_pipelined_after_a_chunked_bodys_end_are_no_trailer(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # A read that began in a chunked body and carried none of it counted whole as trailer
+    # lines: 110 small requests pipelined after the body's end passed 64 KiB, and the
+    # connection closed on them unanswered.
+    gateway = _guarded_gateway(launch, tmp_path)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    start = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(body), body)
+    )
+    gets = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-F: " + b"y" * 600 + b"\r\n\r\n"
+    last = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    last += b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    def send() -> bytes:
+        heard = b""
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=2) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(start)
+            time.sleep(0.1)
+            # ... and the read ends inside the last one's body (sent a moment later)
+            conn.sendall(b"0\r\n\r\n" + gets * 110 + last)
+            time.sleep(0.2)
+            conn.sendall(body)
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    heard += chunk
+        return heard
+
+    heard = await asyncio.to_thread(send)
+    assert heard.count(b"HTTP/1.1 200") == 112, heard[-300:]
+
+
+async def test_a_trailer_too_long_after_its_answer_gets_no_second_answer(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    # Answered without its body (a route nobody serves), the request's trailer past the cap
+    # got a 431 after that answer: two answers to one request.
+    gateway = _guarded_gateway(launch, tmp_path)
+    start = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
+
+    def send() -> bytes:
+        heard = b""
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=2) as conn:
+            conn.sendall(start)
+            time.sleep(0.3)  # answered meanwhile
+            with contextlib.suppress(OSError):
+                conn.sendall(b"0\r\nX-T: " + b"y" * 100_000 + b"\r\n\r\n")
+                while chunk := conn.recv(65536):
+                    heard += chunk
+        return heard
+
+    heard = await asyncio.to_thread(send)
+    assert heard.startswith(b"HTTP/1.1 404") and b"431" not in heard, heard[-300:]
+
+
 async def test_bytes_after_a_refused_head_put_nothing_inside_the_answer_before_it(
     launch: Launcher, tmp_path: Path
 ) -> None:
