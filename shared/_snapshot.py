@@ -235,9 +235,7 @@ class EngineSample:
             return raw
         if not isinstance(raw, Mapping):
             raise _bad(
-                "engine",
-                raw,
-                "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?}",
+                "engine", raw, "a map {running, waiting, kv_cache?, tps?, kv_tokens?, age_ms?}"
             )
         try:
             return cls(

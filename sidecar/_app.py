@@ -300,7 +300,6 @@ class _Collectors:
         else:
             self._failed_scrapes = 0
             self.live.engine_read_at = time.monotonic()
-            self.live.readings += 1
         self.live.engine = engine
         self.live.changed()
 

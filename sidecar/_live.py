@@ -62,7 +62,6 @@ class Live:
     gpus: tuple[GpuSample, ...] = ()
     engine: EngineSample | None = None
     engine_read_at: float = 0.0  # time.monotonic() of the reading in `engine`
-    readings: int = 0  # engine readings taken in this boot: a new one starts a seq epoch
     rss: int | None = None
     rss_slope: float | None = None
     mem_free: int | None = None
@@ -74,7 +73,7 @@ class Live:
     draining: bool = False
     _encoded: bytes | None = None
     _encoded_at: float = 0.0  # time.monotonic() of `_encoded`
-    _epoch_of: int = 0  # `readings` when the current seq epoch began
+    _epoch_of: float = 0.0  # `engine_read_at` of the reading the current seq epoch began with
 
     def changed(self) -> None:
         self.sampled_at = time.time()
@@ -136,12 +135,12 @@ class Live:
     def encoded(self) -> bytes:
         now = time.monotonic()
         if self._encoded is None:
-            if self.readings != self._epoch_of:
+            if self.engine_read_at != self._epoch_of:
                 # A new engine reading: a new epoch (`Snapshot.same_reading`), where a gateway
                 # re-bases its count of its own requests since the reading. Other news counts
-                # up within it (past 255 of them, into the next: a re-base, no harm).
+                # up within it (past 255 of them, into the next: a re-base, as for a new one).
                 self.seq = ((self.seq >> SEQ_EPOCH_BITS) + 1) << SEQ_EPOCH_BITS
-                self._epoch_of = self.readings
+                self._epoch_of = self.engine_read_at
             else:
                 self.seq += 1
         elif self.engine is None or now - self._encoded_at <= _AGE_STEP_S:
