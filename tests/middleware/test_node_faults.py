@@ -291,6 +291,21 @@ def _answered(gateway: Service, request: bytes, status: bytes) -> Iterator[socke
         yield conn
 
 
+def _chat(max_tokens: int) -> tuple[bytes, bytes]:
+    """A chat completion as raw bytes: its head (with its length) and its body."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %d}'
+    body %= max_tokens
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    return head + b"\r\nContent-Length: %d\r\n\r\n" % len(body), body
+
+
+def _slow_gateway(launch: Launcher, tmp_path: Path, tokens_per_s: int) -> Service:
+    """A gateway before one emulated node that answers ``tokens_per_s`` tokens a second."""
+    speed = ("--tokens-per-s", str(tokens_per_s), "--output-spread", "0")
+    model = launch("emulator", "--model", "m", *speed)
+    return launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
+
+
 def _guarded_gateway(launch: Launcher, tmp_path: Path) -> Service:
     """A gateway before one emulated node, its header deadline at 500 ms."""
     model = launch("emulator", "--model", "m")
@@ -364,9 +379,7 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
             assert heard.startswith(b"HTTP/1.1 431"), (size, heard[:200])
     # One behind a request still being answered (pipelined): that answer first, then the 431
     # (the connection was closed at once, the answer the node gave thrown away).
-    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}'
-    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    first = b"".join(_chat(20))
     big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 70_000 + b"\r\n\r\n"
     heard = await asyncio.to_thread(flood, b"", first + big)
     assert heard.startswith(b"HTTP/1.1 200") and b'"choices"' in heard, heard[:300]
@@ -408,11 +421,8 @@ async def test_what_follows_a_head_refused_behind_an_answer_is_dropped_not_kept(
 ) -> None:
     # Its 431 waits for the answer before it (6 s here). Paused, reading was resumed by
     # uvicorn as the app read its body: header lines kept coming, parsed and kept, 2 GB in 8 s.
-    model = launch("emulator", "--model", "m", "--tokens-per-s", "5", "--output-spread", "0")
-    gateway = launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
-    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}'
-    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    gateway = _slow_gateway(launch, tmp_path, 5)
+    first = b"".join(_chat(30))
     # (Past the cap within the same send: refused before the app has read its body.)
     big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"y" * 300_000 + b"\r\n"
     rss = psutil.Process(gateway.pid).memory_info().rss
@@ -486,14 +496,12 @@ async def test_requests_pipelined_after_a_chunked_bodys_end_are_no_trailer(
     # lines: 110 small requests pipelined after the body's end passed 64 KiB, and the
     # connection closed on them unanswered.
     gateway = _guarded_gateway(launch, tmp_path)
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    last, body = _chat(1)
     start = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
         b"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(body), body)
     )
     gets = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-F: " + b"y" * 600 + b"\r\n\r\n"
-    last = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-    last += b"\r\nContent-Length: %d\r\n\r\n" % len(body)
 
     def send() -> bytes:
         heard = b""
@@ -542,11 +550,8 @@ async def test_bytes_after_a_refused_head_put_nothing_inside_the_answer_before_i
 ) -> None:
     # The rest of the read was still parsed: a malformed line after the refused head made
     # uvicorn write its 400 into the stream under way, and cut it.
-    model = launch("emulator", "--model", "m", "--tokens-per-s", "20", "--output-spread", "0")
-    gateway = launch("middleware", "--config", str(_gateway_config(tmp_path, model.url)))
-    ask = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}'
-    first = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    first += b"Content-Length: %d\r\n\r\n" % len(ask) + ask
+    gateway = _slow_gateway(launch, tmp_path, 20)
+    first = b"".join(_chat(10))
     big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-F: " + b"y" * 70_000 + b"\r\n\r\n"
     bad = b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"
     heard = await asyncio.to_thread(_raw, gateway.port, first + big + bad)
