@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from promptlb.bench._cli import main
+from promptlb.bench._report import FAILED_AS_S
 from promptlb.bench._scenario import (
     Arrival,
     Dist,
@@ -621,3 +622,20 @@ def test_every_refresh_is_a_new_snapshot_but_a_dead_engine_s_last_word_stands() 
     assert replica.views[0].snapshot is node.cur  # nothing new from a dead engine
     sim._refresh(replica, 3.5)
     assert replica.views[0].snapshot is node.cur
+
+
+def test_the_p99_with_failures_counts_each_failure_as_the_live_report_does() -> None:
+    """A strategy that fails its slowest requests must not read faster than one that serves
+    them late: the live report's latency_with_failures counts a failure as the client's
+    timeout, and so does the simulator's row beside its p99 over the successes."""
+    node = NodeSpec(name="a", slots=1, tokens_per_s=1.0, ttft_ms=0.0)
+    arrivals = [Arrival(0.0, "q", 1, 20), Arrival(0.1, "q", 1, 20), Arrival(0.2, "q", 1, 20)]
+    result = simulate(
+        [node], arrivals, "round_robin", duration=1.0, params=SimParams(per_try_timeout=30)
+    )
+    row = summarise(result)
+    assert row["p99_s"] < 40.0  # the successes alone: 20 s and 39.9 s
+    # 20, 39.9 and the failure at 60 s: the 99th percentile lies 98% of the way to the last.
+    assert row["p99_with_failures_s"] == pytest.approx(39.9 + 0.98 * (FAILED_AS_S - 39.9))
+    clean = summarise(_run(_cluster(rate=0.5, nodes=2, duration=10.0, seed=4), "round_robin"))
+    assert clean["p99_with_failures_s"] == clean["p99_s"]
