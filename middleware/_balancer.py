@@ -425,6 +425,8 @@ class Balancer:
             # while the try ran (a reload re-pointed its name, discovery let it go): it would
             # bring back what its removal made the strategy forget, under a name that may now
             # be another server's.
+            if ok and code >= 400:
+                node.refusals += 1
             if ok and self.table.nodes.get(node.name) is node:
                 try:
                     if 200 <= code < 300:

@@ -50,6 +50,9 @@ class Node:
     requests: int = 0
     failures: int = 0
     request_faults: int = 0  # tries that failed through the request's fault: not counted above
+    # Answers 4xx but 429: ok for the node's health, but a node that refuses every request (a
+    # wrong key, a model it lacks) shows here and nowhere else.
+    refusals: int = 0
     # Tokens a second for one running request, as the sidecar last showed it generating (its
     # engine's rate over its running count); None: never shown. A stalled engine (nothing
     # generated) leaves it as it was: a hung node must not look as if it were merely slow.

@@ -128,6 +128,7 @@ def status_json(lb: Balancer, now: float | None = None) -> dict[str, Any]:
                 "requests": node.requests,
                 "failures": node.failures,
                 "request_faults": node.request_faults,
+                "refusals": node.refusals,
                 "ejected_for_s": round(node.ejected_until - now, 1)
                 if node.ejected_until > now
                 else 0,

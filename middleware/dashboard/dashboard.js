@@ -90,7 +90,8 @@ function nodeRow(n) {
   const lat = n.latency_ms, ttft = n.ttft_ms;
   cell(row, ms(lat.p50) + " / " + ms(lat.p90) + " / " + ms(lat.p99), lat.samples + " answers");
   cell(row, ms(ttft.p50) + " / " + ms(ttft.p90) + " / " + ms(ttft.p99));
-  cell(row, pct(n.error_rate, 1), n.failures + " of " + n.requests);
+  cell(row, pct(n.error_rate, 1),
+    n.failures + " of " + n.requests + (n.refusals ? ", " + n.refusals + " refused (4xx)" : ""));
   cell(row, pct(n.share));
   cell(row, num(n.qps, 1));
   return row;

@@ -7,12 +7,13 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._nodes import RECENT
 from promptlb.middleware._status import StatusPage, jain_index, percentile, status_json
 
-from tests.conftest import Launcher
-from tests.middleware.conftest import MakeSnapshot
+from tests.conftest import Launcher, Serve
+from tests.middleware.conftest import MakeSnapshot, gateway_over
 
 DEAD = "http://127.0.0.1:9"
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,6 +160,31 @@ async def test_status_of_a_live_node(launch: Launcher) -> None:
     assert node["latency_ms"]["samples"] == 5 and node["latency_ms"]["p50"] > 0
     assert doc["totals"]["success_rate"] == 1.0 and doc["totals"]["nodes_ready"] == 1
     await app.dispatcher.stop()
+
+
+async def test_a_node_refusing_every_request_shows_its_refusals_not_failures(
+    serve: Serve,
+) -> None:
+    """A node with a wrong key answers 401 to everything: healthy, no failure of its own, and
+    before the refusals count nothing on the page said why its requests all came back 4xx."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad key"}}, status=401)
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "slow down"}}, status=429)
+
+    ask = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    routes = {"/v1/chat/completions": refuse, "/v1/completions": busy}
+    async with gateway_over(serve, routes, admin_token="t") as (_app, http):
+        for _ in range(3):
+            assert (await http.post("/v1/chat/completions", json=ask)).status_code == 401
+        await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        doc = (await http.get("/_promptlb/status", headers={"authorization": "Bearer t"})).json()
+    (node,) = doc["nodes"]
+    # The 429 is the node's (no answer), not a refusal; the 401s are refusals, not failures.
+    assert (node["refusals"], node["requests"]) == (3, 4)
+    assert (node["failures"], node["request_faults"]) == (1, 0)
 
 
 @pytest.mark.parametrize(("strategy", "queue"), [("p2c", 3 + 4), ("resource", 3)])
