@@ -26,7 +26,7 @@ from ._faults import Faults, check_faults, holds
 from ._forecast import Forecast
 from ._kv import KVCache, prefilled
 from ._metrics import Stats, VllmMetrics
-from ._prompt import embedding_inputs, estimate_tokens, prompt_blocks
+from ._prompt import embedding_inputs, estimate_tokens, generation_prompt, prompt_blocks
 from ._reply import Reply, vector, words
 
 __all__ = ["create_app"]
@@ -96,9 +96,11 @@ def _bad_length(body: dict[str, Any], n_in: int, n_out: int, limit: int) -> web.
     scratch out of the cache and emptied every cached prefix."""
     for key in ("max_tokens", "max_completion_tokens"):
         asked = body.get(key)
-        if asked is not None and (
-            isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
-        ):
+        if asked is None:
+            continue
+        if isinstance(asked, bool) or not isinstance(asked, int):
+            return _error(400, f"{key} must be an integer, got {asked!r}.", "invalid_request_error")
+        if asked < 1:
             return _error(400, f"{key} must be at least 1, got {asked!r}.", "invalid_request_error")
     if n_in + n_out > limit:
         message = (
@@ -187,13 +189,17 @@ class _Handlers:
         if prompt is None:
             field_name = "messages" if chat else "prompt"
             return _error(400, f"`{field_name}` is required", "invalid_request_error")
+        read = generation_prompt(prompt, chat=chat)
+        if isinstance(read, str):
+            return _error(400, read, "invalid_request_error")
         cfg, state = self.cfg, self.state
-        n_in, blocks = prompt_blocks(prompt, chat=chat)
+        counts, blocks = read
+        n_in, longest = sum(counts), max(counts)  # the context bounds each prompt of a batch
         limit = cfg.context_tokens
         n_out = self._output_tokens(body)
         if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
-            n_out = max(1, min(n_out, limit - n_in))
-        refused = _bad_length(body, n_in, n_out, limit)
+            n_out = max(1, min(n_out, limit - longest))
+        refused = _bad_length(body, longest, n_out, limit)
         if refused is not None:
             return refused
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
@@ -210,7 +216,11 @@ class _Handlers:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_N:
             return _error(400, f"`n` must be an integer in 1..{_MAX_N}", "invalid_request_error")
         finish = "length" if _asked_tokens(body) is not None else "stop"
-        reply = Reply(chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish, n=n)
+        # A batch's prompts are each answered n times, choice index prompt * n + j (as vLLM).
+        choices = n * len(counts)
+        reply = Reply(
+            chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish, n=choices
+        )
         forecast, token = state.forecast, object()
         forecast.queued(token, self._service(n_in, self._cached(blocks, n_in), n_out, slow))
         try:
@@ -230,7 +240,7 @@ class _Handlers:
                     if stream:
                         response = await self._stream(request, reply, rate)
                     else:
-                        async for _ in self._decode(n_out, rate, n):
+                        async for _ in self._decode(n_out, rate, choices):
                             pass  # counted as they decode: a sidecar reads tokens/s off it
                         response = web.json_response(reply.whole())
                 finally:
@@ -277,7 +287,12 @@ class _Handlers:
         # The endpoint as the asker passes it (?chat=1 or 0); else the field the body has.
         asked = request.query.get("chat")
         chat = asked == "1" if asked in ("0", "1") else isinstance(body.get("messages"), list)
-        n_in, blocks = prompt_blocks(body.get("messages" if chat else "prompt", ""), chat=chat)
+        prompt = body.get("messages" if chat else "prompt", "")
+        read = generation_prompt(prompt, chat=chat)
+        if isinstance(read, str):  # refused when sent: costed as before, the refusal is quick
+            n_in, blocks = prompt_blocks(prompt, chat=chat)
+        else:
+            n_in, blocks = sum(read[0]), read[1]
         n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
         cached = self._cached(blocks, n_in)
         return web.json_response(

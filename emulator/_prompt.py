@@ -10,7 +10,7 @@ import math
 
 from promptlb.shared import block_hashes, prompt_bytes, prompt_tokens
 
-__all__ = ["embedding_inputs", "estimate_tokens", "prompt_blocks"]
+__all__ = ["embedding_inputs", "estimate_tokens", "generation_prompt", "prompt_blocks"]
 
 
 def estimate_tokens(value: str | list[int]) -> int:
@@ -50,3 +50,43 @@ def prompt_blocks(prompt: object, *, chat: bool) -> tuple[int, list[int]]:
         # its JSON, no block cached (cached as that JSON, the two disagreed on what is held).
         return prompt_tokens(json.dumps(prompt).encode()), []
     return prompt_tokens(data), block_hashes(data)
+
+
+def generation_prompt(prompt: object, *, chat: bool) -> tuple[list[int], list[int]] | str:
+    """A chat's ``messages`` or a completion's ``prompt`` as ``(tokens of each prompt, block
+    hashes)``, or why a server refuses it. A completion may be a batch (a list of strings, or
+    of token-id lists): each prompt is answered and paid for, and the first's blocks stand for
+    the batch's cache (as `prompt_blocks`). Before, only a missing field was refused: a
+    ``messages`` of ``"hello"`` or ``[]``, a ``prompt`` of ``[[]]`` were served as a token of
+    their JSON, and a batch of 50 prompts as its first alone (one choice, one prefill)."""
+    if chat:
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(m, dict) for m in prompt)
+        ):
+            return "`messages` must be a non-empty list of message objects"
+        return _one(prompt, chat=True)
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(_token(v) for v in prompt)
+    ):
+        return _one(prompt, chat=False)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(v, str) for v in prompt)
+            or all(isinstance(v, list) and v and all(map(_token, v)) for v in prompt)
+        )
+    ):
+        counts = [prompt_tokens(prompt_bytes({"prompt": one})) for one in prompt]
+        return counts, prompt_blocks(prompt, chat=False)[1]
+    return (
+        "`prompt` must be a string, a list of token ids, or a non-empty list of either"
+        " (no token list empty)"
+    )
+
+
+def _one(prompt: object, *, chat: bool) -> tuple[list[int], list[int]]:
+    tokens, blocks = prompt_blocks(prompt, chat=chat)
+    return [tokens], blocks

@@ -429,9 +429,19 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/embeddings", b'{"input": []}'),
         ("/v1/embeddings", b'{"input": 5}'),
         # vLLM refuses these; 0, a negative, a fraction or true were served as if not asked.
-        ("/v1/chat/completions", b'{"messages": [], "max_tokens": 0}'),
-        ("/v1/chat/completions", b'{"messages": [], "max_tokens": -3}'),
-        ("/v1/chat/completions", b'{"messages": [], "max_tokens": 2.5}'),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}], "max_tokens": 0}'),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}], "max_tokens": -3}'),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}], "max_tokens": 2.5}'),
+        # Prompts vLLM refuses, served before as one token of their JSON.
+        ("/v1/chat/completions", b'{"messages": "hello"}'),
+        ("/v1/chat/completions", b'{"messages": []}'),
+        ("/v1/chat/completions", b'{"messages": {}}'),
+        ("/v1/chat/completions", b'{"messages": [5]}'),
+        ("/v1/completions", b'{"prompt": []}'),
+        ("/v1/completions", b'{"prompt": [[]]}'),
+        ("/v1/completions", b'{"prompt": [1.5]}'),
+        ("/v1/completions", b'{"prompt": ["a", [1]]}'),
+        ("/v1/completions", b'{"prompt": 5}'),
         ("/v1/completions", b'{"prompt": "x", "max_completion_tokens": true}'),
         # Past the context (here the KV cache's tokens): 10^9 tokens emptied the cache.
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}'),
@@ -748,6 +758,33 @@ async def test_an_answer_past_the_context_is_refused_and_leaves_the_cache_as_it_
         assert (await _post(session, url, prompt))[0] == 200
     hits = metrics["vllm:prefix_cache_hits_total"]
     assert hits >= 48 * 16  # the second ask found the first's blocks: nothing was evicted
+
+
+async def test_a_batch_of_prompts_is_answered_and_paid_for_prompt_by_prompt(
+    shared_emulator: Emulator,
+) -> None:
+    """vLLM answers each prompt of a batch ``n`` times (choice index prompt * n + j) and counts
+    every prompt's tokens; the first prompt alone was answered and counted (one choice and a
+    fiftieth of the tokens for a batch of 50). The context bounds each prompt, not their sum."""
+    url = f"{shared_emulator.url}/v1/completions"
+    one = "x" * 400  # 100 tokens under the rule
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        status, single = await _post(session, url, {"prompt": one, "max_tokens": 2})
+        assert status == 200 and single["usage"]["prompt_tokens"] == 100
+        status, batch = await _post(session, url, {"prompt": [one] * 3, "max_tokens": 2, "n": 2})
+        assert status == 200
+        assert [c["index"] for c in batch["choices"]] == list(range(6))
+        assert batch["usage"] == {
+            "prompt_tokens": 300,
+            "completion_tokens": 12,
+            "total_tokens": 312,
+        }
+        status, ids = await _post(session, url, {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1})
+        assert status == 200 and len(ids["choices"]) == 2
+        assert ids["usage"]["prompt_tokens"] == 5
+        # 20 prompts of 100 tokens are more than the 1,024-token context together, not each.
+        status, many = await _post(session, url, {"prompt": [one] * 20, "max_tokens": 2})
+        assert status == 200 and many["usage"]["prompt_tokens"] == 2000
 
 
 async def test_a_null_model_is_the_served_one_as_in_vllm(shared_emulator: Emulator) -> None:
