@@ -17,7 +17,7 @@ from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
 from ._replies import Body, carries_error, keep, parsed_body, recorder_for
 from ._request import RequestReader
-from ._sse import StreamAssembler, replay_sse, wants_usage
+from ._sse import StreamAssembler, marks_error, replay_sse, wants_usage
 
 __all__ = ["PromptLBClient", "PromptLBError", "Reply", "ReplyStream"]
 
@@ -306,7 +306,9 @@ def _event(line: bytes, node: str) -> dict[str, Any] | None:
     if not isinstance(event, dict):
         body = error_body(502, "upstream sent an event that is not an object", "upstream_error")
         raise PromptLBError(502, body, node)
-    if "error" in event:
+    # A null "error" (the Responses API's objects carry one) is no error: it ended a good
+    # stream with a 502 and charged the node, which the proxy passed through.
+    if marks_error(event):
         raise PromptLBError(502, event, node)
     return event
 
