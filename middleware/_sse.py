@@ -37,6 +37,10 @@ def _more_than_text(part: dict[str, Any]) -> bool:
 
 
 _FIRST_MAP = 64 * 1024  # a text's first memory map: address space only until written
+# Choices a kept stream may have (OpenAI's most for ``n``). Each costs a page of its map and
+# a dict whatever its text, which the bound on text bytes does not see: 20,000 one-byte
+# choices were 20 KB of text and 86 MB of memory.
+MAX_CHOICES = 128
 _UTF8 = "surrogatepass"  # JSON may carry a lone surrogate: kept as it came, not an error
 
 
@@ -182,6 +186,9 @@ class StreamAssembler:
             index = choice.get("index", 0)
             into = self._choices.get(index)
             if into is None:
+                if len(self._choices) >= MAX_CHOICES:
+                    self._give_up()
+                    return
                 into = self._choices[index] = {"text": _Text(), "role": "assistant"}
             if choice.get("logprobs") is not None:
                 self._give_up()  # not kept: the whole answer would lose them

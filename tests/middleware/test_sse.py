@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from promptlb.emulator._reply import Reply, words
 from promptlb.middleware._cache import CacheEntry, MemoryCache, RedisCache, cache_key, open_cache
-from promptlb.middleware._sse import StreamAssembler, replay_sse
+from promptlb.middleware._sse import MAX_CHOICES, StreamAssembler, replay_sse
 
 from tests.middleware.conftest import OpenAIOver
 
@@ -189,6 +189,20 @@ def test_empty_extras_of_real_servers_do_not_stop_a_replay_or_a_store() -> None:
     again.feed(_chunk(delta))
     again.feed(b"data: [DONE]\n\n")
     assert again.result() is not None
+
+
+@pytest.mark.parametrize(("choices", "kept"), [(MAX_CHOICES, True), (MAX_CHOICES + 1, False)])
+def test_a_stream_of_more_choices_than_n_allows_is_not_kept(choices: int, kept: bool) -> None:
+    """Each choice costs a page of memory map and a dict whatever its text, which the bound
+    on text bytes did not see: 20,000 one-byte choices held 86 MB for 20 KB of text."""
+    assembler = StreamAssembler(chat=True, max_bytes=1_000_000)
+    for index in range(choices):
+        assembler.feed(_chunk({"index": index, "delta": {"content": "x"}, "finish_reason": "stop"}))
+    assembler.feed(b"data: [DONE]\n\n")
+    stored = assembler.result()
+    assert (stored is not None) is kept
+    if stored is not None:
+        assert len(json.loads(stored)["choices"]) == MAX_CHOICES
 
 
 def test_zero_temperatures_share_a_key_and_nan_is_not_cached() -> None:
