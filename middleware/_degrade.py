@@ -237,7 +237,13 @@ class Dispatcher:
             or (cfg.serve_fresh and cfg.cache_sampled)
         )
         stale_ok = cfg is not None and (cfg.degraded_sampled or not is_sampled)
-        outage_cache = cache is not None and cfg is not None and cfg.on_outage and stale_ok
+        # A client that opted out of degraded answers (where the chain lets it) gets the error,
+        # not a stale answer: the opt-out dropped the lighter models only, and an outage still
+        # served it a day-old answer marked degraded. A fresh hit above is no degraded answer.
+        opted_out = request.no_fallback and (configured is None or configured.allow_opt_out)
+        outage_cache = (
+            cache is not None and cfg is not None and cfg.on_outage and stale_ok and not opted_out
+        )
         # The last model hop is the final one: cache hops after it ask the cache for its
         # refusal and pass it on when there is none, as [cache] alone does (a chain ending in
         # "cache" turned a node's 429, and its Retry-After, into the gateway's 503).

@@ -752,6 +752,30 @@ async def test_an_opt_out_of_the_chain_still_gets_no_lighter_models_answer_as_fr
         assert "x-promptlb-cache" not in got.headers
 
 
+async def test_an_opt_out_gets_the_outage_not_a_stale_answer(serve: Serve) -> None:
+    """``x-promptlb-no-fallback`` asks for the model's own answer or the error: it dropped the
+    lighter models only, and an outage still served the opted-out client a stale answer."""
+    from aiohttp import web
+
+    up = {"now": True}
+
+    async def node(request: web.Request) -> web.Response:
+        if not up["now"]:
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": "fresh"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    async with gateway_over(serve, {"/v1/chat/completions": node}, cache={}) as (_, http):
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        await asyncio.sleep(0.1)  # the store is written in the background
+        up["now"] = False
+        stale = await http.post("/v1/chat/completions", json=body)
+        assert stale.status_code == 200 and stale.headers["x-promptlb-degraded"] == "cache"
+        opted = {"x-promptlb-no-fallback": "1"}
+        refused = await http.post("/v1/chat/completions", json=body, headers=opted)
+        assert refused.status_code == 503 and "x-promptlb-degraded" not in refused.headers
+
+
 async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:
     # Its own name read as the chain's cache hop: never sent to its node, a 503 "no answer".
     from aiohttp import web
