@@ -23,6 +23,7 @@ from promptlb.middleware._cache import (
     cache_key,
     sampled,
 )
+from promptlb.middleware._redis import MAX_CONNECTIONS
 from promptlb.middleware._sse import StreamAssembler, replay_sse
 
 from tests.conftest import Launcher, RedisServer
@@ -264,6 +265,21 @@ async def test_a_dead_redis_is_a_quick_miss_then_skipped(redis_server: RedisServ
     nowhere = RedisCache("redis://127.0.0.1:1/0", prefix="t:", ttl=30, timeout=0.05)
     assert await nowhere.get("k") is None
     await nowhere.close()
+
+
+async def test_a_burst_of_more_lookups_than_pooled_connections_all_hit(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py's default pool refused every call past 100 connections in use at once: under
+    a burst a healthy Redis read as a stream of misses (300 lookups: 200 refused)."""
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, timeout=1.0, on_error=errors.append)
+    try:
+        await cache.put("k", entry("kept", 1.0))
+        got = await asyncio.gather(*(cache.get("k") for _ in range(3 * MAX_CONNECTIONS)))
+        assert got == [entry("kept", 1.0)] * (3 * MAX_CONNECTIONS) and errors == []
+    finally:
+        await cache.close()
 
 
 async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
