@@ -167,7 +167,8 @@ class Cluster:
         url = self.nodes[name].model.url + "/_emulator/faults"
         async with http.post(url, json=body) as response:
             if response.status != 200:
-                raise RuntimeError(f"{name}: faults {body} -> {response.status}")
+                why = (await response.text())[:300]  # the emulator's error names the key
+                raise RuntimeError(f"{name}: faults {body} -> {response.status}: {why}")
 
     async def apply(self, http: aiohttp.ClientSession, name: str, fault: Fault) -> None:
         if fault.kind == "crash":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from promptlb.emulator._faults import MAX_LEAK_MB
 from promptlb.shared import ConfigError, parse_duration
 
 from ._prompts import Messages, Prompts, message_tokens, parse_prompts, prompted_arrivals
@@ -413,7 +414,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             Fault(
                 at=parse_duration(f"{where}faults[{j}].at", f.get("at", 0)),
                 kind=_fault_kind(f.get("kind"), f"{where}faults[{j}].kind"),
-                value=float(f.get("value", 0.0)),
+                value=_fault_value(f, f"{where}faults[{j}]."),
             )
             for j, f in enumerate(_tables(raw, "faults", where, {"at", "kind", "value"}))
         )
@@ -422,7 +423,7 @@ def parse_scenario(data: dict[str, Any], default_name: str = "scenario") -> Scen
             nodes.append(
                 NodeSpec(
                     name=base if count == 1 else f"{base}-{k + 1}",
-                    slots=_get(raw, "slots", where, int, 8),
+                    slots=_at_least_one(f"{where}slots", _get(raw, "slots", where, int, 8)),
                     tokens_per_s=_positive(
                         f"{where}tokens_per_s", _get(raw, "tokens_per_s", where, (int, float), 50.0)
                     ),
@@ -541,6 +542,30 @@ def _kv_blocks(value: int, where: str) -> int:
 def _memory_limit(value: int | None, where: str) -> int | None:
     if value is not None and value < 1:
         raise ConfigError(f"{where}memory_limit_mb", value, "megabytes, >= 1 (or left out)")
+    return value
+
+
+def _fault_value(raw: dict[str, Any], where: str) -> float:
+    """A fault's ``value``, checked as the emulator checks it: a live run whose emulator
+    refused a value (a negative or NaN slow factor, a leak past its bound) ran without that
+    fault while the simulator applied it."""
+    kind = raw.get("kind")
+    if "value" not in raw:
+        return 0.0
+    value = _get(raw, "value", where, (int, float))
+    if kind not in ("slow", "leak"):
+        raise ConfigError(f"{where}value", value, f"no value: a {kind} fault takes none")
+    if kind == "leak":
+        if not (math.isfinite(value) and 0 <= value <= MAX_LEAK_MB):
+            raise ConfigError(f"{where}value", value, f"MB per request in 0..{MAX_LEAK_MB}")
+    else:
+        _positive(f"{where}value", value, zero=True)  # 0: the default factor
+    return float(value)
+
+
+def _at_least_one(key: str, value: int) -> int:
+    if value < 1:
+        raise ConfigError(key, value, ">= 1")
     return value
 
 

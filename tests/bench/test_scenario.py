@@ -91,6 +91,8 @@ def test_a_path_loads_too(tmp_path: Path) -> None:
         (("nodes", 0, "tokens_per_s"), 0, "nodes[0].tokens_per_s"),
         (("nodes", 1, "ttft_ms"), -5, "nodes[1].ttft_ms"),
         (("nodes", 0, "slots"), True, "nodes[0].slots"),
+        (("nodes", 0, "slots"), 0, "nodes[0].slots"),
+        (("nodes", 1, "faults", 0, "value"), 2.0, "nodes[1].faults[0].value"),  # a crash's
         (("nodes", 1, "faults", 0, "kind"), "explode", "nodes[1].faults[0].kind"),
         (("nodes", 1, "memory_limit_mb"), 0, "nodes[1].memory_limit_mb"),
         (("nodes", 1, "memory_limit_mb"), 512.5, "nodes[1].memory_limit_mb"),
@@ -118,6 +120,32 @@ def test_bad_values_name_their_key(path: tuple[str | int, ...], value: object, k
     with pytest.raises(ConfigError) as err:
         parse_scenario(data)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "ok"),
+    [
+        ("slow", 3, True),
+        ("slow", 0, True),  # the default factor
+        ("slow", -3, False),
+        ("slow", float("nan"), False),
+        ("slow", "abc", False),
+        ("leak", 4, True),
+        ("leak", 5000, False),  # past the emulator's bound: it refused, the run went without
+        ("leak", -1, False),
+    ],
+)
+def test_fault_values_are_checked_as_the_emulator_checks_them(
+    kind: str, value: object, ok: bool
+) -> None:
+    data = _valid()
+    data["nodes"][1]["faults"] = [{"at": "10s", "kind": kind, "value": value}]
+    if ok:
+        assert parse_scenario(data).nodes[1].faults[0].value == value
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(data)
+    assert err.value.key == "nodes[1].faults[0].value"
 
 
 def test_workload_needs_exactly_one_of_rate_and_load() -> None:
