@@ -485,9 +485,16 @@ def plan(strategies: str, peers: str) -> Plan:
     known = tuple(STRATEGIES)
     for s in ours:
         if not _livecache.known(s):
-            raise ConfigError("strategies", s, "one of " + ", ".join(known) + " (or X+affinity)")
+            raise ConfigError(
+                "strategies",
+                s,
+                "one of " + ", ".join(known) + " (or X+affinity, X+shared, X+affinity+shared)",
+            )
     wanted = list(dict.fromkeys(p.strip() for p in peers.split(",") if p.strip() != "none"))
     wanted = [p for p in wanted if p]
+    if not ours and not wanted:
+        # Nothing to run: the whole cluster started, ran nothing and wrote nothing.
+        raise ConfigError("strategies", strategies, "at least one strategy or peer to run")
     runs: list[tuple[str, str]] = []
     missing: list[str] = []
     for peer in wanted:

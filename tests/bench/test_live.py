@@ -60,6 +60,12 @@ def test_plan_rejects_unknown_names() -> None:
         plan("fastest", "none")
     with pytest.raises(ConfigError, match="peers"):
         plan("p2c", "haproxy")
+    with pytest.raises(ConfigError, match="X\\+affinity\\+shared"):
+        plan("fastest", "none")
+    # Nothing to run: the cluster started for nothing, and the run ended writing nothing.
+    with pytest.raises(ConfigError, match="at least one"):
+        plan(" , ", "none")
+    assert plan("", "oracle").peers == [("oracle", "oracle")]
 
 
 def test_nginx_config_has_the_upstreams_and_passive_checks(tmp_path: Path) -> None:
