@@ -35,6 +35,7 @@ __all__ = ["HEADROOM", "nodes_needed", "run_endpoint"]
 
 HEADROOM = 1.2
 REQUEST_TIMEOUT_S = 60.0
+MAX_SECONDS = 3600.0  # a level's length at most: the load loop is bounded in time
 
 
 def nodes_needed(target_rate: float, best_rps: float, headroom: float = HEADROOM) -> int | None:
@@ -153,8 +154,19 @@ def run_endpoint(args: argparse.Namespace) -> None:
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SystemExit(f"promptlb-bench endpoint: {args.url!r} is not an http(s) URL")
-    if args.seconds <= 0 or args.max_tokens < 1:
-        raise SystemExit("promptlb-bench endpoint: --seconds must be > 0, --max-tokens >= 1")
+    # An OpenAI base URL ends in /v1 (the openai client's base_url): every request went to
+    # /v1/v1/chat/completions and failed 404.
+    args.url = re.sub(r"/v1/*$", "", args.url.rstrip("/"))
+    # Checked before any level runs: NaN passed `<= 0`, and a NaN or infinite target rate
+    # failed the plan after every level had run, the measurement lost behind a traceback.
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= MAX_SECONDS):
+        raise SystemExit(f"promptlb-bench endpoint: --seconds must be in (0, {MAX_SECONDS:g}]")
+    if args.max_tokens < 1:
+        raise SystemExit("promptlb-bench endpoint: --max-tokens must be >= 1")
+    if args.target_rate is not None and not (
+        math.isfinite(args.target_rate) and args.target_rate > 0
+    ):
+        raise SystemExit("promptlb-bench endpoint: --target-rate must be a number > 0")
     levels = _levels(args.concurrency)
     rows = asyncio.run(_measure(args, levels))
     best = max(rows, key=lambda r: r["throughput_rps"])

@@ -227,7 +227,7 @@ def test_endpoint_measures_each_level_and_plans(
     fast_emulator: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = argparse.Namespace(
-        url=fast_emulator.url,
+        url=fast_emulator.url + "/v1/",  # an OpenAI base URL: /v1/v1/chat/completions was 404
         model="bench",
         concurrency="1,4",
         seconds=0.5,
@@ -247,3 +247,30 @@ def test_endpoint_measures_each_level_and_plans(
     best = report["best"]["throughput_rps"]
     assert report["plan"]["nodes"] == math.ceil(1.2 * 1000.0 / best)
     assert "endpoint(s) like this one" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("seconds", "target_rate", "wrong"),
+    [
+        (float("nan"), None, "--seconds"),
+        (float("inf"), None, "--seconds"),
+        (0.5, float("nan"), "--target-rate"),
+        (0.5, float("inf"), "--target-rate"),
+        (0.5, -5.0, "--target-rate"),
+        (0.5, 0.0, "--target-rate"),
+    ],
+)
+def test_endpoint_refuses_numbers_it_cannot_plan_with_before_it_runs(
+    seconds: float, target_rate: float | None, wrong: str
+) -> None:
+    args = argparse.Namespace(
+        url="http://127.0.0.1:9",
+        model="m",
+        concurrency="1",
+        seconds=seconds,
+        max_tokens=8,
+        target_rate=target_rate,
+        out=None,
+    )
+    with pytest.raises(SystemExit, match=wrong):
+        run_endpoint(args)
