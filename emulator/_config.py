@@ -9,7 +9,10 @@ from promptlb.shared import BLOCK_TOKENS, ConfigError
 
 from ._faults import MAX_LEAK_MB
 
-__all__ = ["EmulatorConfig"]
+__all__ = ["MAX_OUTPUT_SPREAD", "EmulatorConfig"]
+
+# The output length's log-normal sigma at most: past about 3 nearly every draw is 1 token.
+MAX_OUTPUT_SPREAD = 10.0
 
 
 def _positive(key: str, value: float, *, zero: bool = False) -> None:
@@ -72,6 +75,9 @@ class EmulatorConfig:
         _positive("stream_interval_ms", self.stream_interval_ms)
         for key in ("ttft_ms", "prefill_tokens_per_s", "output_spread", "load_time_s"):
             _positive(key, getattr(self, key), zero=True)
+        if self.output_spread > MAX_OUTPUT_SPREAD:
+            # Its square overflowed in every draw: each request without max_tokens a 500.
+            raise ConfigError("output_spread", self.output_spread, f"at most {MAX_OUTPUT_SPREAD}")
         _positive("leak_mb_per_req", self.leak_mb_per_req, zero=True)
         if self.leak_mb_per_req > MAX_LEAK_MB:
             raise ConfigError("leak_mb_per_req", self.leak_mb_per_req, f"at most {MAX_LEAK_MB}")

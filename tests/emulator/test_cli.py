@@ -60,6 +60,7 @@ def test_invalid_values_exit_2_naming_the_flag(
         (["--stream-interval-ms", "0"], "--stream-interval-ms"),
         (["--kv-blocks", "-1"], "--kv-blocks"),
         (["--prefill-tokens-per-s", "-1"], "--prefill-tokens-per-s"),
+        (["--output-spread", "1e200"], "--output-spread"),  # every request without max_tokens 500
         (["--model", ""], "--model"),
         (["--model", ","], "--model"),
         (["--slots", "two"], "--slots"),  # argparse's own type check
