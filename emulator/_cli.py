@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         "--output-spread",
         type=float,
         default=d.output_spread,
-        help="log-normal sigma of the output length; 0 is fixed",
+        help="log-normal sigma of the output length, 0..10; 0 is fixed",
     )
     cap.add_argument("--max-queue", type=int, default=d.max_queue, help="beyond it: 429")
     cap.add_argument(
