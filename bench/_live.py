@@ -2,7 +2,8 @@
 one sidecar each), then one gateway per strategy and each peer in turn, all replaying the same
 seeded open-loop trace with the scenario's faults played at their times.
 
-Between runs, crashed nodes are started again on their port and every live fault is reset, so
+Between runs, crashed nodes are started again on their port and every live fault is reset (and
+every emulator restarted, caches empty, where prompts or prefill times make a cache count), so
 that each strategy starts from the same cluster. Every process started is stopped at the end,
 on errors and on Ctrl-C too.
 """
@@ -538,6 +539,7 @@ async def run_all(
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
     trace = scenario.arrivals()
     prompted = any(a.messages for a in trace)
+    cold = _livecache.starts_cold(prompted, (n.prefill_tokens_per_s for n in scenario.nodes))
     hits: dict[str, float | None] = {}
     cluster = Cluster(scenario)
     started: list[Target] = []
@@ -560,7 +562,7 @@ async def run_all(
                 for kind, strategy in todo:
                     name = kind if kind == strategy else f"{kind} {strategy}"
                     try:
-                        if prompted:  # every router starts on cold caches
+                        if cold:  # every router starts on cold caches
                             await asyncio.to_thread(_livecache.restart_all, cluster)
                         await cluster.reset(http)
                     except Exception as exc:  # this run is lost, not the ones already done

@@ -41,6 +41,7 @@ __all__ = [
     "share_lag",
     "share_table",
     "shares",
+    "starts_cold",
     "watch_kv",
 ]
 
@@ -152,6 +153,14 @@ def hit_rate(
     if query <= 0:
         return None
     return min(1.0, hit / query)
+
+
+def starts_cold(prompted: bool, prefill_rates: Iterable[float]) -> bool:
+    """Whether every run starts on emptied KV caches: where prompts carry prefixes, and
+    wherever a node's prefill takes time (a cache then changes a request's time). Filler
+    prompts are the same request for request in every run, so a run found the last one's tail
+    still cached (mixed-class: all of it under a short ``--duration``)."""
+    return prompted or any(rate > 0 for rate in prefill_rates)
 
 
 def restart_all(cluster: _Restartable) -> None:

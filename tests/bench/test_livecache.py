@@ -14,7 +14,7 @@ from promptlb.bench import _livecache
 from promptlb.bench._live import start_gateway, wait_ready
 from promptlb.bench._livecache import share_lag, watch_kv
 from promptlb.bench._loadgen import replay
-from promptlb.bench._scenario import Arrival
+from promptlb.bench._scenario import Arrival, load_scenario
 
 from tests.bench.conftest import running_cluster
 from tests.conftest import Launcher, Serve, need_binary
@@ -109,3 +109,13 @@ async def test_a_shared_run_is_replicas_on_one_redis_taking_the_load_in_turn(
             target.stop()
         assert _left(tmp_path) == []  # the Redis persisted nothing
     assert all(s.proc.poll() is not None for s in cluster.services)
+
+
+def test_runs_start_on_cold_caches_wherever_a_cache_changes_a_requests_time() -> None:
+    """mixed-class has no prompts but prefill rates: its filler prompts repeat run for run,
+    and each run found the one before's tail cached."""
+    assert _livecache.starts_cold(True, [0.0])
+    assert _livecache.starts_cold(False, [0.0, 8000.0])
+    assert not _livecache.starts_cold(False, [0.0, 0.0])
+    mixed = load_scenario("mixed-class")
+    assert _livecache.starts_cold(False, (n.prefill_tokens_per_s for n in mixed.nodes))
