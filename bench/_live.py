@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import shutil
 import signal
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,31 +394,27 @@ async def watch_states(
         await asyncio.sleep(STATE_POLL_S)
 
 
-async def measure(
-    http: aiohttp.ClientSession, cluster: Cluster, target: Target, trace: Sequence[Arrival]
-) -> Run:
-    """One replay of the trace through ``target``, the faults played on the same clock."""
-    scenario = cluster.scenario
-    schedule = sorted(
-        ((f.at, name, f) for name, n in cluster.nodes.items() for f in n.spec.faults),
-        key=lambda x: x[0],
-    )
-    applied: list[dict[str, Any]] = []
-    states: dict[str, list[list[Any]]] | None = {} if target.kind == "promptlb" else None
-    prompted = any(a.messages for a in trace)
-    kv_use: dict[str, list[list[float]]] | None = {} if prompted else None
-    progress = Progress()
+async def play_faults(
+    schedule: Sequence[tuple[float, str, Fault]],
+    duration: float,
+    start: float,
+    apply: Callable[[str, Fault], Awaitable[None]],
+    applied: list[dict[str, Any]],
+) -> None:
+    """Each ``(at, node, fault)`` applied at loop time ``start + at`` (none past ``duration``:
+    nothing is left to see it), what happened appended to ``applied``. A task per node, each
+    in its node's order (a crash reads whether the node is alive): played in one, a recover's
+    restart (seconds) held every other node's faults back."""
     loop = asyncio.get_running_loop()
-    tasks: list[asyncio.Task[None]] = []
 
-    async def play() -> None:
-        for at, name, fault in schedule:
-            if at >= scenario.duration:
-                break  # past the trace: nothing left to see it
-            await asyncio.sleep(max(0.0, progress.started_at + at - loop.time()))
-            began = loop.time() - progress.started_at
+    async def play(faults: Sequence[tuple[float, str, Fault]]) -> None:
+        for at, name, fault in faults:
+            if at >= duration:
+                break
+            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            began = loop.time() - start
             try:
-                await cluster.apply(http, name, fault)
+                await apply(name, fault)
                 outcome = "ok"
             except Exception as exc:  # reported, and the run goes on: a benchmark, not a test
                 outcome = f"failed: {exc}"
@@ -432,11 +429,38 @@ async def measure(
                 }
             )
 
+    per_node: dict[str, list[tuple[float, str, Fault]]] = {}
+    for entry in sorted(schedule, key=lambda x: x[0]):
+        per_node.setdefault(entry[1], []).append(entry)
+    await asyncio.gather(*(play(faults) for faults in per_node.values()))
+
+
+async def measure(
+    http: aiohttp.ClientSession, cluster: Cluster, target: Target, trace: Sequence[Arrival]
+) -> Run:
+    """One replay of the trace through ``target``, the faults played on the same clock."""
+    scenario = cluster.scenario
+    schedule = [(f.at, name, f) for name, n in cluster.nodes.items() for f in n.spec.faults]
+    applied: list[dict[str, Any]] = []
+    states: dict[str, list[list[Any]]] | None = {} if target.kind == "promptlb" else None
+    prompted = any(a.messages for a in trace)
+    kv_use: dict[str, list[list[float]]] | None = {} if prompted else None
+    progress = Progress()
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
     def clock() -> float:
         return loop.time() - progress.started_at
 
     def on_start() -> None:
-        tasks.append(asyncio.create_task(play(), name="the faults"))
+        playing = play_faults(
+            schedule,
+            scenario.duration,
+            progress.started_at,
+            functools.partial(cluster.apply, http),
+            applied,
+        )
+        tasks.append(asyncio.create_task(playing, name="the faults"))
         if states is not None:
             watch = watch_states(http, target.url, clock, states)
             tasks.append(asyncio.create_task(watch, name="the node-state watch"))
@@ -467,6 +491,7 @@ async def measure(
             except Exception as exc:  # a watcher's end: the replay's results still stand
                 print(f"\n{target.name}: {task.get_name()} ended: {exc!r}", file=sys.stderr)
         bar.close()
+    applied.sort(key=lambda a: (a["at"], a["node"]))  # the nodes' tasks finish in any order
     return Run(target.name, target.kind, target.strategy, results, applied, states, kv_use)
 
 

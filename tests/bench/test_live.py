@@ -21,6 +21,7 @@ from promptlb.bench._live import (
     Plan,
     gateway_config,
     plan,
+    play_faults,
     scaled,
     sidecar_args,
     wait_ready,
@@ -28,7 +29,7 @@ from promptlb.bench._live import (
 from promptlb.bench._livereport import Run
 from promptlb.bench._loadgen import Result
 from promptlb.bench._report import crash_lines, crashes
-from promptlb.bench._scenario import load_scenario
+from promptlb.bench._scenario import Fault, load_scenario
 from promptlb.shared import ConfigError
 
 from tests.bench.conftest import running_cluster
@@ -338,3 +339,32 @@ async def test_a_status_of_another_shape_is_asked_again_not_the_run_lost(serve: 
         target = _peers.Target("gw", "promptlb", "predictive", url, stop=lambda: None)
         await asyncio.wait_for(wait_ready(http, target, 1), 10)
     assert len(answers) == 1
+
+
+async def test_a_nodes_slow_restart_holds_back_no_other_nodes_faults() -> None:
+    """A recover's restart takes seconds; played one after another, every fault due on
+    another node meanwhile came late (its lateness only in ``applied_at``)."""
+    calls: list[tuple[str, str]] = []
+
+    async def apply(name: str, fault: Fault) -> None:
+        calls.append((name, fault.kind))
+        if fault.kind == "recover":
+            await asyncio.sleep(0.6)  # a restart
+        if fault.kind == "slow" and name == "b":
+            raise RuntimeError("refused")
+
+    schedule = [
+        (0.0, "a", Fault(at=0.0, kind="recover")),
+        (0.1, "b", Fault(at=0.1, kind="slow", value=3.0)),
+        (0.2, "a", Fault(at=0.2, kind="crash")),  # after a's restart, in a's order
+        (9.0, "b", Fault(at=9.0, kind="hang")),  # past the trace: never played
+    ]
+    applied: list[dict[str, Any]] = []
+    start = asyncio.get_running_loop().time()
+    await play_faults(schedule, 5.0, start, apply, applied)
+    by = {(a["node"], a["kind"]): a for a in applied}
+    assert by[("b", "slow")]["applied_at"] < 0.4  # not behind a's restart
+    assert by[("b", "slow")]["outcome"] == "failed: refused"
+    assert by[("a", "crash")]["applied_at"] >= 0.6  # a's own faults keep their order
+    assert calls.index(("a", "recover")) < calls.index(("a", "crash"))
+    assert ("b", "hang") not in calls
