@@ -9,13 +9,13 @@ import json
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
 
-from ._redis import connect, refusals
+from ._redis import MAX_CONNECTIONS, connect, refusals
 
 __all__ = [
     "CacheEntry",
@@ -204,6 +204,9 @@ class MemoryCache:
         self.max_bytes = 0  # a late write, from a request still on a replaced cache, keeps nothing
 
 
+_MISS: Any = object()  # a Redis call that failed, told apart from a reply of None
+
+
 class RedisCache:
     """Shared by every replica. Redis keeps the TTL. A failure or a reply slower than
     ``timeout`` is a miss, never an error; after one, Redis is skipped for ``backoff``
@@ -233,6 +236,11 @@ class RedisCache:
         self._down_until = 0.0  # 0: healthy
         self._probing = False
         self._closed = False  # replaced or stopped: a late call must not open a connection
+        # A call waits here for one of the client's connections, within its timeout: refused
+        # at once past them, a burst of 300 lookups on a healthy Redis was 200 misses; and one
+        # that runs out of time here says this process is busy, not that Redis is down (a
+        # pool that waited by itself failed such calls as an outage: the cache off a second).
+        self._gate = asyncio.Semaphore(MAX_CONNECTIONS)
 
     def _skip(self) -> bool | None:
         """None: skip Redis; else whether this call is the probe. After a failure, Redis is
@@ -271,23 +279,34 @@ class RedisCache:
         self._down_until = 0.0
         self._probing = False
 
-    async def get(self, key: str) -> CacheEntry | None:
-        probe = None if self._closed else self._skip()
-        if probe is None:
-            return None
+    async def _call(self, op: str, probe: bool, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()``'s reply, or `_MISS` when Redis failed it (settled as `_skip` says)."""
+        queued = True
         try:
             async with asyncio.timeout(self.timeout):
-                data = await self._client.get(self.prefix + key)
+                async with self._gate:
+                    queued = False
+                    reply = await call()
         except self._refusals:
             self._refused()
-            return None
+            return _MISS
         except self._errors:
-            self._failed("get")
-            return None
+            if queued:  # out of time waiting for a connection of ours: Redis was not asked
+                self._refused()
+            else:
+                self._failed(op)
+            return _MISS
         except BaseException:
             self._unsettled(probe)
             raise
         self._ok()
+        return reply
+
+    async def get(self, key: str) -> CacheEntry | None:
+        probe = None if self._closed else self._skip()
+        if probe is None:
+            return None
+        data = await self._call("get", probe, lambda: self._client.get(self.prefix + key))
         if not isinstance(data, bytes):
             return None
         try:
@@ -305,19 +324,8 @@ class RedisCache:
         probe = None if self._closed else self._skip()
         if probe is None:
             return
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self._client.set(self.prefix + key, data, px=self.ttl_ms)
-        except self._refusals:
-            self._refused()
-            return
-        except self._errors:
-            self._failed("put")
-            return
-        except BaseException:
-            self._unsettled(probe)
-            raise
-        self._ok()
+        key = self.prefix + key
+        await self._call("put", probe, lambda: self._client.set(key, data, px=self.ttl_ms))
 
     async def close(self) -> None:
         self._closed = True

@@ -8,31 +8,30 @@ from typing import Any
 
 __all__ = ["MAX_CONNECTIONS", "connect", "refusals"]
 
-MAX_CONNECTIONS = 100  # per client; more calls at once wait their turn, within their timeout
+# Connections per client. redis-py refuses a call past them at once; a caller with bursts
+# (the answer cache) queues its calls for them instead (`RedisCache`).
+MAX_CONNECTIONS = 100
 
 
 def connect(url: str, timeout: float) -> tuple[Any, tuple[type[BaseException], ...]]:
     """A client for ``url`` and the exceptions its failures raise (`refusals` among them)."""
     import redis.asyncio  # only a deployment that uses Redis needs the extra
 
-    # A pool that waits (up to the call's timeout) for a free connection: redis-py's default
-    # refuses a call at once past 100 connections in use, so a burst of more lookups than
-    # that against a healthy Redis came back as misses (300 at once: 200 refused).
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
+    client = redis.asyncio.Redis.from_url(
         url,
-        max_connections=MAX_CONNECTIONS,
-        timeout=timeout,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
+        max_connections=MAX_CONNECTIONS,  # past it redis-py refuses a call at once
     )
-    client = redis.asyncio.Redis.from_pool(pool)  # closing the client closes its pool
     return client, (TimeoutError, OSError, redis.exceptions.RedisError)
 
 
 def refusals() -> tuple[type[BaseException], ...]:
     """The failures that say Redis is up but refused one call: out of memory under
     ``noeviction`` (Redis's default policy), a read-only replica after a failover, a missing
-    permission, or this process out of pooled connections. Not a reason to stop asking it:
+    permission, or this process out of pooled connections (`RedisCache` queues its calls for
+    them, within their timeout, and counts one that runs out there alike). Not a reason to
+    stop asking it:
     reads go on while writes are refused. Catch them before `connect`'s failures, which
     include them."""
     import redis.exceptions
