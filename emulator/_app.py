@@ -22,7 +22,7 @@ from promptlb.shared import BLOCK_TOKENS
 
 from ._capacity import Capacity, QueueFull
 from ._config import EmulatorConfig
-from ._faults import Faults, check_faults, holds
+from ._faults import Faults, check_faults, holds, leak
 from ._forecast import Forecast
 from ._kv import KVCache, prefilled
 from ._metrics import Stats, VllmMetrics
@@ -145,16 +145,17 @@ class _Handlers:
         if faults.error_rate and state.rng.random() < faults.error_rate:
             state.stats.errors += 1
             return _error(500, "emulated internal error", "internal_server_error")
-        # In a thread: the kernel's page faults of a large leak (half a second for 1 GB)
-        # stalled every stream on the node, latency the fault is not meant to add.
-        leaked = not faults.leak_mb_per_req or await asyncio.to_thread(
-            faults.leak, state.stats.leaked
-        )
-        if not leaked:
-            # A server out of memory fails its requests (were the kernel's OOM killer not
-            # faster); the mapping's OSError was a plain-text 500.
-            state.stats.errors += 1
-            return _error(500, "out of memory", "internal_server_error")
+        if faults.leak_mb_per_req:
+            # In a thread: the page faults of a large leak (half a second for 1 GB) stalled
+            # every stream on the node, latency the fault is not meant to add. Kept here, on
+            # the loop, as `free_leaked` clears them there.
+            leaked = await asyncio.to_thread(leak, faults.leak_mb_per_req)
+            if leaked is None:
+                # A server out of memory fails its requests (were the kernel's OOM killer not
+                # faster); the mapping's OSError was a plain-text 500.
+                state.stats.errors += 1
+                return _error(500, "out of memory", "internal_server_error")
+            state.stats.leaked.append(leaked)
         return body
 
     def _output_tokens(self, body: dict[str, Any]) -> int:

@@ -10,7 +10,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_LEAK_MB", "Faults", "check_faults", "holds"]
+__all__ = ["MAX_LEAK_MB", "Faults", "check_faults", "holds", "leak"]
 
 _MiB = 1024 * 1024
 # A request's leak at most: a gigabyte a request (1e9 was taken) failed every request after
@@ -50,23 +50,6 @@ class Faults:
             "poison": self.poison,
         }
 
-    def leak(self, into: list[mmap.mmap]) -> bool:
-        """A request's share of the leak, kept in ``into`` until ``free_leaked``; False when
-        the system has no memory left for it. Mapped pages of its own: a freed heap buffer
-        raised glibc's mmap threshold, and after the first ``free_leaked`` later leaks came
-        from the heap and freeing them gave no RSS back."""
-        if self.leak_mb_per_req:
-            # A page at least: a leak under one byte mapped 0 bytes, which mmap refuses, and
-            # every request answered 500.
-            size = max(mmap.PAGESIZE, int(self.leak_mb_per_req * _MiB))
-            try:
-                leak = mmap.mmap(-1, size)
-            except OSError:
-                return False
-            leak[:: mmap.PAGESIZE] = b"\x01" * len(range(0, size, mmap.PAGESIZE))  # real RSS
-            into.append(leak)
-        return True
-
     def update(self, body: dict[str, Any]) -> None:
         """Apply a faults update that `check_faults` passed (``free_leaked`` is the stats')."""
         if "slow_factor" in body:
@@ -88,6 +71,25 @@ def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def leak(mb: float) -> mmap.mmap | None:
+    """A request's leak of ``mb`` MiB, every page written (real RSS); None when the system has
+    no memory left for it. Mapped pages of its own: a freed heap buffer raised glibc's mmap
+    threshold, and after the first ``free_leaked`` later leaks came from the heap and freeing
+    them gave no RSS back. Called in a thread: a page at a time in Python lets the GIL go
+    between pages (one slice assignment held it through every page fault: the event loop
+    stalled 1.2 s for a 1 GB leak)."""
+    # A page at least: a leak under one byte mapped 0 bytes, which mmap refuses, and every
+    # request answered 500.
+    size = max(mmap.PAGESIZE, int(mb * _MiB))
+    try:
+        mapped = mmap.mmap(-1, size)
+    except OSError:
+        return None
+    for offset in range(0, size, mmap.PAGESIZE):
+        mapped[offset] = 1
+    return mapped
 
 
 def check_faults(body: dict[str, Any]) -> str | None:

@@ -143,10 +143,8 @@ def test_a_leak_under_a_page_leaks_a_page_rather_than_fail_the_request() -> None
     """A leak of 1e-7 MB mapped 0 bytes, which mmap refuses: every request answered 500."""
     import mmap
 
-    from promptlb.emulator._faults import Faults
+    from promptlb.emulator._faults import leak
 
-    kept: list[mmap.mmap] = []
-    Faults(leak_mb_per_req=1e-7).leak(kept)
-    assert [len(m) for m in kept] == [mmap.PAGESIZE]
-    for m in kept:
-        m.close()
+    kept = leak(1e-7)
+    assert kept is not None and len(kept) == mmap.PAGESIZE
+    kept.close()
