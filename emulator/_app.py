@@ -77,6 +77,7 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
 
 
 _MAX_N = 128  # vLLM's own default limit on n
+_MAX_CHOICES = 1024  # a batch's prompts times n
 
 
 def _asked_tokens(body: dict[str, Any]) -> int | None:
@@ -106,6 +107,17 @@ def _bad_length(body: dict[str, Any], n_in: int, n_out: int, limit: int) -> web.
         message = (
             f"This model's maximum context length is {limit} tokens. However, you requested"
             f" {n_in + n_out} tokens ({n_in} in the messages, {n_out} in the completion)."
+        )
+        return _error(400, message, "invalid_request_error")
+    return None
+
+
+def _too_big(prompts: int, tokens: int, limit: int) -> web.Response | None:
+    """A batch whose prompts and answers together take more than the KV cache holds."""
+    if prompts > 1 and tokens > limit:
+        message = (
+            f"The batch's {prompts} prompts and their answers take {tokens} tokens, more than"
+            f" this model's KV cache of {limit} tokens; send fewer prompts at once."
         )
         return _error(400, message, "invalid_request_error")
     return None
@@ -200,12 +212,28 @@ class _Handlers:
             return _error(400, read, "invalid_request_error")
         cfg, state = self.cfg, self.state
         counts, blocks = read
-        n_in, longest = sum(counts), max(counts)  # the context bounds each prompt of a batch
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_N:
+            return _error(400, f"`n` must be an integer in 1..{_MAX_N}", "invalid_request_error")
+        # A batch's prompts are each answered n times, choice index prompt * n + j (as vLLM);
+        # bounded, as a batch of 10,000 one-letter prompts at n = 128 was an 80 MB answer.
+        choices = n * len(counts)
+        if choices > _MAX_CHOICES:
+            message = f"{len(counts)} prompts x n = {n} is more than {_MAX_CHOICES} choices"
+            return _error(400, message, "invalid_request_error")
+        n_in, longest = sum(counts), max(counts)
         limit = cfg.context_tokens
         n_out = self._output_tokens(body)
         if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
-            n_out = max(1, min(n_out, limit - longest))
-        refused = _bad_length(body, longest, n_out, limit)
+            n_out = max(1, min(n_out, limit - longest, (limit - n_in) // choices))
+        # The context bounds each prompt; and, as the emulator runs a batch in one slot, the
+        # batch's prompts and answers together bound by its KV cache (20 prompts of 100
+        # tokens, each within a 1,024-token context, took the whole cache).
+        refused = _bad_length(body, longest, n_out, limit) or _too_big(
+            len(counts), n_in + choices * n_out, limit
+        )
         if refused is not None:
             return refused
         slow = state.faults.slow_factor  # read once: a change applies to requests that start after
@@ -216,14 +244,7 @@ class _Handlers:
         if options is not None and not isinstance(options, dict):
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
-        n = body.get("n", 1)
-        if n is None:
-            n = 1
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_N:
-            return _error(400, f"`n` must be an integer in 1..{_MAX_N}", "invalid_request_error")
         finish = "length" if _asked_tokens(body) is not None else "stop"
-        # A batch's prompts are each answered n times, choice index prompt * n + j (as vLLM).
-        choices = n * len(counts)
         reply = Reply(
             chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish, n=choices
         )
@@ -233,7 +254,7 @@ class _Handlers:
             async with state.capacity.slot():
                 # Looked up when prefill starts (the slot is ours): the blocks are then held
                 # until the answer is done, and stay cached after it.
-                lease = state.kv.start(blocks, n_in, n_out)
+                lease = state.kv.start(blocks, n_in, n_out * choices)
                 state.stats.looked_up(n_in, lease.cached_tokens)
                 ttft = self._head(n_in, lease.cached_tokens, slow)
                 began = time.monotonic()

@@ -67,24 +67,29 @@ def generation_prompt(prompt: object, *, chat: bool) -> tuple[list[int], list[in
         ):
             return "`messages` must be a non-empty list of message objects"
         return _one(prompt, chat=True)
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(_token(v) for v in prompt)
+    if (isinstance(prompt, str) and prompt) or (
+        isinstance(prompt, list) and prompt and all(_token_id(v) for v in prompt)
     ):
         return _one(prompt, chat=False)
     if (
         isinstance(prompt, list)
         and prompt
         and (
-            all(isinstance(v, str) for v in prompt)
-            or all(isinstance(v, list) and v and all(map(_token, v)) for v in prompt)
+            all(isinstance(v, str) and v for v in prompt)
+            or all(isinstance(v, list) and v and all(map(_token_id, v)) for v in prompt)
         )
     ):
         counts = [prompt_tokens(prompt_bytes({"prompt": one})) for one in prompt]
         return counts, prompt_blocks(prompt, chat=False)[1]
     return (
-        "`prompt` must be a string, a list of token ids, or a non-empty list of either"
-        " (no token list empty)"
+        "`prompt` must be a non-empty string, a list of token ids (0..2^32-1), or a non-empty"
+        " list of either, none empty"
     )
+
+
+def _token_id(value: object) -> bool:
+    """A token id a vocabulary could hold (vLLM refuses ids past its vocabulary's size)."""
+    return _token(value) and 0 <= value < 1 << 32  # type: ignore[operator]
 
 
 def _one(prompt: object, *, chat: bool) -> tuple[list[int], list[int]]:

@@ -442,6 +442,10 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/completions", b'{"prompt": [1.5]}'),
         ("/v1/completions", b'{"prompt": ["a", [1]]}'),
         ("/v1/completions", b'{"prompt": 5}'),
+        ("/v1/completions", b'{"prompt": ""}'),
+        ("/v1/completions", b'{"prompt": ["a", ""]}'),
+        ("/v1/completions", b'{"prompt": [-1]}'),
+        ("/v1/completions", b'{"prompt": [[1], [1099511627776]]}'),
         ("/v1/completions", b'{"prompt": "x", "max_completion_tokens": true}'),
         # Past the context (here the KV cache's tokens): 10^9 tokens emptied the cache.
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}'),
@@ -782,9 +786,12 @@ async def test_a_batch_of_prompts_is_answered_and_paid_for_prompt_by_prompt(
         status, ids = await _post(session, url, {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1})
         assert status == 200 and len(ids["choices"]) == 2
         assert ids["usage"]["prompt_tokens"] == 5
-        # 20 prompts of 100 tokens are more than the 1,024-token context together, not each.
-        status, many = await _post(session, url, {"prompt": [one] * 20, "max_tokens": 2})
-        assert status == 200 and many["usage"]["prompt_tokens"] == 2000
+        # Each of 200 prompts of 100 tokens fits the 16,384-token context; together, in the
+        # one slot the emulator runs a batch in, they took the whole KV cache and emptied it.
+        status, many = await _post(session, url, {"prompt": [one] * 200, "max_tokens": 2})
+        assert status == 400 and "KV cache of 16384 tokens" in many["error"]["message"]
+        status, wide = await _post(session, url, {"prompt": ["a"] * 9, "n": 128, "max_tokens": 1})
+        assert status == 400 and "1024 choices" in wide["error"]["message"]
 
 
 async def test_a_null_model_is_the_served_one_as_in_vllm(shared_emulator: Emulator) -> None:
