@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from promptlb.emulator._faults import MAX_LEAK_MB
+from promptlb.emulator._faults import MAX_LEAK_MB, MAX_SLOW, MIN_SLOW
 from promptlb.shared import ConfigError, parse_duration
 
 from ._prompts import Messages, Prompts, message_tokens, parse_prompts, prompted_arrivals
@@ -357,7 +357,11 @@ def _tables(raw: dict[str, Any], key: str, where: str, keys: set[str]) -> list[d
 
 
 def _positive(key: str, value: float, *, zero: bool = False) -> float:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past a float's range (TOML takes them)
+        finite = False
+    if not finite or value < 0 or (value == 0 and not zero):
         raise ConfigError(key, value, ">= 0" if zero else "> 0")
     return float(value)
 
@@ -555,12 +559,12 @@ def _fault_value(raw: dict[str, Any], where: str) -> float:
     value = _get(raw, "value", where, (int, float))
     if kind not in ("slow", "leak"):
         raise ConfigError(f"{where}value", value, f"no value: a {kind} fault takes none")
-    if kind == "leak":
-        if not (math.isfinite(value) and 0 <= value <= MAX_LEAK_MB):
-            raise ConfigError(f"{where}value", value, f"MB per request in 0..{MAX_LEAK_MB}")
-    else:
-        _positive(f"{where}value", value, zero=True)  # 0: the default factor
-    return float(value)
+    number = _positive(f"{where}value", value, zero=True)
+    if kind == "leak" and number > MAX_LEAK_MB:
+        raise ConfigError(f"{where}value", value, f"MB per request in 0..{MAX_LEAK_MB}")
+    if kind == "slow" and number and not MIN_SLOW <= number <= MAX_SLOW:  # 0: the default
+        raise ConfigError(f"{where}value", value, f"a factor in {MIN_SLOW:g}..{MAX_SLOW:g}")
+    return number
 
 
 def _at_least_one(key: str, value: int) -> int:

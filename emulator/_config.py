@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from promptlb.shared import BLOCK_TOKENS, ConfigError
 
-from ._faults import MAX_LEAK_MB
+from ._faults import MAX_LEAK_MB, MAX_SLOW, MIN_SLOW
 
 __all__ = ["MAX_OUTPUT_SPREAD", "EmulatorConfig"]
 
@@ -16,7 +16,13 @@ MAX_OUTPUT_SPREAD = 10.0
 
 
 def _positive(key: str, value: float, *, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, "a finite number")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
         raise ConfigError(key, value, "a finite number")
     if value < 0 or (value == 0 and not zero):
         raise ConfigError(key, value, "a number >= 0" if zero else "a number > 0")
@@ -72,6 +78,8 @@ class EmulatorConfig:
                 raise ConfigError(key, value, "an integer >= 0")
         _positive("tokens_per_s", self.tokens_per_s)
         _positive("slow_factor", self.slow_factor)
+        if not MIN_SLOW <= self.slow_factor <= MAX_SLOW:
+            raise ConfigError("slow_factor", self.slow_factor, f"in {MIN_SLOW:g}..{MAX_SLOW:g}")
         _positive("stream_interval_ms", self.stream_interval_ms)
         for key in ("ttft_ms", "prefill_tokens_per_s", "output_spread", "load_time_s"):
             _positive(key, getattr(self, key), zero=True)

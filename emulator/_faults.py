@@ -10,12 +10,14 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_LEAK_MB", "Faults", "check_faults", "holds", "leak"]
+__all__ = ["MAX_LEAK_MB", "MAX_SLOW", "MIN_SLOW", "Faults", "check_faults", "holds", "leak"]
 
 _MiB = 1024 * 1024
 # A request's leak at most: a gigabyte a request (1e9 was taken) failed every request after
 # on a mapping the system refused.
 MAX_LEAK_MB = 1024
+# A slow factor's range: 1e-320 made the decode rate infinite, and every request a 500.
+MIN_SLOW, MAX_SLOW = 1e-3, 1e6
 
 
 @dataclass(slots=True)
@@ -68,9 +70,13 @@ class Faults:
 
 
 def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        number = float(value)  # an integer past a float's range: OverflowError
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def leak(mb: float) -> mmap.mmap | None:
@@ -103,8 +109,8 @@ def check_faults(body: dict[str, Any]) -> str | None:
             return f"`{key}` must be true or false"
     if "slow_factor" in body:
         value = _number(body["slow_factor"])
-        if value is None or value <= 0:
-            return "`slow_factor` must be a number > 0"
+        if value is None or not MIN_SLOW <= value <= MAX_SLOW:
+            return f"`slow_factor` must be a number in {MIN_SLOW:g}..{MAX_SLOW:g}"
     if "leak_mb_per_req" in body:
         value = _number(body["leak_mb_per_req"])
         if value is None or not 0 <= value <= MAX_LEAK_MB:

@@ -133,6 +133,8 @@ def test_bad_values_name_their_key(path: tuple[str | int, ...], value: object, k
         ("leak", 4, True),
         ("leak", 5000, False),  # past the emulator's bound: it refused, the run went without
         ("leak", -1, False),
+        ("slow", 1e-320, False),  # an infinite decode rate: every request a 500
+        ("slow", 10**400, False),  # past a float: OverflowError, not a ConfigError
     ],
 )
 def test_fault_values_are_checked_as_the_emulator_checks_them(

@@ -50,6 +50,7 @@ def test_invalid_values_exit_2_naming_the_flag(
         (["--tokens-per-s", "0"], "--tokens-per-s"),
         (["--tokens-per-s", "inf"], "--tokens-per-s"),
         (["--slow-factor", "0"], "--slow-factor"),
+        (["--slow-factor", "1e-320"], "--slow-factor"),
         (["--ttft-ms", "-5"], "--ttft-ms"),
         (["--max-queue", "-1"], "--max-queue"),
         (["--embedding-dim", "0"], "--embedding-dim"),

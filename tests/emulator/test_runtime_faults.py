@@ -137,6 +137,8 @@ async def test_error_rate_can_be_switched_on(start_emulator: StartEmulator) -> N
         ({"slow_factor": -1}, "slow_factor"),
         ({"slow_factor": "2"}, "slow_factor"),
         ({"slow_factor": True}, "slow_factor"),
+        ({"slow_factor": 1e-320}, "slow_factor"),  # an infinite rate: every request a 500
+        ({"slow_factor": 10**400}, "slow_factor"),  # past a float: a 500 of its own
         ({"hang": 1}, "hang"),
         ({"leak_mb_per_req": -4}, "leak_mb_per_req"),
         ({"leak_mb_per_req": 1e9}, "leak_mb_per_req"),  # then every request failed
