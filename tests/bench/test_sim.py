@@ -639,3 +639,17 @@ def test_the_p99_with_failures_counts_each_failure_as_the_live_report_does() -> 
     assert row["p99_with_failures_s"] == pytest.approx(39.9 + 0.98 * (FAILED_AS_S - 39.9))
     clean = summarise(_run(_cluster(rate=0.5, nodes=2, duration=10.0, seed=4), "round_robin"))
     assert clean["p99_with_failures_s"] == clean["p99_s"]
+
+
+def test_the_p99_ratios_count_failures_as_the_live_ratios_do(tmp_path: Path) -> None:
+    """On seed-3am round robin fails about 6% of its requests: over successes alone its p99
+    read 42 s, where its clients waited 60 s for those that failed."""
+    main(["sim", "seed-3am", "--strategies", "round_robin,predictive", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "sim-seed-3am.json").read_text())
+    rows = {row["strategy"]: row for row in report["results"]}
+    rr, mine = rows["round_robin"], rows["predictive"]
+    assert rr["error_rate"] > 0.01 and rr["p99_with_failures_s"] > rr["p99_s"]
+    assert mine["p99_vs_round_robin"] == pytest.approx(
+        mine["p99_with_failures_s"] / rr["p99_with_failures_s"]
+    )
+    assert report["targets"]["p99_vs_round_robin"] == mine["p99_vs_round_robin"]
