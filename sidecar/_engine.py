@@ -146,31 +146,48 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
                 f"metrics of several engines found: {sorted(seen)}; set --engine"
             )
         engine = seen.pop()
-    values: dict[str, list[float]] = {}
+    # Per family, per label set less the ranks of one data-parallel group: SGLang's
+    # schedulers of one group (tp_rank, pp_rank; all of them with
+    # --enable-metrics-for-all-schedulers) each write the same batch, which summed read a TP=4
+    # node as four times as loaded. The group's largest stands for it.
+    groups: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     fam = ENGINES[engine]
     try:
         for family in text_string_to_metric_families("\n".join(kept) + "\n"):
             info = family.name in fam.kv_info
+            mine = groups.setdefault(family.name, {})
             for sample in family.samples:
                 if info:
-                    value = _blocks_times_size(sample.labels)
-                    if value is not None:
-                        values.setdefault(family.name, []).append(value)
-                elif not math.isnan(sample.value):  # NaN: "not measured yet", left out
-                    values.setdefault(family.name, []).append(sample.value)
+                    found = _blocks_times_size(sample.labels)
+                    if found is None:
+                        continue
+                    value = found
+                elif math.isnan(sample.value):  # "not measured yet": left out
+                    continue
+                else:
+                    value = sample.value
+                key = tuple(sorted(kv for kv in sample.labels.items() if kv[0] not in _RANKS))
+                before = mine.get(key)
+                mine[key] = value if before is None else max(before, value)
     except ValueError as exc:
         raise EngineMetricsError(f"{engine} /metrics does not parse: {exc}") from None
+    values = {name: list(got.values()) for name, got in groups.items() if got}
     return EngineReading(
         engine=engine,
         running=_count(values, fam.running, engine, "running"),
         waiting=_count(values, fam.waiting, engine, "waiting"),
         kv_cache=_fraction(_first(values, fam.kv_cache, max)),
         tokens_total=_finite(_first(values, _counter_names(fam.tokens), sum)),
-        # Summed: an engine's data-parallel ranks each keep a cache of their own (and each
-        # measures its own throughput).
-        kv_tokens=_capacity(_first(values, fam.kv_info + fam.kv_tokens, sum)),
+        # vLLM's cache_config_info carries the engine's total: each data-parallel engine's
+        # label repeats the sum of their blocks (summed again, DP ranks squared). SGLang's
+        # data-parallel ranks each keep a cache of their own (and each measures its own
+        # throughput): summed.
+        kv_tokens=_capacity(_first(values, fam.kv_info, max) or _first(values, fam.kv_tokens, sum)),
         tps=_rate(_first(values, fam.tps, sum)),
     )
+
+
+_RANKS = frozenset({"tp_rank", "pp_rank"})
 
 
 def _blocks_times_size(labels: dict[str, str]) -> float | None:

@@ -208,17 +208,37 @@ def test_an_infinite_token_counter_is_left_out() -> None:
     assert parse_engine_metrics(finite) == EngineReading("vllm", 1, 0, None, 12.0)
 
 
-def test_kv_capacity_is_blocks_times_block_size_summed_over_engines() -> None:
+def test_kv_capacity_is_blocks_times_block_size_as_vllm_totals_it_over_engines() -> None:
+    """vLLM V1 sums its data-parallel engines' blocks at startup, and each engine's label of
+    cache_config_info repeats that total: summed again, two engines of 1,000 blocks read as
+    64,000 tokens, not 32,000."""
     text = """\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
-vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="500"} 1.0
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="2000"} 1.0
 """
-    assert parse_engine_metrics(text).kv_tokens == 16_000 + 16_000
+    reading = parse_engine_metrics(text)
+    assert reading.kv_tokens == 2000 * 16 and reading.running == 3
+
+
+def test_sglang_schedulers_of_one_group_are_one_batch_and_groups_add_up() -> None:
+    """With --enable-metrics-for-all-schedulers every tensor-parallel rank writes its group's
+    batch: a TP=4 node read four times as loaded. Data-parallel ranks are batches of their
+    own, and add up."""
+    ranks = [(dp, tp) for dp in (0, 1) for tp in range(4)]
+    lines = ["# TYPE sglang:num_running_reqs gauge"]
+    lines += [f'sglang:num_running_reqs{{dp_rank="{d}",tp_rank="{t}"}} 10' for d, t in ranks]
+    lines += ["# TYPE sglang:num_queue_reqs gauge"]
+    lines += [f'sglang:num_queue_reqs{{dp_rank="{d}",tp_rank="{t}"}} 3' for d, t in ranks]
+    lines += ["# TYPE sglang:max_total_num_tokens gauge"]
+    lines += [f'sglang:max_total_num_tokens{{dp_rank="{d}",tp_rank="{t}"}} 1e5' for d, t in ranks]
+    reading = parse_engine_metrics("\n".join(lines) + "\n")
+    assert (reading.running, reading.waiting, reading.kv_tokens) == (20, 6, 200_000)
 
 
 @pytest.mark.parametrize(
