@@ -47,8 +47,10 @@ class GpuCollector:
     """Reads every GPU each sample; a GPU whose optional fields fail still reports the rest.
 
     Utilisation and memory are required: a GPU whose utilisation or memory query fails is left
-    out of that sample. Each GPU's problem is logged once when it appears or changes, and once
-    when the GPU reads again.
+    out of that sample, unless NVML says the card has no such reading ("not supported": a card
+    in MIG mode has no utilisation of its own, reported as None; a unified-memory board no
+    memory, reported as 0 of 0 MiB). Each GPU's problem is logged once when it appears or
+    changes, and once when the GPU reads again.
     """
 
     def __init__(
@@ -103,13 +105,25 @@ class GpuCollector:
             self._open = True
         try:
             count = nvml.nvmlDeviceGetCount()
-            handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-            if self._devices:
-                handles = [(i, h) for i, h in handles if self._chosen(i, h)]
         except Exception as exc:
             self._handles = []
             self._no_gpu(f"NVML cannot list GPUs: {exc}", before, logging.WARNING)
             return
+        devices = self._devices
+        by_index = bool(devices) and all(d.isdigit() for d in devices)
+        handles = []
+        for i in range(count):
+            if by_index and str(i) not in devices:
+                continue  # another server's: not even opened
+            # Each on its own: one card off the bus (GPU_IS_LOST) or hidden by the cgroup
+            # (NO_PERMISSION) failed the whole listing, and every other card went unreported.
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            except Exception as exc:
+                self._problem(i).report(f"left out, cannot be opened: {exc}")
+                continue
+            if not devices or self._chosen(i, handle):
+                handles.append((i, handle))
         self._handles = handles
         if not handles:
             reason = "NVML reports no GPU"
@@ -187,11 +201,17 @@ class GpuCollector:
                 # supported"): its memory still counts. Left out, every such card was, and
                 # NVML restarted every RETRY_S for good.
                 util = None
+            used = total = 0
             try:
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+                used, total = int(mem.used) // _MiB, int(mem.total) // _MiB
             except Exception as exc:
-                problem.report(f"left out, memory unreadable: {exc}")
-                continue
+                if getattr(exc, "value", None) != _NOT_SUPPORTED:
+                    problem.report(f"left out, memory unreadable: {exc}")
+                    continue
+                # A unified-memory board (GB10: nvidia-smi's "Memory-Usage: Not Supported")
+                # has no memory of its own to read: 0 of 0. Left out, every such card was, and
+                # NVML restarted every RETRY_S for good.
             problem.clear()
             # Whole degrees and watts, as the wire format has them: ints pack in 1-3 bytes.
             temp: int | None
@@ -210,16 +230,7 @@ class GpuCollector:
                 temp = None
             if power is not None and not _POWER_W[0] <= power <= _POWER_W[1]:
                 power = None
-            out.append(
-                GpuSample(
-                    i,
-                    util,
-                    int(mem.used) // _MiB,
-                    int(mem.total) // _MiB,
-                    temp,
-                    power,
-                )
-            )
+            out.append(GpuSample(i, util, used, total, temp, power))
         if self._handles and not out:
             self._all_failing()
         else:

@@ -30,6 +30,8 @@ class FakeNvml:
         self.broken: set[int] = set()  # utilisation queries fail
         self.broken_memory: set[int] = set()
         self.mig: set[int] = set()  # in MIG mode: no utilisation of the whole card
+        self.unified: set[int] = set()  # unified memory (GB10): no memory reading
+        self.lost: set[int] = set()  # off the bus: not even a handle
 
     def nvmlInit(self) -> None:
         self.inits += 1
@@ -43,6 +45,8 @@ class FakeNvml:
         return 2
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if i in self.lost:
+            raise NVMLError("GPU is lost", 15)
         return i
 
     def nvmlDeviceGetUUID(self, h: int) -> str:
@@ -58,6 +62,8 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
         if h in self.broken_memory:
             raise NVMLError("Unknown Error")
+        if h in self.unified:
+            raise NVMLError("Not Supported", 3)
         return SimpleNamespace(used=[70_000, 1_000][h] * _MiB, total=81_559 * _MiB)
 
     def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:

@@ -105,6 +105,40 @@ def test_a_card_in_mig_mode_is_reported_without_utilisation_and_nvml_stays_up(
     gpus.close()
 
 
+def test_a_card_that_cannot_be_opened_hides_no_other(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    """One handle failing (a card off the bus, one the cgroup hides) failed the whole listing:
+    no GPU at all, every RETRY_S, for as long as that card stayed bad."""
+    nvml.lost.add(0)
+    for devices in ((), ("1",), (nvml.nvmlDeviceGetUUID(1),)):
+        gpus = GpuCollector(nvml, devices=devices)
+        with caplog.at_level(logging.WARNING, "promptlb.sidecar.gpu"):
+            gpus.open()
+        assert [g.i for g in gpus.sample()] == [1] and gpus.reason == ""
+        gpus.close()
+    # Named by index, another server's lost card is never opened, nor logged.
+    assert sum("cannot be opened" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_unified_memory_board_is_reported_with_no_memory_and_nvml_stays_up(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    clock = {"now": 0.0}
+    gpus = GpuCollector(nvml, clock=lambda: clock["now"])
+    gpus.open()
+    nvml.unified |= {0, 1}
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
+        for _ in range(3):
+            assert [(g.i, g.util, g.mem_used, g.mem_total) for g in gpus.sample()] == [
+                (0, 0.87, 0, 0),
+                (1, 0.03, 0, 0),
+            ]
+            clock["now"] += RETRY_S
+    assert (nvml.inits, nvml.shutdowns) == (1, 0) and not caplog.records
+    gpus.close()
+
+
 def test_a_lost_gpu_is_left_out_and_logged_once(
     caplog: pytest.LogCaptureFixture, nvml: FakeNvml
 ) -> None:
