@@ -199,6 +199,9 @@ class SidecarConfig:
         _whole("unhealthy_after", self.unhealthy_after, 1, 100, "an integer in 1..100")
         _seconds("warmup_timeout", self.warmup_timeout_s, 0.1, 3600.0)
         _seconds("rss_window", self.rss_window_s, 1.0, 86400.0)
+        if self.rss_window_s < 2 * self.sample_interval_s:
+            # Never two samples in the window: no slope, so no leak warning and no drain.
+            raise ConfigError("rss_window", self.rss_window_s, "at least twice the sample interval")
         # Up to a snapshot's largest count (2**53 bytes, 8 PiB): a limit beyond it made every
         # snapshot's mem_free unencodable, and /snapshot failed on every request.
         if self.memory_limit is not None:

@@ -167,7 +167,7 @@ class ProcessCollector:
 
     def _process(self) -> psutil.Process | None:
         if self._proc is not None:
-            if self._proc.is_running():
+            if self._proc.is_running() and not _zombie(self._proc):
                 return self._proc
             # Said when the process is seen gone, not when its successor is found: the probe
             # may see the new server first (the lookup by port backs off), warm it, and a
@@ -195,10 +195,14 @@ class ProcessCollector:
             )
             return None
         try:
-            self._proc = psutil.Process(pid)
+            found = psutil.Process(pid)
         except psutil.Error as exc:
             self.reason = f"model-server process {pid}: {exc}"
             return None
+        if _zombie(found):
+            self.reason = f"model-server process {pid} exited (not yet reaped by its parent)"
+            return None
+        self._proc = found
         # psutil compares pid and creation time: a reused pid is a different process too.
         if self._previous is not None and self._proc != self._previous:
             self.restarted = True  # replaced while not looked at (a lookup that failed)
@@ -286,3 +290,13 @@ class ProcessCollector:
         var = sum((t - mean_t) ** 2 for t, _ in history)
         cov = sum((t - mean_t) * (r - mean_r) for t, r in history)
         return cov / var if var > 0 else None
+
+
+def _zombie(proc: psutil.Process) -> bool:
+    """Whether ``proc`` exited and waits for its parent to reap it: psutil calls it running,
+    and its memory reads 0 without an error, so a model server that died under a parent
+    that did not reap it read as alive and empty (no restart seen, the whole limit free)."""
+    try:
+        return bool(proc.status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:  # gone meanwhile: is_running() says so on the next look
+        return False

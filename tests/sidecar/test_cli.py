@@ -41,6 +41,8 @@ def never_serve(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--warmup-max-tokens", "0"], "--warmup-max-tokens"),
         (["--model-pid", "0"], "--model-pid"),
         (["--rss-window", "0s"], "--rss-window"),
+        # Never two samples in the window: no slope, so leaks went unseen in silence.
+        (["--rss-window", "3s", "--sample-interval", "2s"], "--rss-window"),
         (["--node-name", "x" * 300], "--node-name"),
         (["--memory-limit-mb", "-5"], "--memory-limit-mb"),
         (["--unhealthy-after", "0"], "--unhealthy-after"),

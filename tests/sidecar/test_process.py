@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -309,3 +310,21 @@ def test_a_cgroup_limit_counts_the_working_set_not_the_page_cache(
 
     monkeypatch.setattr(_process, "Path", fake)
     assert memory_free(300, pid=42) == 1000 - (950 - 600)
+
+
+def test_a_model_server_that_exited_unreaped_is_gone_not_alive_and_empty() -> None:
+    """psutil calls a zombie running and reads its memory as 0: a server that died under a
+    parent that did not reap it read as alive with nothing in memory, its restart unseen."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        collector = ProcessCollector(pid=child.pid, port=None)
+        assert collector.sample()[0] and not collector.restarted
+        child.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # not reaped yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert collector.sample() == (None, None) and collector.restarted
+    finally:
+        child.kill()
+        child.wait(timeout=5)
