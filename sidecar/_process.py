@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ipaddress
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ __all__ = ["ProcessCollector", "find_listener", "is_local_host", "is_loopback", 
 # 250 ms held 345,600 and fitted them all on every sample (0.15 s of the GIL, 40 MB).
 _POINTS = 1024
 LOOKUP_BACKOFF_S = 5.0  # after a lookup by port found nobody: it walks every process's fds
+log = logging.getLogger("promptlb.sidecar.process")
 # Proportional set size reads every mapping's page counts (/proc/<pid>/smaps_rollup): a few ms
 # for a big engine process, so at most this often.
 PSS_EVERY_S = 2.0
@@ -153,6 +155,7 @@ class ProcessCollector:
         self._pid = pid
         self._proportional = proportional
         self._pss_at = -math.inf
+        self._pss_refused = False  # said once
         self.pss: int | None = None
         self._port = port
         self._window_s = window_s
@@ -177,6 +180,7 @@ class ProcessCollector:
         self._proc = None
         self._history.clear()
         self.pss = None  # another process's, or none: read afresh
+        self._pss_at = -math.inf
         pid = self._pid
         if pid is None and self._port:
             now = self._clock()
@@ -263,14 +267,24 @@ class ProcessCollector:
             self.reason = f"model-server process {proc.pid}: {exc}"
             self._proc = None
             self.pss = None  # not the gone process's, for a memory limit to be held against
+            self._pss_at = -math.inf
             if isinstance(exc, psutil.NoSuchProcess):  # gone between the check and the read
                 self.restarted = True
                 self._previous = None
             return (None, None)
         now = time.monotonic() if now is None else now
-        if self._proportional and (now - self._pss_at >= PSS_EVERY_S or self.pss is None):
+        # A new process's at once, then every PSS_EVERY_S: one this sidecar may not read
+        # (another user's smaps) was asked again at every sample, 4 a second, for good.
+        if self._proportional and now - self._pss_at >= PSS_EVERY_S:
             self.pss = self._tree_pss(proc)
             self._pss_at = now
+            if self.pss is None and not self._pss_refused:
+                self._pss_refused = True
+                log.info(
+                    "model-server process %d: its PSS is not readable by this user; the memory"
+                    " limit is held against its tree's RSS, which counts shared pages twice",
+                    proc.pid,
+                )
         history = self._history
         if history and now - history[-1][0] < self._window_s / _POINTS:
             return (rss, self._last_slope)  # the fit holds at most `_POINTS` samples

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -328,3 +329,21 @@ def test_a_model_server_that_exited_unreaped_is_gone_not_alive_and_empty() -> No
     finally:
         child.kill()
         child.wait(timeout=5)
+
+
+def test_a_pss_this_user_may_not_read_is_asked_again_only_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user's smaps: refused, it was asked again at every sample, 4 a second."""
+    asked: list[int] = []
+
+    def refused(proc: psutil.Process) -> None:
+        asked.append(proc.pid)
+
+    collector = ProcessCollector(pid=os.getpid(), port=None, proportional=True)
+    monkeypatch.setattr(collector, "_tree_pss", refused)
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.process"):
+        for step in range(40):  # 10 s at 250 ms
+            collector.sample(now=step * 0.25)
+    assert len(asked) == 5 and collector.pss is None  # at 0, 2, 4, 6 and 8 s
+    assert sum("not readable" in r.getMessage() for r in caplog.records) == 1
