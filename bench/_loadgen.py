@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from promptlb.middleware._sse import marks_error
 
 from ._scenario import Arrival
 
@@ -186,7 +187,7 @@ def _has_content(data: bytes) -> bool:
         return False
     if not isinstance(chunk, dict):
         return False
-    if "error" in chunk:
+    if marks_error(chunk):  # (a null "error" is none: its chunk's tokens are a first token)
         return False
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}

@@ -274,3 +274,10 @@ def test_endpoint_refuses_numbers_it_cannot_plan_with_before_it_runs(
     )
     with pytest.raises(SystemExit, match=wrong):
         run_endpoint(args)
+
+
+def test_a_chunk_with_a_null_error_carries_its_first_token() -> None:
+    """As the proxy and the cache read it: a server that sends "error": null on every chunk
+    had no time to first token measured at all."""
+    assert loadgen._has_content(b'{"choices": [{"delta": {"content": "a"}}], "error": null}')
+    assert not loadgen._has_content(b'{"choices": [{"delta": {"content": "a"}}], "error": {}}')
