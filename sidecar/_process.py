@@ -13,7 +13,14 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ProcessCollector", "find_listener", "is_local_host", "is_loopback", "memory_free"]
+__all__ = [
+    "HIDDEN",
+    "ProcessCollector",
+    "find_listener",
+    "is_local_host",
+    "is_loopback",
+    "memory_free",
+]
 
 # Samples a slope is fitted over, at most, spread over the window: a day's window sampled every
 # 250 ms held 345,600 and fitted them all on every sample (0.15 s of the GIL, 40 MB).
@@ -67,15 +74,19 @@ def is_local_host(host: str | None) -> bool:
     return str(address) in ours
 
 
+HIDDEN = -1  # `find_listener`: something listens, but this user cannot see its pid
+
+
 def find_listener(port: int) -> int | None:
-    """The pid of the process listening on a TCP port of this host, if we may see it."""
+    """The pid of the process listening on a TCP port of this host; `HIDDEN` when one
+    listens whose pid this user may not see (another user's process); None for none."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
         return None
     for conn in connections:
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            return int(conn.pid) if conn.pid is not None else None
+            return int(conn.pid) if conn.pid is not None else HIDDEN
     return None
 
 
@@ -187,6 +198,14 @@ class ProcessCollector:
             if now < self._next_lookup:
                 return None  # the reason of the last miss stands
             pid = find_listener(self._port)
+            if pid == HIDDEN:
+                # "No process listens" sent the operator looking for a server that was up.
+                self._next_lookup = now + LOOKUP_BACKOFF_S
+                self.reason = (
+                    f"a process listens on port {self._port}, but this user cannot see its"
+                    " pid (run the sidecar as the model server's user, or pass --model-pid)"
+                )
+                return None
             if pid is None:
                 # A server still loading, or one out of this sidecar's sight (another PID
                 # namespace): not a walk of the host's every socket four times a second.

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 from promptlb.sidecar import _process
 from promptlb.sidecar._process import (
+    HIDDEN,
     LOOKUP_BACKOFF_S,
     ProcessCollector,
     find_listener,
@@ -53,6 +55,17 @@ def test_a_lookup_by_port_that_finds_nobody_backs_off(monkeypatch: pytest.Monkey
     now[0] += LOOKUP_BACKOFF_S
     collector.sample()
     assert lookups == [8000, 8000]
+
+
+def test_a_listener_whose_pid_is_hidden_is_said_to_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's server: psutil lists its socket without a pid, which read as "no process
+    listens on port 8000" while it served."""
+    hidden = SimpleNamespace(status=psutil.CONN_LISTEN, laddr=SimpleNamespace(port=8000), pid=None)
+    monkeypatch.setattr(psutil, "net_connections", lambda kind: [hidden])
+    assert find_listener(8000) == HIDDEN and find_listener(8001) is None
+    collector = ProcessCollector(pid=None, port=8000)
+    assert collector.sample() == (None, None)
+    assert "listens on port 8000, but this user cannot see its pid" in collector.reason
 
 
 def test_only_a_model_url_on_this_host_is_looked_up_by_port() -> None:
