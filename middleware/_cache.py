@@ -238,8 +238,9 @@ class RedisCache:
         self._closed = False  # replaced or stopped: a late call must not open a connection
         # A call waits here for one of the client's connections, within its timeout: refused
         # at once past them, a burst of 300 lookups on a healthy Redis was 200 misses; and one
-        # that runs out of time here says this process is busy, not that Redis is down (a
-        # pool that waited by itself failed such calls as an outage: the cache off a second).
+        # that runs out of time here says this process is busy, not that Redis is up or down
+        # (a pool that waited by itself failed such calls as an outage: the cache off a
+        # second; counted as refusals, they ended a dead Redis's backoff).
         self._gate = asyncio.Semaphore(MAX_CONNECTIONS)
 
     def _skip(self) -> bool | None:
@@ -280,25 +281,44 @@ class RedisCache:
         self._probing = False
 
     async def _call(self, op: str, probe: bool, call: Callable[[], Awaitable[Any]]) -> Any:
-        """``call()``'s reply, or `_MISS` when Redis failed it (settled as `_skip` says)."""
-        queued = True
+        """``call()``'s reply, or `_MISS` when Redis failed it (settled as `_skip` says) or
+        no connection of ours came free within ``timeout`` (Redis was not asked: it says
+        nothing of Redis's health, which stays as it was)."""
+        gate = self._gate
         try:
             async with asyncio.timeout(self.timeout):
-                async with self._gate:
-                    queued = False
-                    reply = await call()
-        except self._refusals:
-            self._refused()
-            return _MISS
-        except self._errors:
-            if queued:  # out of time waiting for a connection of ours: Redis was not asked
-                self._refused()
-            else:
-                self._failed(op)
+                await gate.acquire()
+        except TimeoutError:
+            self._unsettled(probe)
+            self._on_error("busy")
             return _MISS
         except BaseException:
             self._unsettled(probe)
             raise
+        try:
+            if self._closed:  # closed while this call waited: no connection opened again
+                self._unsettled(probe)
+                return _MISS
+            if not probe and time.monotonic() < self._down_until:
+                # Redis failed the calls ahead of this one while it waited: skipped, as the
+                # calls that come now are (they went on to the dead Redis, 50 more of 300).
+                self._on_error("skipped")
+                return _MISS
+            # Its own whole timeout once admitted: one shared with the wait failed a call
+            # admitted late as an outage, against a healthy Redis.
+            async with asyncio.timeout(self.timeout):
+                reply = await call()
+        except self._refusals:
+            self._refused()
+            return _MISS
+        except self._errors:
+            self._failed(op)
+            return _MISS
+        except BaseException:
+            self._unsettled(probe)
+            raise
+        finally:
+            gate.release()
         self._ok()
         return reply
 

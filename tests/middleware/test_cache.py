@@ -288,10 +288,53 @@ async def test_a_burst_of_more_lookups_than_pooled_connections_all_hit(
     try:
         await cache.put("k", entry("kept", 1.0))
         await asyncio.gather(*(cache.get("k") for _ in range(10 * MAX_CONNECTIONS)))
-        assert "refused" in errors  # waited out of time: misses, no outage
+        assert "busy" in errors and "get" not in errors  # waited out of time: misses
         assert await cache.get("k") == entry("kept", 1.0)
     finally:
         await cache.close()
+
+
+async def test_calls_that_wait_out_of_time_leave_a_dead_redis_skipped() -> None:
+    """A Redis that accepts and never answers: the calls admitted time out and start the
+    backoff; those left waiting for a connection said nothing of Redis, but counted as
+    refusals they ended the backoff, and hundreds more calls went to the hung Redis."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(never, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    errors: list[str] = []
+    cache = RedisCache(f"redis://127.0.0.1:{port}/0", prefix="t:", ttl=30, on_error=errors.append)
+    try:
+        await asyncio.gather(*(cache.get("k") for _ in range(3 * MAX_CONNECTIONS)))
+        # At most one call per connection reached it; the rest waited, then were skipped.
+        assert errors.count("get") <= MAX_CONNECTIONS
+        assert set(errors) <= {"get", "busy", "skipped"}
+        assert cache._down_until > 0  # still backing off
+        assert await cache.get("k") is None and errors[-1] == "skipped"
+    finally:
+        await cache.close()
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_call_waiting_when_the_cache_closes_opens_no_connection(
+    redis_server: RedisServer,
+) -> None:
+    """A reload replaced the cache during a burst: the calls still waiting for a connection
+    went on and opened the closed client's pool again (100 connections left open)."""
+    errors: list[str] = []
+    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, timeout=5.0, on_error=errors.append)
+    calls = [asyncio.ensure_future(cache.get("k")) for _ in range(3 * MAX_CONNECTIONS)]
+    await asyncio.sleep(0)  # every call has started: a hundred asking, the rest waiting
+    await cache.close()
+    await asyncio.gather(*calls)
+    pool = cache._client.connection_pool
+    assert len(pool._available_connections) + len(pool._in_use_connections) <= MAX_CONNECTIONS
 
 
 async def test_a_write_redis_refuses_is_a_miss_that_leaves_the_reads_on(
