@@ -280,18 +280,31 @@ async def test_a_burst_of_more_lookups_than_pooled_connections_all_hit(
         assert got == [entry("kept", 1.0)] * (3 * MAX_CONNECTIONS) and errors == []
     finally:
         await cache.close()
-    # More than its 50 ms let through: those left waiting for a connection are misses, and
-    # Redis, which was never slow, stays asked (a pool that waited by itself failed them as
-    # an outage, and skipped Redis for a second after).
-    errors.clear()
-    cache = RedisCache(redis_server.url, prefix="t:", ttl=30, on_error=errors.append)
+
+
+async def test_a_call_that_waits_out_of_time_is_busy_and_one_admitted_has_its_own_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each Redis call takes 100 ms, the timeout is 150 ms, 300 calls at once: the first
+    hundred are answered at 100 ms, the second, admitted then, at 200 ms (within their own
+    timeout: one shared with the wait failed them as an outage), and the third, still
+    waiting at 150 ms, are busy: misses that leave Redis's health as it was."""
+    errors: list[str] = []
+    cache = RedisCache("redis://127.0.0.1:1/0", prefix="t:", ttl=30, timeout=0.15)
+    cache._on_error = errors.append
+    packed = entry("kept", 1.0).pack()
+
+    async def slow_get(key: str) -> bytes:
+        await asyncio.sleep(0.1)
+        return packed
+
+    monkeypatch.setattr(cache._client, "get", slow_get)
     try:
-        await cache.put("k", entry("kept", 1.0))
-        await asyncio.gather(*(cache.get("k") for _ in range(10 * MAX_CONNECTIONS)))
-        assert "busy" in errors and "get" not in errors  # waited out of time: misses
-        assert await cache.get("k") == entry("kept", 1.0)
+        got = await asyncio.gather(*(cache.get("k") for _ in range(3 * MAX_CONNECTIONS)))
     finally:
         await cache.close()
+    assert sum(g is not None for g in got) == 2 * MAX_CONNECTIONS
+    assert errors == ["busy"] * MAX_CONNECTIONS and cache._down_until == 0.0
 
 
 async def test_calls_that_wait_out_of_time_leave_a_dead_redis_skipped() -> None:
