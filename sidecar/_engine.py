@@ -147,7 +147,7 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
             )
         engine = seen.pop()
     # Per family, per label set less the ranks of one data-parallel group: SGLang's
-    # schedulers of one group (tp_rank, pp_rank; all of them with
+    # schedulers of one group (tp_rank, pp_rank, moe_ep_rank; all of them with
     # --enable-metrics-for-all-schedulers) each write the same batch, which summed read a TP=4
     # node as four times as loaded. The group's largest stands for it.
     groups: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -166,7 +166,7 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
                     continue
                 else:
                     value = sample.value
-                key = tuple(sorted(kv for kv in sample.labels.items() if kv[0] not in _RANKS))
+                key = tuple(sorted(kv for kv in sample.labels.items() if not _in_group(kv[0])))
                 before = mine.get(key)
                 mine[key] = value if before is None else max(before, value)
     except ValueError as exc:
@@ -187,7 +187,10 @@ def parse_engine_metrics(text: str, engine: EngineName | Literal["auto"] = "auto
     )
 
 
-_RANKS = frozenset({"tp_rank", "pp_rank"})
+def _in_group(label: str) -> bool:
+    """Whether ``label`` tells apart the schedulers of one data-parallel group, which write one
+    batch: SGLang's ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` (any rank but ``dp_rank``)."""
+    return label.endswith("_rank") and label != "dp_rank"
 
 
 def _blocks_times_size(labels: dict[str, str]) -> float | None:

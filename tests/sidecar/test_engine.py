@@ -230,13 +230,17 @@ def test_sglang_schedulers_of_one_group_are_one_batch_and_groups_add_up() -> Non
     """With --enable-metrics-for-all-schedulers every tensor-parallel rank writes its group's
     batch: a TP=4 node read four times as loaded. Data-parallel ranks are batches of their
     own, and add up."""
-    ranks = [(dp, tp) for dp in (0, 1) for tp in range(4)]
+    ranks = [
+        f'dp_rank="{dp}",tp_rank="{tp}",pp_rank="0",moe_ep_rank="{tp}"'  # (expert parallel)
+        for dp in (0, 1)
+        for tp in range(4)
+    ]
     lines = ["# TYPE sglang:num_running_reqs gauge"]
-    lines += [f'sglang:num_running_reqs{{dp_rank="{d}",tp_rank="{t}"}} 10' for d, t in ranks]
+    lines += [f"sglang:num_running_reqs{{{r}}} 10" for r in ranks]
     lines += ["# TYPE sglang:num_queue_reqs gauge"]
-    lines += [f'sglang:num_queue_reqs{{dp_rank="{d}",tp_rank="{t}"}} 3' for d, t in ranks]
+    lines += [f"sglang:num_queue_reqs{{{r}}} 3" for r in ranks]
     lines += ["# TYPE sglang:max_total_num_tokens gauge"]
-    lines += [f'sglang:max_total_num_tokens{{dp_rank="{d}",tp_rank="{t}"}} 1e5' for d, t in ranks]
+    lines += [f"sglang:max_total_num_tokens{{{r}}} 1e5" for r in ranks]
     reading = parse_engine_metrics("\n".join(lines) + "\n")
     assert (reading.running, reading.waiting, reading.kv_tokens) == (20, 6, 200_000)
 
