@@ -159,15 +159,19 @@ class _Handlers:
             return _error(500, "emulated internal error", "internal_server_error")
         if faults.leak_mb_per_req:
             # In a thread: the page faults of a large leak (half a second for 1 GB) stalled
-            # every stream on the node, latency the fault is not meant to add. Kept here, on
-            # the loop, as `free_leaked` clears them there.
+            # every stream on the node, latency the fault is not meant to add. A leak still
+            # being made when `free_leaked` came is let go too (kept, it outlived the reset).
+            frees = state.stats.frees
             leaked = await asyncio.to_thread(leak, faults.leak_mb_per_req)
             if leaked is None:
                 # A server out of memory fails its requests (were the kernel's OOM killer not
                 # faster); the mapping's OSError was a plain-text 500.
                 state.stats.errors += 1
                 return _error(500, "out of memory", "internal_server_error")
-            state.stats.leaked.append(leaked)
+            if state.stats.frees == frees:
+                state.stats.leaked.append(leaked)
+            else:
+                leaked.close()
         return body
 
     def _output_tokens(self, body: dict[str, Any]) -> int:
@@ -441,8 +445,8 @@ class _Handlers:
         return web.json_response(self.state.faults.as_dict())
 
     async def set_faults(self, request: web.Request) -> web.Response:
-        """``POST /_emulator/faults`` with any of ``slow_factor`` (> 0), ``hang`` (bool),
-        ``leak_mb_per_req`` (>= 0), ``error_rate`` (0..1) and ``free_leaked`` (true drops the
+        """``POST /_emulator/faults`` with any of ``slow_factor`` (1e-3..1e6), ``hang`` (bool),
+        ``leak_mb_per_req`` (0..1024), ``error_rate`` (0..1) and ``free_leaked`` (true drops the
         memory leaked so far). All are checked before any applies; answers the new state."""
         body = await _json_object(request)
         if isinstance(body, web.Response):
@@ -453,6 +457,7 @@ class _Handlers:
         faults = self.state.faults
         faults.update(body)
         if body.get("free_leaked"):
+            self.state.stats.frees += 1
             leaked = self.state.stats.leaked
             for leak in leaked:
                 leak.close()  # unmapped: the RSS goes at once

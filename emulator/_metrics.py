@@ -33,6 +33,7 @@ class Stats:
     prefix_query_tokens: int = 0  # the same in prompt tokens, as vLLM counts them
     prefix_hit_tokens: int = 0
     leaked: list[mmap.mmap] = field(default_factory=list)
+    frees: int = 0  # `free_leaked`s so far: a leak begun before one is dropped when it ends
 
     def looked_up(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries += 1

@@ -245,3 +245,21 @@ async def test_the_oracle_takes_a_loading_or_hung_after_node_for_no_candidate(
             async with session.post(f"{emu.url}/_emulator/oracle", json=body) as resp:
                 assert resp.status == 503
                 assert (await resp.json())["error"]["message"] == why
+
+
+async def test_a_leak_still_being_made_when_freed_is_freed_too(
+    start_emulator: StartEmulator,
+) -> None:
+    """A leak is made in a thread; one still being made when free_leaked came was kept after
+    it, and outlived the bench's reset between runs."""
+    emu = start_emulator("--ttft-ms", "0", "--tokens-per-s", "10000")
+    proc = psutil.Process(emu.pid)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await _chat_s(session, emu.url)
+        before = proc.memory_info().rss
+        await _faults(session, emu.url, {"leak_mb_per_req": 256})
+        asking = asyncio.ensure_future(_chat_s(session, emu.url))
+        await asyncio.sleep(0.02)  # the leak under way (about 100 ms for 256 MB)
+        await _faults(session, emu.url, {"leak_mb_per_req": 0, "free_leaked": True})
+        await asking
+        assert proc.memory_info().rss - before < 64 * MiB
