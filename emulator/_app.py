@@ -112,12 +112,13 @@ def _bad_length(body: dict[str, Any], n_in: int, n_out: int, limit: int) -> web.
     return None
 
 
-def _too_big(prompts: int, tokens: int, limit: int) -> web.Response | None:
-    """A batch whose prompts and answers together take more than the KV cache holds."""
-    if prompts > 1 and tokens > limit:
+def _too_big(choices: int, tokens: int, limit: int) -> web.Response | None:
+    """A request of several choices (a batch, an ``n``) whose prompts and answers together
+    take more than the KV cache holds (one choice is held to the context already)."""
+    if choices > 1 and tokens > limit:
         message = (
-            f"The batch's {prompts} prompts and their answers take {tokens} tokens, more than"
-            f" this model's KV cache of {limit} tokens; send fewer prompts at once."
+            f"The request's {choices} choices and their prompts take {tokens} tokens, more than"
+            f" this model's KV cache of {limit} tokens; ask fewer at once."
         )
         return _error(400, message, "invalid_request_error")
     return None
@@ -232,11 +233,12 @@ class _Handlers:
         n_out = self._output_tokens(body)
         if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
             n_out = max(1, min(n_out, limit - longest, (limit - n_in) // choices))
-        # The context bounds each prompt; and, as the emulator runs a batch in one slot, the
-        # batch's prompts and answers together bound by its KV cache (20 prompts of 100
-        # tokens, each within a 1,024-token context, took the whole cache).
+        # The context bounds each prompt; and, as the emulator runs a request in one slot, its
+        # prompts and every choice's answer together are bound by its KV cache (200 prompts of
+        # 100 tokens, or n = 128 answers of 1,000, each within the context, took the whole
+        # cache and emptied it).
         refused = _bad_length(body, longest, n_out, limit) or _too_big(
-            len(counts), n_in + choices * n_out, limit
+            choices, n_in + choices * n_out, limit
         )
         if refused is not None:
             return refused

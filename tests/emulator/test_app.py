@@ -790,6 +790,8 @@ async def test_a_batch_of_prompts_is_answered_and_paid_for_prompt_by_prompt(
         # one slot the emulator runs a batch in, they took the whole KV cache and emptied it.
         status, many = await _post(session, url, {"prompt": [one] * 200, "max_tokens": 2})
         assert status == 400 and "KV cache of 16384 tokens" in many["error"]["message"]
+        status, wide = await _post(session, url, {"prompt": "x", "max_tokens": 1000, "n": 128})
+        assert status == 400 and "KV cache of 16384 tokens" in wide["error"]["message"]
         status, wide = await _post(session, url, {"prompt": ["a"] * 9, "n": 128, "max_tokens": 1})
         assert status == 400 and "1024 choices" in wide["error"]["message"]
 
