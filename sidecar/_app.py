@@ -112,8 +112,9 @@ class _LiveMetrics(Collector):
                 i = str(g.i)
                 if g.util is not None:  # (a card in MIG mode has none)
                     util.add_metric([i], g.util)
-                used.add_metric([i], g.mem_used * _MiB)
-                total.add_metric([i], g.mem_total * _MiB)
+                if g.mem_total:  # (a unified-memory board has no reading: 0 of 0)
+                    used.add_metric([i], g.mem_used * _MiB)
+                    total.add_metric([i], g.mem_total * _MiB)
             yield util
             yield used
             yield total

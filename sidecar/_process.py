@@ -297,7 +297,7 @@ class ProcessCollector:
         if self._proportional and now - self._pss_at >= PSS_EVERY_S:
             self.pss = self._tree_pss(proc)
             self._pss_at = now
-            if self.pss is None and not self._pss_refused:
+            if self.pss is None and not self._pss_refused and proc.is_running():
                 self._pss_refused = True
                 log.info(
                     "model-server process %d: its PSS is not readable by this user; the memory"
@@ -315,7 +315,9 @@ class ProcessCollector:
 
     def _slope(self) -> float | None:
         history = self._history
-        if len(history) < 2 or history[-1][0] - history[0][0] < 1.0:
+        # A span of a second at least (less is noise), or half the window where that is
+        # shorter: a window of 1 s never held a second of samples, and gave no slope ever.
+        if len(history) < 2 or history[-1][0] - history[0][0] < min(1.0, self._window_s / 2):
             return None
         n = len(history)
         mean_t = sum(t for t, _ in history) / n

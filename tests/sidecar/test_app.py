@@ -244,6 +244,20 @@ def test_a_card_without_utilisation_exports_its_memory_and_no_utilisation() -> N
     assert samples[("promptlb_sidecar_gpu_memory_used_bytes", "0")] == 1_000 * 1024 * 1024
 
 
+def test_a_card_without_a_memory_reading_exports_no_memory() -> None:
+    # A unified-memory board reads 0 of 0: exported, every used/total panel read NaN.
+    live = Live(SidecarConfig(node_name="n"))
+    live.gpus = (GpuSample(0, 0.5, 0, 0), GpuSample(1, 0.5, 2_000, 80_000))
+    names = {
+        (s.name, s.labels.get("gpu"))
+        for family in sidecar_app._LiveMetrics(live).collect()
+        for s in family.samples
+    }
+    assert ("promptlb_sidecar_gpu_memory_total_bytes", "0") not in names
+    assert ("promptlb_sidecar_gpu_memory_total_bytes", "1") in names
+    assert ("promptlb_sidecar_gpu_utilization_ratio", "0") in names
+
+
 async def test_a_warmup_refused_again_and_again_is_told_once(
     caplog: pytest.LogCaptureFixture, sidecar_beside: SidecarBeside
 ) -> None:

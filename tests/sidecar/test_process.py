@@ -360,3 +360,18 @@ def test_a_pss_this_user_may_not_read_is_asked_again_only_every_few_seconds(
             collector.sample(now=step * 0.25)
     assert len(asked) == 5 and collector.pss is None  # at 0, 2, 4, 6 and 8 s
     assert sum("not readable" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(("window", "interval"), [(1.0, 0.26), (1.2, 0.603)])
+def test_a_short_window_the_config_allows_gives_a_slope(
+    monkeypatch: pytest.MonkeyPatch, window: float, interval: float
+) -> None:
+    """A slope needed a second of samples, which a window of 1 s (or 1.2 s at 0.6 s) never
+    holds: leaks went unseen with settings the config took."""
+    collector = ProcessCollector(pid=os.getpid(), port=None, window_s=window)
+    monkeypatch.setattr(collector, "_tree_rss", lambda proc: int(1e9 + 1_000 * now))
+    slope = None
+    for step in range(20):
+        now = step * interval
+        _, slope = collector.sample(now=now)
+    assert slope == pytest.approx(1_000, rel=1e-6)
