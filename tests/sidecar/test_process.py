@@ -369,9 +369,10 @@ def test_a_short_window_the_config_allows_gives_a_slope(
     """A slope needed a second of samples, which a window of 1 s (or 1.2 s at 0.6 s) never
     holds: leaks went unseen with settings the config took."""
     collector = ProcessCollector(pid=os.getpid(), port=None, window_s=window)
-    monkeypatch.setattr(collector, "_tree_rss", lambda proc: int(1e9 + 1_000 * now))
+    clock = {"now": 0.0}
+    monkeypatch.setattr(collector, "_tree_rss", lambda proc: int(1e9 + 1_000 * clock["now"]))
     slope = None
     for step in range(20):
-        now = step * interval
-        _, slope = collector.sample(now=now)
+        clock["now"] = step * interval
+        _, slope = collector.sample(now=clock["now"])
     assert slope == pytest.approx(1_000, rel=1e-6)
