@@ -70,6 +70,7 @@ class GpuCollector:
         self._devices = devices
         self._clock = clock
         self._handles: list[tuple[int, Any]] = []  # (NVML index, handle)
+        self._unopened = 0  # cards the last listing could not open
         self._open = False
         self._closed = False
         self._retry_at = 0.0
@@ -112,22 +113,29 @@ class GpuCollector:
         devices = self._devices
         by_index = bool(devices) and all(d.isdigit() for d in devices)
         handles = []
+        unopened = 0
         for i in range(count):
             if by_index and str(i) not in devices:
                 continue  # another server's: not even opened
             # Each on its own: one card off the bus (GPU_IS_LOST) or hidden by the cgroup
             # (NO_PERMISSION) failed the whole listing, and every other card went unreported.
+            # Listed again every RETRY_S while one fails, so that a card back is found.
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
             except Exception as exc:
                 self._problem(i).report(f"left out, cannot be opened: {exc}")
+                unopened += 1
                 continue
+            self._problem(i).clear()
             if not devices or self._chosen(i, handle):
                 handles.append((i, handle))
         self._handles = handles
+        self._unopened = unopened
         if not handles:
             reason = "NVML reports no GPU"
-            if self._devices:
+            if unopened:
+                reason = f"{unopened} of {count} GPUs cannot be opened, and no other is"
+            elif self._devices:
                 reason = f"none of the GPUs {', '.join(self._devices)} among {count}"
             self._no_gpu(reason, before, logging.WARNING if self._devices else logging.INFO)
             return
@@ -184,7 +192,11 @@ class GpuCollector:
 
     def _sample(self) -> tuple[GpuSample, ...]:
         nvml = self._nvml
-        if not self._handles and not self._closed and self._clock() >= self._retry_at:
+        if (
+            (not self._handles or self._unopened)
+            and not self._closed
+            and self._clock() >= self._retry_at
+        ):
             self._start()
         out: list[GpuSample] = []
         for i, handle in self._handles:

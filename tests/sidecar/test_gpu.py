@@ -121,6 +121,27 @@ def test_a_card_that_cannot_be_opened_hides_no_other(
     assert sum("cannot be opened" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_a_card_that_could_not_be_opened_is_found_once_it_is_back(nvml: FakeNvml) -> None:
+    """Opened one by one, the others report; but a card that failed was never listed again
+    while another card opened (before, the whole listing failed and was retried)."""
+    clock = {"now": 0.0}
+    nvml.lost.add(0)
+    gpus = GpuCollector(nvml, clock=lambda: clock["now"])
+    gpus.open()
+    assert [g.i for g in gpus.sample()] == [1]
+    nvml.lost.clear()
+    clock["now"] += RETRY_S / 2
+    assert [g.i for g in gpus.sample()] == [1]  # not listed again before RETRY_S
+    clock["now"] += RETRY_S
+    assert [g.i for g in gpus.sample()] == [0, 1] and nvml.inits == 1
+    gpus.close()
+    nvml.lost |= {0, 1}
+    gpus = GpuCollector(nvml)
+    gpus.open()
+    assert gpus.sample() == () and gpus.reason == "2 of 2 GPUs cannot be opened, and no other is"
+    gpus.close()
+
+
 def test_a_unified_memory_board_is_reported_with_no_memory_and_nvml_stays_up(
     caplog: pytest.LogCaptureFixture, nvml: FakeNvml
 ) -> None:
