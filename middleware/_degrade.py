@@ -244,10 +244,22 @@ class Dispatcher:
         outage_cache = (
             cache is not None and cfg is not None and cfg.on_outage and stale_ok and not opted_out
         )
-        # The last model hop is the final one: cache hops after it ask the cache for its
-        # refusal and pass it on when there is none, as [cache] alone does (a chain ending in
-        # "cache" turned a node's 429, and its Retry-After, into the gateway's 503).
-        last_model = max(i for i, hop in enumerate(hops) if i == 0 or hop != CACHE_HOP)
+        limits = self.config.requests
+
+        def fits(model: str) -> bool:
+            """Whether ``model``'s context holds the answer asked (the request's own model
+            was checked as it was read)."""
+            asked = route.max_tokens
+            return asked is None or asked <= limits.token_limit(model)
+
+        # The last model hop that can take the request is the final one: cache hops after it
+        # ask the cache for its refusal and pass it on when there is none, as [cache] alone
+        # does (a chain ending in "cache" turned a node's 429, and its Retry-After, into the
+        # gateway's 503).
+        last_model = max(
+            i for i, hop in enumerate(hops) if i == 0 or (hop != CACHE_HOP and fits(hop))
+        )
+
         for i in range(first, len(hops)):
             hop = hops[i]
             if i and hop == CACHE_HOP:  # (the request's own model is a model, named so or not)
@@ -258,8 +270,15 @@ class Dispatcher:
                     return stored
                 failures.append("cache: no answer")
                 continue
+            if i and not fits(hop):
+                # A lighter model whose context is shorter than the answer asked: its node's
+                # 400 ("max context 1000") told the client its request was bad, where the
+                # primary was only down (no retry, and the chain's cache never asked).
+                failures.append(f"{hop}: max_tokens {route.max_tokens} is past its context")
+                continue
             final = i == last_model
-            nxt = None if final or hops[i + 1] == CACHE_HOP else hops[i + 1]
+            after = None if final else hops[i + 1]
+            nxt = after if after is not None and after != CACHE_HOP and fits(after) else None
             try:
                 answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
             except _HopError as exc:
@@ -275,7 +294,7 @@ class Dispatcher:
             if answer.model != hop:  # the hedge to the next hop won: a fallback all the same
                 metrics.fallbacks.labels(route.model, answer.model).inc()
             up = answer.upstream
-            trailing = i + 1 < len(hops) and stale_ok  # the chain's cache hops after it
+            trailing = CACHE_HOP in hops[i + 1 :] and stale_ok  # the chain's cache hops after it
             outage = outage_cache and CACHE_HOP not in hops[1:]
             if final and (trailing or outage) and up is not None:
                 status = up.response.status

@@ -776,6 +776,34 @@ async def test_an_opt_out_gets_the_outage_not_a_stale_answer(serve: Serve) -> No
         assert refused.status_code == 503 and "x-promptlb-degraded" not in refused.headers
 
 
+async def test_a_lighter_model_whose_context_is_too_short_is_passed_over(serve: Serve) -> None:
+    """big -> small, small's context 1,000 tokens: with big down, a request for 5,000 tokens
+    went to small and came back its 400 ("too long"), telling the client its request was bad
+    (no retry) where big was only down; the chain's cache was never asked either."""
+    from aiohttp import web
+
+    asked: list[str] = []
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        asked.append(model)
+        if model == "big":
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
+    config = {
+        "fallback": [{"model": "big", "then": ["small"]}],
+        "requests": {"context": {"big": 100_000, "small": 1_000}},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (_, http):
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 503 and got.json()["error"]["message"] == "down"
+        assert set(asked) == {"big"}  # big's own 503, as the final hop's: small never asked
+        fits = await http.post("/v1/chat/completions", json={**body, "max_tokens": 500})
+        assert fits.status_code == 200 and fits.headers["x-promptlb-degraded"] == "fallback"
+
+
 async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:
     # Its own name read as the chain's cache hop: never sent to its node, a 503 "no answer".
     from aiohttp import web
