@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from ._answer import Answer, answer_headers
+from ._answer import Answer, answer_headers, node_headers
 from ._balancer import Upstream
 from ._degrade import Dispatcher
 from ._refusals import Refusal, error_body
@@ -24,13 +24,20 @@ __all__ = ["PromptLBClient", "PromptLBError", "Reply", "ReplyStream"]
 
 class PromptLBError(Exception):
     """No answer: a node answered with an error (``status``, the node's ``body`` and name),
-    or promptlb refused (``node`` None, ``body`` the error body the proxy would send)."""
+    or promptlb refused (``node`` None, ``body`` the error body the proxy would send).
+    ``headers`` (lower-case names) are those the proxy would send with it: the node's own
+    (its ``retry-after`` on a 429 or 503) and the ``x-promptlb-*`` ones, or promptlb's
+    ``retry-after`` and ``x-promptlb-attempts`` for its refusals (the app had no retry hint,
+    where an HTTP client had one)."""
 
-    def __init__(self, status: int, body: object, node: str | None) -> None:
+    def __init__(
+        self, status: int, body: object, node: str | None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(f"{status} from {node or 'promptlb'}: {body}")
         self.status = status
         self.body = body
         self.node = node
+        self.headers = headers or {}
 
 
 class Reply(dict[str, Any]):
@@ -67,7 +74,17 @@ class ReplyStream:
 
 
 def _headers(answer: Answer) -> dict[str, str]:
-    return {k.decode(): v.decode("latin-1") for k, v in answer_headers(answer)}
+    return _text(answer_headers(answer))
+
+
+def _text(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+
+
+def _node_error(status: int, body: object, answer: Answer, up: Upstream) -> PromptLBError:
+    """A node's own error answer, with the headers the proxy passes on with it."""
+    headers = _text(node_headers(up.response) + answer_headers(answer))
+    return PromptLBError(status, body, up.node.name, headers)
 
 
 class PromptLBClient:
@@ -130,7 +147,9 @@ class PromptLBClient:
             async with dispatch.answer(request) as answer:
                 yield answer
         except Refusal as exc:
-            raise PromptLBError(exc.status, exc.error(), None) from None
+            headers = _text(exc.headers(dispatch.retry_after))
+            headers.pop("connection", None)  # the proxy's connection, not the app's business
+            raise PromptLBError(exc.status, exc.error(), None, headers) from None
 
     # A node's own answer that we turn into an error is raised after the answer's block, not
     # in it: an exception inside is the caller giving up (not counted against the node), and
@@ -152,7 +171,7 @@ class PromptLBClient:
                 data = await _rest(answer.first, up)
                 parsed = parsed_body(data) if data else None
                 if up.response.status >= 400:
-                    error = PromptLBError(up.response.status, parsed, up.node.name)
+                    error = _node_error(up.response.status, parsed, answer, up)
                 elif not isinstance(parsed, dict) or carries_error(parsed):
                     # No answer: a 200 that carries an error is one to the app too, as the
                     # batcher has it (it was handed back as the answer).
@@ -190,7 +209,10 @@ class PromptLBClient:
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
             data = await _rest(answer.first, up)
-            error = PromptLBError(status if status >= 400 else 502, parsed_body(data), up.node.name)
+            if status >= 400:
+                error = _node_error(status, parsed_body(data), answer, up)
+            else:
+                error = PromptLBError(502, parsed_body(data), up.node.name)
         raise error
 
 

@@ -55,6 +55,42 @@ async def test_a_node_error_that_is_not_json_is_a_promptlb_error(serve: Serve) -
     assert raised.value.body == "Internal Server Error"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_nodes_refusal_keeps_its_retry_hint_and_promptlbs_headers(
+    serve: Serve, stream: bool
+) -> None:
+    """An HTTP client got the node's Retry-After with its 429; the app got the body alone,
+    and no way to back off as told."""
+
+    async def chat(request: web.Request) -> web.Response:
+        error = {"error": {"message": "slow down"}}
+        return web.json_response(error, status=429, headers={"Retry-After": "7"})
+
+    async with middleware_over(serve, chat) as app:
+        with pytest.raises(PromptLBError) as raised:
+            if stream:
+                await collect(app.client.chat_stream(model="m", messages=HI), [])
+            else:
+                await app.client.chat(model="m", messages=HI)
+    assert raised.value.status == 429 and raised.value.headers["retry-after"] == "7"
+    assert raised.value.headers["x-promptlb-node"] == "a"
+
+
+async def test_promptlbs_own_refusal_carries_its_retry_hint() -> None:
+    """No node answers: the proxy's 502 says when to come back; the app's error said
+    nothing."""
+    dead = {"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}
+    app = PromptLBMiddleware(noop, config={"nodes": [dead], "health": {"enabled": False}})
+    try:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=HI)
+    finally:
+        await app.balancer.stop()
+    assert raised.value.status == 502 and raised.value.node is None, raised.value.headers
+    assert int(raised.value.headers["retry-after"]) >= 1
+    assert "connection" not in raised.value.headers
+
+
 async def test_a_200_carrying_an_error_is_a_promptlb_error(serve: Serve) -> None:
     """It was handed back to the app as the answer, where the batcher makes it a 502."""
 
