@@ -67,11 +67,13 @@ async def test_a_nodes_refusal_keeps_its_retry_hint_and_promptlbs_headers(
         return web.json_response(error, status=429, headers={"Retry-After": "7"})
 
     async with middleware_over(serve, chat) as app:
+        call = (
+            collect(app.client.chat_stream(model="m", messages=HI), [])
+            if stream
+            else app.client.chat(model="m", messages=HI)
+        )
         with pytest.raises(PromptLBError) as raised:
-            if stream:
-                await collect(app.client.chat_stream(model="m", messages=HI), [])
-            else:
-                await app.client.chat(model="m", messages=HI)
+            await call
     assert raised.value.status == 429 and raised.value.headers["retry-after"] == "7"
     assert raised.value.headers["x-promptlb-node"] == "a"
 
