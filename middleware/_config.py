@@ -23,6 +23,7 @@ from ._classify import CLASSES
 from ._config_base import (
     DURATION,
     check_header_name,
+    check_model,
     check_redis_url,
     check_url,
     positive,
@@ -71,6 +72,8 @@ class NodeConfig:
             # there, and every answer of a healthy node failed, charged to it.
             raise ConfigError("name", self.name, "printable text")
         object.__setattr__(self, "url", check_url("url", self.url))
+        for i, model in enumerate(self.models):
+            check_model(f"models[{i}]", model)
         if self.sidecar is not None:
             object.__setattr__(self, "sidecar", check_url("sidecar", self.sidecar))
         # A ratio between nodes: near 1e308, weighted round robin's running sums became NaN.
@@ -154,6 +157,8 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         if self.mode == "dns" and not self.name:
             raise ConfigError("name", self.name, "a DNS name to resolve (discovery mode dns)")
+        for i, model in enumerate(self.models):
+            check_model(f"models[{i}]", model)
         if self.mode == "dns":
             try:
                 # As the resolver takes it: an empty label (gw..svc) or one over 63 characters

@@ -8,7 +8,16 @@ from urllib.parse import parse_qs, urlsplit
 from promptlb.shared import ConfigError
 from promptlb.shared._config import redact_url, url_detail
 
-__all__ = ["DURATION", "check_redis_url", "check_url", "positive", "redact_url", "whole_number"]
+__all__ = [
+    "DURATION",
+    "MODEL_CHARS",
+    "check_model",
+    "check_redis_url",
+    "check_url",
+    "positive",
+    "redact_url",
+    "whole_number",
+]
 
 DURATION = {"duration": True}  # field metadata: accepts "250ms", "5s" or seconds
 
@@ -102,6 +111,17 @@ def check_header_name(key: str, value: object) -> None:
         or not all(33 <= ord(c) < 127 and c not in ':"(),/;<=>?@[\\]{}' for c in value)
     ):
         raise ConfigError(key, value, "an HTTP header name such as x-session-id")
+
+
+MODEL_CHARS = 256  # a model name's length at most, in a request or the config
+
+
+def check_model(key: str, value: object) -> None:
+    """A model name as a request may carry it: it is sent in the ``x-promptlb-model`` header,
+    where a control character made the server refuse every answer of that model (charged
+    to a healthy node)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MODEL_CHARS or not value.isprintable():
+        raise ConfigError(key, value, f"a model name: printable text of 1..{MODEL_CHARS}")
 
 
 def positive(key: str, value: float, *, zero: bool = False, most: float | None = None) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from promptlb.shared import ConfigError
 
-from ._config_base import DURATION, check_redis_url, positive, redact_url
+from ._config_base import DURATION, check_model, check_redis_url, positive, redact_url
 
 __all__ = ["CACHE_HOP", "CacheConfig", "FallbackConfig", "SheddingConfig"]
 
@@ -34,11 +34,11 @@ class FallbackConfig:
     allow_opt_out: bool = True  # clients may send x-promptlb-no-fallback: 1
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ConfigError("model", self.model, "a model name")
+        check_model("model", self.model)
         seen = {self.model}
         for i, hop in enumerate(self.then):
-            if not hop or hop in seen:
+            check_model(f"then[{i}]", hop)
+            if hop in seen:
                 raise ConfigError(
                     f"then[{i}]", hop, "a model (or 'cache') not already in the chain"
                 )

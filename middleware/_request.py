@@ -24,6 +24,7 @@ from ._affinity import KeyMaker
 from ._asgi import Receive, Scope
 from ._classify import Classifier, load_classifier
 from ._config import Config, RequestsConfig
+from ._config_base import MODEL_CHARS
 from ._prefix import body_blocks
 from ._refusals import BadRequest, TooLarge
 from ._shedding import Admission
@@ -51,7 +52,6 @@ _MAX_TOKENS = 10_000_000  # beyond any context window: a value over it is not a 
 _YES = (b"1", b"true", b"yes")
 # Text no UTF-8 encoder takes: a tokenizer fails on it, and the node answers 500.
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_MODEL_CHARS = 256
 _QUERY_KEPT = "".join(chr(b) for b in range(0x21, 0x7F) if b != 0x23)  # printable, bar "#"
 
 
@@ -284,11 +284,11 @@ def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required", param="model")
-    if len(model) > _MODEL_CHARS or not model.isprintable():
+    if len(model) > MODEL_CHARS or not model.isprintable():
         # It is echoed in the x-promptlb-model header: a control character there made the
         # server drop the connection with no answer at all (a node naming no model takes any).
         raise BadRequest(
-            f"`model` must be printable text of at most {_MODEL_CHARS} characters", param="model"
+            f"`model` must be printable text of at most {MODEL_CHARS} characters", param="model"
         )
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):

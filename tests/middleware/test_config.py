@@ -107,6 +107,16 @@ tags = ["code"]
         (NODE + "[discovery]\nmode = 'dns'\nname = 'm.local'\n", "nodes", "none with discovery"),
         # Sent in x-promptlb-node: the server refused the header, every answer failed.
         ('[[nodes]]\nname = "gpu\\n1"\nurl = "http://x:1"\n', "nodes[0].name", "printable"),
+        (
+            '[[nodes]]\nname = "a"\nurl = "http://x:1"\nmodels = ["ok", "m\\n"]\n',
+            "nodes[0].models[1]",
+            "printable",
+        ),
+        (
+            "[discovery]\nmode = 'dns'\nname = 'm.local'\nmodels = ['']\n",
+            "discovery.models[0]",
+            "printable",
+        ),
         # A header no request carries was silently the built-in classifier.
         ("class_header = 'x prompt class'\n" + NODE, "class_header", "header name"),
         ("class_header = ''\n" + NODE, "class_header", "header name"),
@@ -251,6 +261,10 @@ def test_fallback_cache_and_shedding_tables_load_typed() -> None:
     [
         ({"fallback": [{"model": "big", "then": ["cache"]}]}, "fallback[0].then"),
         ({"fallback": [{"model": "big", "then": ["big"]}]}, "fallback[0].then[0]"),
+        # Sent in x-promptlb-model: every fallback answer dropped, charged to its node.
+        ({"fallback": [{"model": "big", "then": ["small\n"]}]}, "fallback[0].then[0]"),
+        ({"fallback": [{"model": "big\t"}]}, "fallback[0].model"),
+        ({"fallback": [{"model": "big", "then": ["m" * 257]}]}, "fallback[0].then[0]"),
         ({"fallback": [{"model": "b", "then": ["s"]}, {"model": "b", "then": []}]}, "fallback[1]"),
         ({"fallback": [{"model": "b", "ttft": "5s", "total": "1s"}]}, "fallback[0].total"),
         ({"fallback": [{"model": "b", "ttft": "1s", "hedge_after": "2s"}]}, "fallback[0].hedge"),
