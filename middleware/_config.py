@@ -205,10 +205,10 @@ class HealthConfig:
                 raise ConfigError(key, getattr(self, key), "an integer >= 1")
         if not self.expected_statuses:  # no status would pass: every node unhealthy, every 503
             raise ConfigError("expected_statuses", [], "at least one [start, end) range")
-        for pair in self.expected_statuses:
+        for i, pair in enumerate(self.expected_statuses):
             if len(pair) != 2 or not 100 <= pair[0] < pair[1] <= 600:
                 raise ConfigError(
-                    "expected_statuses", pair, "[start, end) with 100 <= start < end <= 600"
+                    f"expected_statuses[{i}]", pair, "[start, end) with 100 <= start < end <= 600"
                 )
 
     def expected(self, status: int) -> bool:
@@ -432,9 +432,9 @@ class Config:
             if node.name in seen:
                 raise ConfigError(f"nodes[{i}].name", node.name, "a name no other node has")
             seen.add(node.name)
-        for route in self.routes:
+        for i, route in enumerate(self.routes):
             if not route.startswith("/"):
-                raise ConfigError("routes", route, "paths starting with /")
+                raise ConfigError(f"routes[{i}]", route, "a path starting with /")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes", self.max_body_bytes, ">= 1024")
         positive("gossip_interval", self.gossip_interval)
@@ -458,6 +458,12 @@ class Config:
             raise ConfigError("gossip_concurrency", self.gossip_concurrency, ">= 1")
         if self.admin_token is not None and self.admin_token_file is not None:
             raise ConfigError("admin_token_file", self.admin_token_file, "no admin_token beside it")
+        if self.admin_token is not None and not (
+            self.admin_token.isascii() and self.admin_token.isprintable() and self.admin_token
+        ):
+            # Empty (an unset variable substituted into the file), every admin route answered
+            # 403 "need admin_token" with no error at start; not ASCII, no browser sends it.
+            raise ConfigError("admin_token", Redacted(self.admin_token), "printable ASCII text")
         prefix = self.admin_prefix
         # Visible ASCII: the dashboard's redirect writes it into a Location header (a CJK
         # prefix raised UnicodeEncodeError there, a 500; an accented one sent a latin-1 byte).

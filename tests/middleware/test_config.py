@@ -64,10 +64,14 @@ tags = ["code"]
         ("gossip_interval = 'soon'\n" + NODE, "gossip_interval", "duration"),
         ("[health]\nunhealthy_threshold = 0\n" + NODE, "health.unhealthy_threshold", ">= 1"),
         (
-            "[health]\nexpected_statuses = [[300, 200]]\n" + NODE,
-            "health.expected_statuses",
+            "[health]\nexpected_statuses = [[200, 300], [300, 200]]\n" + NODE,
+            "health.expected_statuses[1]",
             "start < end",
         ),
+        ("routes = ['/v1/chat/completions', 'v1/x']\n" + NODE, "routes[1]", "starting with /"),
+        # An unset variable substituted into the file: every admin route 403, and no error.
+        ("admin_token = ''\n" + NODE, "admin_token", "printable ASCII"),
+        ("admin_token = 'pässword'\n" + NODE, "admin_token", "printable ASCII"),
         ("[retry]\nattempts = 'three'\n" + NODE, "retry.attempts", "an integer"),
         ("[retry]\nbudget_percent = 120\n" + NODE, "retry.budget_percent", "0..100"),
         ("[[nodes]]\nname = 'a'\nurl = 'ftp://x'\n", "nodes[0].url", "http(s) URL"),
