@@ -31,6 +31,7 @@ _MiB = 1024 * 1024
 _TEMP_C = (-100, 200)  # what a snapshot may carry (`shared._snapshot`)
 _NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED, an NVMLError's `value`
 _POWER_W = (0, 100_000)
+_UNOPENED = "left out, cannot be opened"
 RETRY_S = 30.0
 CLOSE_WAIT_S = 2.0  # close waits this long for a sample under way
 
@@ -113,7 +114,7 @@ class GpuCollector:
         devices = self._devices
         by_index = bool(devices) and all(d.isdigit() for d in devices)
         handles = []
-        unopened = 0
+        unopened = opened = 0
         for i in range(count):
             if by_index and str(i) not in devices:
                 continue  # another server's: not even opened
@@ -123,18 +124,21 @@ class GpuCollector:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
             except Exception as exc:
-                self._problem(i).report(f"left out, cannot be opened: {exc}")
+                self._problem(i).report(f"{_UNOPENED}: {exc}")
                 unopened += 1
                 continue
-            self._problem(i).clear()
+            opened += 1
+            problem = self._problem(i)
+            if problem.current.startswith(_UNOPENED):  # (another problem: a sample clears it)
+                problem.clear()
             if not devices or self._chosen(i, handle):
                 handles.append((i, handle))
         self._handles = handles
         self._unopened = unopened
         if not handles:
             reason = "NVML reports no GPU"
-            if unopened:
-                reason = f"{unopened} of {count} GPUs cannot be opened, and no other is"
+            if unopened and not opened:
+                reason = f"no GPU could be opened ({unopened} tried)"
             elif self._devices:
                 reason = f"none of the GPUs {', '.join(self._devices)} among {count}"
             self._no_gpu(reason, before, logging.WARNING if self._devices else logging.INFO)

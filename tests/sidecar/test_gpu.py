@@ -138,7 +138,26 @@ def test_a_card_that_could_not_be_opened_is_found_once_it_is_back(nvml: FakeNvml
     nvml.lost |= {0, 1}
     gpus = GpuCollector(nvml)
     gpus.open()
-    assert gpus.sample() == () and gpus.reason == "2 of 2 GPUs cannot be opened, and no other is"
+    assert gpus.sample() == () and gpus.reason == "no GPU could be opened (2 tried)"
+    gpus.close()
+
+
+def test_a_card_unreadable_while_another_cannot_be_opened_is_logged_once(
+    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+) -> None:
+    """Listing again every RETRY_S cleared every opened card's problem: an unreadable card
+    logged "ok again" and its problem anew at each listing."""
+    clock = {"now": 0.0}
+    nvml.lost.add(0)
+    nvml.broken.add(1)
+    gpus = GpuCollector(nvml, clock=lambda: clock["now"])
+    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
+        gpus.open()
+        for _ in range(4):
+            gpus.sample()
+            clock["now"] += RETRY_S
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("GPU 1" in m for m in said) == 1, said
     gpus.close()
 
 
