@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
+from typing import Any
 
 import aiohttp
 
@@ -217,6 +218,19 @@ class Dispatcher:
                     metrics.cache.labels("fresh_hit").inc()
                     return Answer(entry.model, entry=entry)
                 metrics.cache.labels("miss").inc()
+        limits = self.config.requests
+        # The answer's length asked, by either field (as the request's own model was checked
+        # when it was read; a node takes max_completion_tokens first).
+        asked = _asked(request.body)
+
+        def fits(model: str) -> bool:
+            """Whether ``model``'s context holds the answer asked."""
+            return asked is None or asked <= limits.token_limit(model)
+
+        def following(i: int) -> str | None:
+            """The hop tried after hop ``i``: the next cache hop, or model hop that fits."""
+            return next((h for h in hops[i + 1 :] if h == CACHE_HOP or fits(h)), None)
+
         first = 0
         try:
             await self._lb.admission.admit(route.model, route.priority)
@@ -224,7 +238,8 @@ class Dispatcher:
             if len(hops) == 1:
                 raise Shed(route.model, self.config.shedding.retry_after) from None
             first = 1  # waited long enough for the primary: degrade
-            metrics.fallbacks.labels(route.model, hops[1]).inc()
+            if (then := following(0)) is not None:
+                metrics.fallbacks.labels(route.model, then).inc()
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
@@ -244,14 +259,6 @@ class Dispatcher:
         outage_cache = (
             cache is not None and cfg is not None and cfg.on_outage and stale_ok and not opted_out
         )
-        limits = self.config.requests
-
-        def fits(model: str) -> bool:
-            """Whether ``model``'s context holds the answer asked (the request's own model
-            was checked as it was read)."""
-            asked = route.max_tokens
-            return asked is None or asked <= limits.token_limit(model)
-
         # The last model hop that can take the request is the final one: cache hops after it
         # ask the cache for its refusal and pass it on when there is none, as [cache] alone
         # does (a chain ending in "cache" turned a node's 429, and its Retry-After, into the
@@ -274,11 +281,11 @@ class Dispatcher:
                 # A lighter model whose context is shorter than the answer asked: its node's
                 # 400 ("max context 1000") told the client its request was bad, where the
                 # primary was only down (no retry, and the chain's cache never asked).
-                failures.append(f"{hop}: max_tokens {route.max_tokens} is past its context")
+                failures.append(f"{hop}: max_tokens {asked} is past its context")
                 continue
             final = i == last_model
-            after = None if final else hops[i + 1]
-            nxt = after if after is not None and after != CACHE_HOP and fits(after) else None
+            then = None if final else following(i)
+            nxt = None if then == CACHE_HOP else then
             try:
                 answer = await self._try_model(request.for_model(hop), chain, not final, nxt)
             except _HopError as exc:
@@ -287,8 +294,8 @@ class Dispatcher:
                 last = exc
                 attempts += exc.attempts or 0
                 failures.append(f"{hop}: {exc}")
-                if i + 1 < len(hops):
-                    metrics.fallbacks.labels(route.model, hops[i + 1]).inc()
+                if (then := following(i)) is not None:
+                    metrics.fallbacks.labels(route.model, then).inc()
                 continue
             answer.attempts += attempts
             if answer.model != hop:  # the hedge to the next hop won: a fallback all the same
@@ -598,3 +605,13 @@ def _store(config: CacheConfig | None) -> tuple[object, ...] | None:
     if config.backend == "memory":
         return (config.backend, config.max_bytes, config.stale_ttl)
     return (config.backend, config.stale_ttl, config.key_prefix, config.timeout)
+
+
+def _asked(body: Mapping[str, Any]) -> int | None:
+    """The longest answer ``body`` asks, by ``max_tokens`` or ``max_completion_tokens``."""
+    counts: list[int] = [
+        v
+        for k in ("max_tokens", "max_completion_tokens")
+        if isinstance(v := body.get(k), int) and not isinstance(v, bool) and v > 0
+    ]
+    return max(counts) if counts else None

@@ -802,6 +802,37 @@ async def test_a_lighter_model_whose_context_is_too_short_is_passed_over(serve: 
         assert set(asked) == {"big"}  # big's own 503, as the final hop's: small never asked
         fits = await http.post("/v1/chat/completions", json={**body, "max_tokens": 500})
         assert fits.status_code == 200 and fits.headers["x-promptlb-degraded"] == "fallback"
+        # Asked by the field a node reads first: small "fitted" max_tokens and answered 400.
+        both = {**body, "max_tokens": 100, "max_completion_tokens": 5000}
+        assert (await http.post("/v1/chat/completions", json=both)).status_code == 503
+
+
+async def test_a_fallback_is_counted_to_the_hop_that_was_tried(serve: Serve) -> None:
+    """big -> small -> tiny, small too short for the answer: the fallback metric counted
+    big -> small, a hop skipped, and never big -> tiny, which answered."""
+    from aiohttp import web
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        if model == "big":
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
+    config = {
+        "fallback": [{"model": "big", "then": ["small", "tiny"]}],
+        "requests": {"context": {"small": 1_000, "tiny": 10_000}},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (app, http):
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.json()["choices"][0]["message"]["content"] == "from tiny"
+        counts = {
+            (s.labels["model"], s.labels["to"]): s.value
+            for family in app.balancer.metrics.fallbacks.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+    assert counts == {("big", "tiny"): 1.0}
 
 
 async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:
