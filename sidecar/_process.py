@@ -315,9 +315,11 @@ class ProcessCollector:
 
     def _slope(self) -> float | None:
         history = self._history
-        # A span of a second at least (less is noise), or half the window where that is
-        # shorter: a window of 1 s never held a second of samples, and gave no slope ever.
-        if len(history) < 2 or history[-1][0] - history[0][0] < min(1.0, self._window_s / 2):
+        # A span of a second at least (less is noise), or about half the window where that is
+        # shorter: a window of 1 s never held a second of samples, and gave no slope ever (and
+        # at a window of twice the interval the span is one interval, give or take the loop's
+        # jitter: the slack keeps it from dropping out every other sample).
+        if len(history) < 2 or history[-1][0] - history[0][0] < min(1.0, 0.4 * self._window_s):
             return None
         n = len(history)
         mean_t = sum(t for t, _ in history) / n
