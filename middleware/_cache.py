@@ -312,7 +312,10 @@ class RedisCache:
             self._refused()
             return _MISS
         except self._errors:
-            self._failed(op)
+            if self._closed:  # its connection closed under it: no news of Redis
+                self._unsettled(probe)
+            else:
+                self._failed(op)
             return _MISS
         except BaseException:
             self._unsettled(probe)

@@ -503,7 +503,16 @@ class Config:
 
     def admin_secret(self) -> str | None:
         """``admin_token``, or the contents of ``admin_token_file``."""
-        return self.admin_token or _read_token("admin_token_file", self.admin_token_file)
+        if self.admin_token is not None or self.admin_token_file is None:
+            return self.admin_token
+        token = _read_token("admin_token_file", self.admin_token_file)
+        if token is None or not token.isascii():
+            # Empty (a Secret mounted before it was filled), every admin route answered 403
+            # with no error at start; not ASCII, no browser sends it.
+            raise ConfigError(
+                "admin_token_file", self.admin_token_file, "a file holding printable ASCII text"
+            )
+        return token
 
 
 def _read_token(key: str, path: str | None) -> str | None:

@@ -30,8 +30,8 @@ def refusals() -> tuple[type[BaseException], ...]:
     """The failures that say Redis is up but refused one call: out of memory under
     ``noeviction`` (Redis's default policy), a read-only replica after a failover, a missing
     permission, or this process out of pooled connections (`RedisCache` queues its calls for
-    them, within their timeout, and counts one that runs out there alike). Not a reason to
-    stop asking it:
+    them instead, and counts one that runs out of time waiting as busy, not as a refusal).
+    Not a reason to stop asking it:
     reads go on while writes are refused. Catch them before `connect`'s failures, which
     include them."""
     import redis.exceptions

@@ -176,7 +176,7 @@ class RequestReader:
         for name, value in headers:
             if name == b"content-length":
                 # (Its length first: past 4,300 digits int() raises, a 500 for a 413.)
-                if value.isdigit() and (len(value) > 19 or int(value) > self.limit):
+                if value.isdigit() and (len(value.lstrip(b"0")) > 19 or int(value) > self.limit):
                     raise TooLarge(self.limit)
             elif name.startswith(b"x-promptlb-"):
                 if name == b"x-promptlb-priority":

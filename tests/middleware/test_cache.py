@@ -307,6 +307,33 @@ async def test_a_call_that_waits_out_of_time_is_busy_and_one_admitted_has_its_ow
     assert errors == ["busy"] * MAX_CONNECTIONS and cache._down_until == 0.0
 
 
+async def test_calls_cut_by_the_cache_closing_are_no_redis_failure() -> None:
+    """Closing disconnects the calls still in flight: each was counted a Redis failure, and
+    set a backoff on a cache being shut down."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # a Redis that has not answered yet
+
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    errors: list[str] = []
+    cache = RedisCache(
+        f"redis://127.0.0.1:{port}/0", prefix="t:", ttl=30, timeout=5.0, on_error=errors.append
+    )
+    try:
+        calls = [asyncio.ensure_future(cache.get("k")) for _ in range(5)]
+        await asyncio.sleep(0.2)  # each waiting on its connection for its answer
+        await cache.close()
+        assert await asyncio.gather(*calls) == [None] * 5
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert "get" not in errors and cache._down_until == 0.0
+
+
 async def test_calls_that_wait_out_of_time_leave_a_dead_redis_skipped() -> None:
     """A Redis that accepts and never answers: the calls admitted time out and start the
     backoff; those left waiting for a connection said nothing of Redis, but counted as

@@ -599,3 +599,17 @@ def test_an_admin_prefix_that_is_no_ascii_path_is_a_config_error(prefix: str) ->
 def test_an_ascii_admin_prefix_loads() -> None:
     config = load_config({"nodes": [{"name": "a", "url": "http://a:1"}], "admin_prefix": "/ops/lb"})
     assert config.admin_prefix == "/ops/lb"
+
+
+@pytest.mark.parametrize("text", ["", "\n", "pässword\n"])
+def test_an_admin_token_file_holding_no_ascii_token_is_refused(tmp_path: Path, text: str) -> None:
+    """A Secret mounted before it was filled: every admin route answered 403, no error at
+    start (the inline admin_token was refused so, the file not)."""
+    secret = tmp_path / "admin"
+    secret.write_text(text, encoding="utf-8")
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://a:1"}], "admin_token_file": str(secret)}
+    )
+    with pytest.raises(ConfigError) as info:
+        config.admin_secret()
+    assert info.value.key == "admin_token_file"

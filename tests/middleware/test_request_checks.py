@@ -190,6 +190,21 @@ async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(
     assert seen == []
 
 
+async def test_a_length_with_leading_zeros_is_its_number(upstream: tuple[str, Seen]) -> None:
+    """RFC 9110's 1*DIGIT: counted by its digits, 24 of them (mostly zeros) read as too long."""
+    url, _ = upstream
+    app = gateway(url)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {"content-length": str(len(body)).zfill(24), "content-type": "application/json"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as http:
+        request = http.build_request("POST", "/v1/chat/completions", headers=headers, content=body)
+        response = await http.send(request)
+    await app.balancer.stop()
+    assert response.status_code != 413
+
+
 @pytest.mark.parametrize("declared", [str(10**12), "9" * 5000])
 async def test_a_body_over_the_limit_is_a_413_and_the_connection_closes(
     upstream: tuple[str, Seen], declared: str
