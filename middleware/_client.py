@@ -166,7 +166,7 @@ class PromptLBClient:
                 if isinstance(parsed, dict):
                     return Reply(parsed, _headers(answer))
                 # Stored from a node that answered this route in text (the proxy replays it).
-                error = PromptLBError(502, parsed, answer.model)
+                error = PromptLBError(502, parsed, "cache", _headers(answer))
             else:
                 data = await _rest(answer.first, up)
                 parsed = parsed_body(data) if data else None
@@ -175,7 +175,7 @@ class PromptLBClient:
                 elif not isinstance(parsed, dict) or carries_error(parsed):
                     # No answer: a 200 that carries an error is one to the app too, as the
                     # batcher has it (it was handed back as the answer).
-                    error = PromptLBError(502, parsed, up.node.name)
+                    error = _node_error(502, parsed, answer, up)
                 else:
                     # Into the cache as the proxy keeps it: an app that only called in-app
                     # never filled it, and had no fresh hits and no answer for an outage.
@@ -209,10 +209,7 @@ class PromptLBClient:
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
             data = await _rest(answer.first, up)
-            if status >= 400:
-                error = _node_error(status, parsed_body(data), answer, up)
-            else:
-                error = PromptLBError(502, parsed_body(data), up.node.name)
+            error = _node_error(status if status >= 400 else 502, parsed_body(data), answer, up)
         raise error
 
 

@@ -104,6 +104,7 @@ async def test_a_200_carrying_an_error_is_a_promptlb_error(serve: Serve) -> None
             await app.client.chat(model="m", messages=HI)
     assert raised.value.status == 502 and raised.value.node == "a"
     assert raised.value.body == {"error": {"message": "engine overloaded"}}
+    assert raised.value.headers["x-promptlb-node"] == "a"  # as every node error carries them
 
 
 @pytest.fixture
