@@ -223,12 +223,9 @@ async def test_a_stream_that_fails_or_stops_short_raises(
         assert app.balancer.table.nodes["a"].failures == 1
 
 
-async def test_a_stream_whose_events_carry_a_null_error_is_no_failure(serve: Serve) -> None:
-    body = (
-        b'data: {"choices": [{"delta": {"content": "a"}}], "error": null}\n\n'
-        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}], "error": null}\n\n'
-        b"data: [DONE]\n\n"
-    )
+async def streamed(serve: Serve, body: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The in-app stream's events from a node that sends ``body`` as its SSE, and the node's
+    failures after it."""
 
     async def chat(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="text/event-stream")
@@ -236,24 +233,27 @@ async def test_a_stream_whose_events_carry_a_null_error_is_no_failure(serve: Ser
     async with middleware_over(serve, chat) as app:
         events: list[dict[str, Any]] = []
         await collect(app.client.chat_stream(model="m", messages=HI), events)
-        node = app.balancer.table.nodes["a"]
-    assert len(events) == 2 and node.failures == 0
+        return events, app.balancer.table.nodes["a"].failures
+
+
+async def test_a_stream_whose_events_carry_a_null_error_is_no_failure(serve: Serve) -> None:
+    events, failures = await streamed(
+        serve,
+        b'data: {"choices": [{"delta": {"content": "a"}}], "error": null}\n\n'
+        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}], "error": null}\n\n'
+        b"data: [DONE]\n\n",
+    )
+    assert len(events) == 2 and failures == 0
 
 
 async def test_a_stream_without_done_ends_with_its_finished_choice(serve: Serve) -> None:
     # Some servers send no [DONE]: a choice that says why it ended is the end; and a last
     # event with no newline after it was dropped.
-    body = (
+    events, _ = await streamed(
+        serve,
         b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
-        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}'
+        b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}',
     )
-
-    async def chat(request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type="text/event-stream")
-
-    async with middleware_over(serve, chat) as app:
-        events: list[dict[str, Any]] = []
-        await collect(app.client.chat_stream(model="m", messages=HI), events)
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
 
 

@@ -85,21 +85,29 @@ def test_gpus_that_all_fail_for_a_while_are_listed_afresh(nvml: FakeNvml) -> Non
     gpus.close()
 
 
-def test_a_card_in_mig_mode_is_reported_without_utilisation_and_nvml_stays_up(
-    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # NVML has no utilisation for a card in MIG mode. Taken for a lost card, each was left
+        # out, memory and all, and with every card so NVML was restarted every RETRY_S.
+        ("mig", [(0, None, 70_000, 81_559), (1, None, 1_000, 81_559)]),
+        # Nor memory for a unified-memory board (GB10): the same, until it read 0 of 0.
+        ("unified", [(0, 0.87, 0, 0), (1, 0.03, 0, 0)]),
+    ],
+)
+def test_a_card_without_a_reading_nvml_has_not_is_reported_and_nvml_stays_up(
+    caplog: pytest.LogCaptureFixture,
+    nvml: FakeNvml,
+    mode: str,
+    expected: list[tuple[int, float | None, int, int]],
 ) -> None:
-    # NVML has no utilisation for a card in MIG mode. Taken for a lost card, each was left
-    # out, memory and all, and with every card so NVML was restarted every RETRY_S for good.
     clock = {"now": 0.0}
     gpus = GpuCollector(nvml, clock=lambda: clock["now"])
     gpus.open()
-    nvml.mig |= {0, 1}
+    getattr(nvml, mode).update({0, 1})
     with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
         for _ in range(3):
-            assert gpus.sample() == (
-                GpuSample(0, None, 70_000, 81_559, 71, 313),
-                GpuSample(1, None, 1_000, 81_559, 40, None),
-            )
+            assert [(g.i, g.util, g.mem_used, g.mem_total) for g in gpus.sample()] == expected
             clock["now"] += RETRY_S
     assert (nvml.inits, nvml.shutdowns) == (1, 0) and not caplog.records
     gpus.close()
@@ -158,24 +166,6 @@ def test_a_card_unreadable_while_another_cannot_be_opened_is_logged_once(
             clock["now"] += RETRY_S
     said = [r.getMessage() for r in caplog.records]
     assert sum("GPU 1" in m for m in said) == 1, said
-    gpus.close()
-
-
-def test_a_unified_memory_board_is_reported_with_no_memory_and_nvml_stays_up(
-    caplog: pytest.LogCaptureFixture, nvml: FakeNvml
-) -> None:
-    clock = {"now": 0.0}
-    gpus = GpuCollector(nvml, clock=lambda: clock["now"])
-    gpus.open()
-    nvml.unified |= {0, 1}
-    with caplog.at_level(logging.INFO, "promptlb.sidecar.gpu"):
-        for _ in range(3):
-            assert [(g.i, g.util, g.mem_used, g.mem_total) for g in gpus.sample()] == [
-                (0, 0.87, 0, 0),
-                (1, 0.03, 0, 0),
-            ]
-            clock["now"] += RETRY_S
-    assert (nvml.inits, nvml.shutdowns) == (1, 0) and not caplog.records
     gpus.close()
 
 
