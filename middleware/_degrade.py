@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any
 
 import aiohttp
 
@@ -219,17 +218,11 @@ class Dispatcher:
                     return Answer(entry.model, entry=entry)
                 metrics.cache.labels("miss").inc()
         limits = self.config.requests
-        # The answer's length asked, by either field (as the request's own model was checked
-        # when it was read; a node takes max_completion_tokens first).
-        asked = _asked(request.body)
+        asked = route.max_tokens  # by either field (the request's own model was checked so)
 
         def fits(model: str) -> bool:
             """Whether ``model``'s context holds the answer asked."""
             return asked is None or asked <= limits.token_limit(model)
-
-        def following(i: int) -> str | None:
-            """The hop tried after hop ``i``: the next cache hop, or model hop that fits."""
-            return next((h for h in hops[i + 1 :] if h == CACHE_HOP or fits(h)), None)
 
         first = 0
         try:
@@ -237,9 +230,7 @@ class Dispatcher:
         except QueueTimeout:
             if len(hops) == 1:
                 raise Shed(route.model, self.config.shedding.retry_after) from None
-            first = 1  # waited long enough for the primary: degrade
-            if (then := following(0)) is not None:
-                metrics.fallbacks.labels(route.model, then).inc()
+            first = 1  # waited long enough for the primary: degrade (counted below)
         failures: list[str] = []
         attempts = 0
         last: Exception | None = None
@@ -259,6 +250,16 @@ class Dispatcher:
         outage_cache = (
             cache is not None and cfg is not None and cfg.on_outage and stale_ok and not opted_out
         )
+
+        def following(i: int) -> str | None:
+            """The hop tried after hop ``i``: the next cache hop that will be asked, or model
+            hop that fits."""
+            return next(
+                (h for h in hops[i + 1 :] if (stale_ok if h == CACHE_HOP else fits(h))), None
+            )
+
+        if first == 1 and (then := following(0)) is not None:
+            metrics.fallbacks.labels(route.model, then).inc()
         # The last model hop that can take the request is the final one: cache hops after it
         # ask the cache for its refusal and pass it on when there is none, as [cache] alone
         # does (a chain ending in "cache" turned a node's 429, and its Retry-After, into the
@@ -276,6 +277,9 @@ class Dispatcher:
                 if stored is not None:
                     return stored
                 failures.append("cache: no answer")
+                # (A cache hop not asked was passed over: the hop before counted the next.)
+                if stale_ok and (then := following(i)) is not None:
+                    metrics.fallbacks.labels(route.model, then).inc()
                 continue
             if i and not fits(hop):
                 # A lighter model whose context is shorter than the answer asked: its node's
@@ -605,13 +609,3 @@ def _store(config: CacheConfig | None) -> tuple[object, ...] | None:
     if config.backend == "memory":
         return (config.backend, config.max_bytes, config.stale_ttl)
     return (config.backend, config.stale_ttl, config.key_prefix, config.timeout)
-
-
-def _asked(body: Mapping[str, Any]) -> int | None:
-    """The longest answer ``body`` asks, by ``max_tokens`` or ``max_completion_tokens``."""
-    counts: list[int] = [
-        v
-        for k in ("max_tokens", "max_completion_tokens")
-        if isinstance(v := body.get(k), int) and not isinstance(v, bool) and v > 0
-    ]
-    return max(counts) if counts else None

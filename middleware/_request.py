@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import quote_from_bytes
 
 from promptlb.shared import BYTES_PER_TOKEN, first_ids
@@ -107,13 +107,26 @@ def _tokens(raw: bytes) -> int:
     return len(raw) // 4
 
 
-def _plausible(max_tokens: object) -> bool:
+def _plausible(max_tokens: object) -> TypeGuard[int]:
     """A ``max_tokens`` routing may believe (the node still gets the body as sent)."""
     return (
         isinstance(max_tokens, int)
         and not isinstance(max_tokens, bool)
         and 0 < max_tokens <= _MAX_TOKENS
     )
+
+
+def asked_tokens(body: Mapping[str, Any]) -> int | None:
+    """The longest answer ``body`` asks that routing may believe, by ``max_tokens`` or
+    ``max_completion_tokens`` (a node reads the latter first: taking the former first, a
+    request for 5,000 tokens with max_tokens 100 read as a short answer, its slow try
+    charged to the node, and a lighter model fitted to it answered 400)."""
+    longest: int | None = None
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if _plausible(value) and (longest is None or value > longest):
+            longest = value
+    return longest
 
 
 def route_of(
@@ -123,9 +136,6 @@ def route_of(
     prompt_class: str = "",
     session_key: str | None = None,
 ) -> RouteRequest:
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:  # an explicit null must not hide max_completion_tokens
-        max_tokens = body.get("max_completion_tokens")
     tokens = size // BYTES_PER_TOKEN
     ids = first_ids(body)  # a batch by its first
     if ids is not None and type(ids[0]) is int:
@@ -133,7 +143,7 @@ def route_of(
     return RouteRequest(
         model=body["model"],
         input_tokens=tokens,
-        max_tokens=max_tokens if _plausible(max_tokens) else None,
+        max_tokens=asked_tokens(body),
         stream=body.get("stream") is True,
         session_key=session_key,
         priority=priority,
@@ -176,7 +186,8 @@ class RequestReader:
         for name, value in headers:
             if name == b"content-length":
                 # (Its length first: past 4,300 digits int() raises, a 500 for a 413.)
-                if value.isdigit() and (len(value.lstrip(b"0")) > 19 or int(value) > self.limit):
+                digits = value.lstrip(b"0")
+                if value.isdigit() and (len(digits) > 19 or int(digits or b"0") > self.limit):
                     raise TooLarge(self.limit)
             elif name.startswith(b"x-promptlb-"):
                 if name == b"x-promptlb-priority":

@@ -13,7 +13,7 @@ import aiohttp
 import httpx
 import pytest
 import redis.asyncio
-from promptlb.middleware import Config, HealthConfig, NodeConfig
+from promptlb.middleware import Config, HealthConfig, NodeConfig, PromptLBMiddleware
 from promptlb.middleware._answer import Answer
 from promptlb.middleware._balancer import Balancer, Try, Upstream
 from promptlb.middleware._config import load_config
@@ -807,6 +807,16 @@ async def test_a_lighter_model_whose_context_is_too_short_is_passed_over(serve: 
         assert (await http.post("/v1/chat/completions", json=both)).status_code == 503
 
 
+def fallback_counts(app: PromptLBMiddleware) -> dict[tuple[str, str], float]:
+    """``promptlb_fallbacks_total`` by (model, to)."""
+    return {
+        (s.labels["model"], s.labels["to"]): s.value
+        for family in app.balancer.metrics.fallbacks.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
 async def test_a_fallback_is_counted_to_the_hop_that_was_tried(serve: Serve) -> None:
     """big -> small -> tiny, small too short for the answer: the fallback metric counted
     big -> small, a hop skipped, and never big -> tiny, which answered."""
@@ -826,13 +836,41 @@ async def test_a_fallback_is_counted_to_the_hop_that_was_tried(serve: Serve) -> 
     async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (app, http):
         got = await http.post("/v1/chat/completions", json=body)
         assert got.json()["choices"][0]["message"]["content"] == "from tiny"
-        counts = {
-            (s.labels["model"], s.labels["to"]): s.value
-            for family in app.balancer.metrics.fallbacks.collect()
-            for s in family.samples
-            if s.name.endswith("_total")
-        }
+        counts = fallback_counts(app)
     assert counts == {("big", "tiny"): 1.0}
+
+
+@pytest.mark.parametrize(
+    ("temperature", "expected"),
+    [
+        # The cache asked and empty, then small: both counted (small was not).
+        (0, {("big", "cache"): 1.0, ("big", "small"): 1.0}),
+        # A sampled answer may not stand in (degraded_sampled off): the cache hop is passed
+        # over, and was counted as gone on to all the same.
+        (1.0, {("big", "small"): 1.0}),
+    ],
+)
+async def test_a_fallback_through_the_cache_hop_is_counted_as_it_went(
+    serve: Serve, temperature: float, expected: dict[tuple[str, str], float]
+) -> None:
+    from aiohttp import web
+
+    async def node(request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        if model == "big":
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": f"from {model}"}}]})
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}]}
+    config = {
+        "fallback": [{"model": "big", "then": ["cache", "small"]}],
+        "cache": {"degraded_sampled": False},
+    }
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (app, http):
+        got = await http.post("/v1/chat/completions", json={**body, "temperature": temperature})
+        assert got.json()["choices"][0]["message"]["content"] == "from small"
+        counts = fallback_counts(app)
+    assert counts == expected
 
 
 async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:

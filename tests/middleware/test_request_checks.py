@@ -12,6 +12,7 @@ import httpx
 import pytest
 from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
+from promptlb.middleware._request import route_of
 
 from tests.conftest import Serve
 from tests.middleware.conftest import chat_node
@@ -190,19 +191,32 @@ async def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(
     assert seen == []
 
 
-async def test_a_length_with_leading_zeros_is_its_number(upstream: tuple[str, Seen]) -> None:
-    """RFC 9110's 1*DIGIT: counted by its digits, 24 of them (mostly zeros) read as too long."""
+@pytest.mark.parametrize("zeros", [24, 5000])
+async def test_a_length_with_leading_zeros_is_its_number(
+    upstream: tuple[str, Seen], zeros: int
+) -> None:
+    """RFC 9110's 1*DIGIT: counted by its digits, 24 of them (mostly zeros) read as too long;
+    past 4,300 of them int() raised, a 500."""
     url, _ = upstream
     app = gateway(url)
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-    headers = {"content-length": str(len(body)).zfill(24), "content-type": "application/json"}
+    headers = {"content-length": str(len(body)).zfill(zeros), "content-type": "application/json"}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t"
     ) as http:
         request = http.build_request("POST", "/v1/chat/completions", headers=headers, content=body)
         response = await http.send(request)
     await app.balancer.stop()
-    assert response.status_code != 413
+    assert response.status_code not in (413, 500)
+
+
+def test_the_answer_asked_is_the_longer_of_its_two_fields() -> None:
+    """A node reads max_completion_tokens first: by max_tokens first, a 5,000-token answer
+    read as 100 (its slow try charged to the node, a lighter model fitted to it)."""
+    both = {"model": "m", "max_tokens": 100, "max_completion_tokens": 5000}
+    assert route_of(both, 10).max_tokens == 5000
+    assert route_of({**both, "max_tokens": None}, 10).max_tokens == 5000
+    assert route_of({"model": "m", "max_tokens": True}, 10).max_tokens is None
 
 
 @pytest.mark.parametrize("declared", [str(10**12), "9" * 5000])
