@@ -168,7 +168,7 @@ class PromptLBClient:
                 # Stored from a node that answered this route in text (the proxy replays it).
                 error = PromptLBError(502, parsed, "cache", _headers(answer))
             else:
-                data = await _rest(answer.first, up)
+                data = await _rest(answer, up)
                 parsed = parsed_body(data) if data else None
                 if up.response.status >= 400:
                     error = _node_error(up.response.status, parsed, answer, up)
@@ -201,39 +201,38 @@ class PromptLBClient:
             status = up.response.status
             if status < 400 and up.response.content_type != "application/json":
                 recorder = recorder_for(answer, path, True, dispatch.entry_limit)
-                chunks = _chunks(answer.first, up)
+                chunks = _chunks(answer, up)
                 async for event in _aevents(_fed(chunks, recorder), up):
                     yield event
                 keep(dispatch.store, answer, recorder)  # not reached if left early
                 return
             # An error, or a 200 that is no stream (a node that ignored `stream`, an error
             # body sent as 200): it ended the iteration with no event and no error.
-            data = await _rest(answer.first, up)
+            data = await _rest(answer, up)
             error = _node_error(status if status >= 400 else 502, parsed_body(data), answer, up)
         raise error
 
 
-async def _rest(first: bytes, up: Upstream) -> bytes:
+async def _rest(answer: Answer, up: Upstream) -> bytes:
     """The whole answer, held to its deadline as on the proxy's path; broken off, the node's
     failure."""
     try:
         async with asyncio.timeout_at(up.deadline):
-            return first + await up.response.read()
+            return answer.first + await up.response.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _broke(up, exc) from None
+        raise _broke(answer, up, exc) from None
 
 
-def _broke(up: Upstream, exc: BaseException) -> PromptLBError:
+def _broke(answer: Answer, up: Upstream, exc: BaseException) -> PromptLBError:
     """The node's answer broke off or ran past the deadline: its failure, as the proxy tells
-    it."""
+    it, with the headers the proxy had sent before it broke."""
     status, why = up.broke(exc)
-    return PromptLBError(
-        status, error_body(status, f"upstream answer {why}", "upstream_error"), up.node.name
-    )
+    body = error_body(status, f"upstream answer {why}", "upstream_error")
+    return _node_error(status, body, answer, up)
 
 
-async def _chunks(first: bytes, up: Upstream) -> AsyncIterator[bytes]:
-    yield first
+async def _chunks(answer: Answer, up: Upstream) -> AsyncIterator[bytes]:
+    yield answer.first
     rest = up.response.content.iter_any()
     while True:
         try:
@@ -244,7 +243,7 @@ async def _chunks(first: bytes, up: Upstream) -> AsyncIterator[bytes]:
         except StopAsyncIteration:
             return
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _broke(up, exc) from None
+            raise _broke(answer, up, exc) from None
         yield chunk
 
 

@@ -141,6 +141,8 @@ class GpuCollector:
                 reason = f"no GPU could be opened ({unopened} tried)"
             elif self._devices:
                 reason = f"none of the GPUs {', '.join(self._devices)} among {count}"
+                if unopened:  # (perhaps the one named: it cannot be told by its UUID)
+                    reason += f" ({unopened} could not be opened)"
             self._no_gpu(reason, before, logging.WARNING if self._devices else logging.INFO)
             return
         self.reason = ""

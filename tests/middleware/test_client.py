@@ -145,6 +145,9 @@ async def test_the_answer_is_held_to_the_total_deadline(
         assert events == [{"choices": []}]  # what came before the deadline
         assert streamed.value.status == 504
         assert whole.value.body["error"]["type"] == "upstream_error"  # type: ignore[index]
+        # The headers the proxy had sent before the answer broke off.
+        assert whole.value.headers["x-promptlb-node"] == streamed.value.headers["x-promptlb-node"]
+        assert whole.value.headers["x-promptlb-node"] == "a"
         metrics = app.balancer.metrics.render().decode()
         assert app.balancer.table.nodes["a"].view.in_flight == 0
         release.set()  # the node's handlers end: its server can close

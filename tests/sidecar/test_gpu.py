@@ -148,6 +148,13 @@ def test_a_card_that_could_not_be_opened_is_found_once_it_is_back(nvml: FakeNvml
     gpus.open()
     assert gpus.sample() == () and gpus.reason == "no GPU could be opened (2 tried)"
     gpus.close()
+    # Named by UUID, every card is opened to read its UUID: the one named, lost, cannot be
+    # told from the others, and the reason read as if its UUID were wrong.
+    nvml.lost = {0}
+    gpus = GpuCollector(nvml, devices=(nvml.nvmlDeviceGetUUID(0),))
+    gpus.open()
+    assert gpus.sample() == () and gpus.reason.endswith("(1 could not be opened)")
+    gpus.close()
 
 
 def test_a_card_unreadable_while_another_cannot_be_opened_is_logged_once(
