@@ -81,12 +81,12 @@ _MAX_CHOICES = 1024  # a batch's prompts times n
 
 
 def _asked_tokens(body: dict[str, Any]) -> int | None:
-    """The answer's length the request asks for, when it asks a usable one."""
-    asked = body.get("max_tokens")
-    if asked is None:  # an explicit null must not hide max_completion_tokens, as the router reads
-        asked = body.get("max_completion_tokens")
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
-        return asked
+    """The answer's length the request asks for, when it asks a usable one: as vLLM reads
+    it (``max_completion_tokens or max_tokens``), and the router too."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        asked = body.get(key)
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+            return asked
     return None
 
 

@@ -117,16 +117,16 @@ def _plausible(max_tokens: object) -> TypeGuard[int]:
 
 
 def asked_tokens(body: Mapping[str, Any]) -> int | None:
-    """The longest answer ``body`` asks that routing may believe, by ``max_tokens`` or
-    ``max_completion_tokens`` (a node reads the latter first: taking the former first, a
-    request for 5,000 tokens with max_tokens 100 read as a short answer, its slow try
-    charged to the node, and a lighter model fitted to it answered 400)."""
-    longest: int | None = None
-    for key in ("max_tokens", "max_completion_tokens"):
+    """The answer's length ``body`` asks that routing may believe, as a node reads it:
+    ``max_completion_tokens`` when it is one, else ``max_tokens`` (vLLM and SGLang take
+    ``max_completion_tokens or max_tokens``). Read the other way round, a request for 5,000
+    tokens with max_tokens 100 read as a short answer: its slow try was charged to the node,
+    and a lighter model fitted to 100 answered 400."""
+    for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
-        if _plausible(value) and (longest is None or value > longest):
-            longest = value
-    return longest
+        if _plausible(value):
+            return value
+    return None
 
 
 def route_of(

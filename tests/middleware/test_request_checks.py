@@ -210,12 +210,17 @@ async def test_a_length_with_leading_zeros_is_its_number(
     assert response.status_code not in (413, 500)
 
 
-def test_the_answer_asked_is_the_longer_of_its_two_fields() -> None:
-    """A node reads max_completion_tokens first: by max_tokens first, a 5,000-token answer
-    read as 100 (its slow try charged to the node, a lighter model fitted to it)."""
+def test_the_answer_asked_is_read_as_a_node_reads_it() -> None:
+    """vLLM takes max_completion_tokens or max_tokens: by max_tokens first, a 5,000-token
+    answer read as 100 (its slow try charged to the node, a lighter model fitted to it); by
+    the longer, 100 tokens asked with max_tokens 100,000 excused a hung node's timeout."""
     both = {"model": "m", "max_tokens": 100, "max_completion_tokens": 5000}
     assert route_of(both, 10).max_tokens == 5000
-    assert route_of({**both, "max_tokens": None}, 10).max_tokens == 5000
+    assert (
+        route_of({**both, "max_tokens": 100_000, "max_completion_tokens": 100}, 10).max_tokens
+        == 100
+    )
+    assert route_of({**both, "max_completion_tokens": None}, 10).max_tokens == 100
     assert route_of({"model": "m", "max_tokens": True}, 10).max_tokens is None
 
 
