@@ -312,6 +312,8 @@ class Dispatcher:
                 if status >= 500 or status == 429:
                     # The last hop's own refusal: a stored answer stands in for it, else it is
                     # passed on as it is, as without [cache] (its error body, its Retry-After).
+                    if trailing:  # the chain's cache hop, asked: counted as a failure's is
+                        metrics.fallbacks.labels(route.model, CACHE_HOP).inc()
                     try:
                         stored = await self._stand_in(
                             hops[: i + 1], key_of, usable, answer.attempts

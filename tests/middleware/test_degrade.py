@@ -873,6 +873,25 @@ async def test_a_fallback_through_the_cache_hop_is_counted_as_it_went(
     assert counts == expected
 
 
+async def test_the_cache_hop_after_a_final_refusal_is_counted_as_after_a_failure(
+    serve: Serve,
+) -> None:
+    """big -> small -> cache, both models down: small's 503 asks the cache as a failure
+    would, and only the failure counted it."""
+    from aiohttp import web
+
+    async def node(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "down"}}, status=503)
+
+    body = {"model": "big", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    config = {"fallback": [{"model": "big", "then": ["small", "cache"]}], "cache": {}}
+    async with gateway_over(serve, {"/v1/chat/completions": node}, **config) as (app, http):
+        got = await http.post("/v1/chat/completions", json=body)
+        assert got.status_code == 503  # no stored answer: small's own refusal goes on
+        counts = fallback_counts(app)
+    assert counts == {("big", "small"): 1.0, ("big", "cache"): 1.0}
+
+
 async def test_a_model_named_cache_is_a_model_with_a_cache_configured(serve: Serve) -> None:
     # Its own name read as the chain's cache hop: never sent to its node, a 503 "no answer".
     from aiohttp import web
