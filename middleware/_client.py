@@ -81,9 +81,17 @@ def _text(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
 
 
+# A node's headers that describe its body: not those of an error made here in its place.
+_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
+
+
 def _node_error(status: int, body: object, answer: Answer, up: Upstream) -> PromptLBError:
-    """A node's own error answer, with the headers the proxy passes on with it."""
+    """A node's error, with the headers the proxy passes on with it: the node's own answer's
+    all, or, for one made here (an answer that broke off, an error event, a 200 that is no
+    answer), all but those of the node's body (a broken answer's Content-Length of 1,000)."""
     headers = _text(node_headers(up.response) + answer_headers(answer))
+    if status != up.response.status:
+        headers = {k: v for k, v in headers.items() if k not in _BODY_HEADERS}
     return PromptLBError(status, body, up.node.name, headers)
 
 
@@ -202,7 +210,7 @@ class PromptLBClient:
             if status < 400 and up.response.content_type != "application/json":
                 recorder = recorder_for(answer, path, True, dispatch.entry_limit)
                 chunks = _chunks(answer, up)
-                async for event in _aevents(_fed(chunks, recorder), up):
+                async for event in _aevents(_fed(chunks, recorder), answer, up):
                     yield event
                 keep(dispatch.store, answer, recorder)  # not reached if left early
                 return
@@ -267,17 +275,22 @@ def _events(chunks: list[bytes]) -> Iterator[dict[str, Any]]:
                 yield event
 
 
-async def _aevents(chunks: AsyncIterator[bytes], up: Upstream) -> AsyncIterator[dict[str, Any]]:
+async def _aevents(
+    chunks: AsyncIterator[bytes], answer: Answer, up: Upstream
+) -> AsyncIterator[dict[str, Any]]:
     """SSE: events are separated by blank lines; "data: [DONE]" ends the stream. An error
     event (a node's, or the one the proxy writes when a stream breaks) is raised, and so is
     a stream that stops before its end: both were iterated as if the answer were whole. Each
     is the node's failure (``failed``): raised inside the answer's block, it would otherwise
-    read as the app giving up, and a node that kept failing so was never charged."""
+    read as the app giving up, and a node that kept failing so was never charged. Each
+    carries the headers the proxy had sent (it carried none)."""
     try:
         async for event in _events_of(chunks, up.node.name):
             yield event
-    except PromptLBError:
+    except PromptLBError as exc:
         up.failed = True
+        if not exc.headers:
+            exc.headers = _node_error(exc.status, exc.body, answer, up).headers
         raise
 
 

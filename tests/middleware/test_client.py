@@ -221,6 +221,9 @@ async def test_a_stream_that_fails_or_stops_short_raises(
         metrics = app.balancer.metrics.render().decode()
     assert len(events) == seen
     assert raised.value.status == 502 and raised.value.node == "a"
+    # The proxy's headers, less those of the node's body (this error's body is not it).
+    assert raised.value.headers["x-promptlb-node"] == "a"
+    assert "content-type" not in raised.value.headers
     if seen:  # a stream's failure is the node's, not the app giving up
         assert 'outcome="aborted"' not in metrics
         assert app.balancer.table.nodes["a"].failures == 1
