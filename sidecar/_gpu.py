@@ -131,7 +131,10 @@ class GpuCollector:
             problem = self._problem(i)
             if problem.current.startswith(_UNOPENED):  # (another problem: a sample clears it)
                 problem.clear()
-            if not devices or self._chosen(i, handle):
+            chosen = self._chosen(i, handle) if devices else True
+            if chosen is None:
+                unopened += 1  # its UUID unreadable: perhaps the one named
+            elif chosen:
                 handles.append((i, handle))
         self._handles = handles
         self._unopened = unopened
@@ -142,14 +145,15 @@ class GpuCollector:
             elif self._devices:
                 reason = f"none of the GPUs {', '.join(self._devices)} among {count}"
                 if unopened:  # (perhaps the one named: it cannot be told by its UUID)
-                    reason += f" ({unopened} could not be opened)"
+                    reason += f" ({unopened} could not be opened or read)"
             self._no_gpu(reason, before, logging.WARNING if self._devices else logging.INFO)
             return
         self.reason = ""
         if before:
             log.info("GPU metrics: %d GPUs, after %s", len(self._handles), before)
 
-    def _chosen(self, index: int, handle: Any) -> bool:
+    def _chosen(self, index: int, handle: Any) -> bool | None:
+        """Whether the card is one of ``--gpu-devices``; None when its UUID is unreadable."""
         if str(index) in self._devices:
             return True
         if all(d.isdigit() for d in self._devices):
@@ -157,7 +161,7 @@ class GpuCollector:
         try:
             uuid = self._nvml.nvmlDeviceGetUUID(handle)
         except Exception:
-            return False  # one lost GPU, perhaps another's, must not hide this server's
+            return None  # one lost GPU, perhaps another's, must not hide this server's
         return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)) in self._devices
 
     def _no_gpu(self, reason: str, before: str, level: int = logging.INFO) -> None:

@@ -153,7 +153,22 @@ def test_a_card_that_could_not_be_opened_is_found_once_it_is_back(nvml: FakeNvml
     nvml.lost = {0}
     gpus = GpuCollector(nvml, devices=(nvml.nvmlDeviceGetUUID(0),))
     gpus.open()
-    assert gpus.sample() == () and gpus.reason.endswith("(1 could not be opened)")
+    assert gpus.sample() == () and gpus.reason.endswith("(1 could not be opened or read)")
+    gpus.close()
+    # Opened, but its UUID unreadable (a lost card fails there too): the same.
+    nvml.lost = set()
+    uuid_of = nvml.nvmlDeviceGetUUID
+    named = uuid_of(0)
+
+    def unreadable(h: int) -> str:
+        if h == 0:
+            raise RuntimeError("GPU is lost")
+        return uuid_of(h)
+
+    nvml.nvmlDeviceGetUUID = unreadable  # type: ignore[method-assign]
+    gpus = GpuCollector(nvml, devices=(named,))
+    gpus.open()
+    assert gpus.sample() == () and gpus.reason.endswith("(1 could not be opened or read)")
     gpus.close()
 
 
