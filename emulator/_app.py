@@ -80,10 +80,11 @@ _MAX_N = 128  # vLLM's own default limit on n
 _MAX_CHOICES = 1024  # a batch's prompts times n
 
 
-def _asked_tokens(body: dict[str, Any]) -> int | None:
+def _asked_tokens(body: dict[str, Any], chat: bool = True) -> int | None:
     """The answer's length the request asks for, when it asks a usable one: as vLLM reads
-    it (``max_completion_tokens or max_tokens``), and the router too."""
-    for key in ("max_completion_tokens", "max_tokens"):
+    it (``max_completion_tokens or max_tokens`` for a chat; a completion has ``max_tokens``
+    alone), and the router too."""
+    for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         asked = body.get(key)
         if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
             return asked
@@ -175,8 +176,8 @@ class _Handlers:
                 leaked.close()
         return body
 
-    def _output_tokens(self, body: dict[str, Any]) -> int:
-        asked = _asked_tokens(body)
+    def _output_tokens(self, body: dict[str, Any], chat: bool) -> int:
+        asked = _asked_tokens(body, chat)
         if asked is not None:
             return asked
         cfg = self.cfg
@@ -230,8 +231,8 @@ class _Handlers:
             return _error(400, message, "invalid_request_error")
         n_in, longest = sum(counts), max(counts)
         limit = cfg.context_tokens
-        n_out = self._output_tokens(body)
-        if _asked_tokens(body) is None:  # not asked: at most what the context leaves, as vLLM
+        n_out = self._output_tokens(body, chat)
+        if _asked_tokens(body, chat) is None:  # not asked: at most what the context leaves
             n_out = max(1, min(n_out, limit - longest, (limit - n_in) // choices))
         # The context bounds each prompt; and, as the emulator runs a request in one slot, its
         # prompts and every choice's answer together are bound by its KV cache (200 prompts of
@@ -250,7 +251,7 @@ class _Handlers:
         if options is not None and not isinstance(options, dict):
             # Checked now: once the stream has started, a 200 is already on the wire.
             return _error(400, "`stream_options` must be an object", "invalid_request_error")
-        finish = "length" if _asked_tokens(body) is not None else "stop"
+        finish = "length" if _asked_tokens(body, chat) is not None else "stop"
         reply = Reply(
             chat=chat, model=model, n_in=n_in, n_out=n_out, body=body, finish=finish, n=choices
         )
@@ -326,7 +327,7 @@ class _Handlers:
             n_in, blocks = prompt_blocks(prompt, chat=chat)
         else:
             n_in, blocks = sum(read[0]), read[1]
-        n_out = _asked_tokens(body) or self.cfg.output_tokens  # the mean when not asked
+        n_out = _asked_tokens(body, chat) or self.cfg.output_tokens  # the mean when not asked
         cached = self._cached(blocks, n_in)
         return web.json_response(
             {

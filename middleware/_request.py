@@ -116,17 +116,24 @@ def _plausible(max_tokens: object) -> TypeGuard[int]:
     )
 
 
-def asked_tokens(body: Mapping[str, Any]) -> int | None:
-    """The answer's length ``body`` asks that routing may believe, as a node reads it:
-    ``max_completion_tokens`` when it is one, else ``max_tokens`` (vLLM and SGLang take
-    ``max_completion_tokens or max_tokens``). Read the other way round, a request for 5,000
-    tokens with max_tokens 100 read as a short answer: its slow try was charged to the node,
-    and a lighter model fitted to 100 answered 400."""
+def _length_field(body: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The field a node takes the answer's length from, and its value: vLLM and SGLang take
+    ``max_completion_tokens or max_tokens`` (a completions body, read as its endpoint reads
+    it, has no ``max_completion_tokens``: `_as_read`)."""
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
-        if _plausible(value):
-            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
     return None
+
+
+def asked_tokens(body: Mapping[str, Any]) -> int | None:
+    """The answer's length ``body`` asks, as a node reads it (`_length_field`), when routing
+    may believe it. Read the other way round, a request for 5,000 tokens with max_tokens 100
+    read as a short answer: its slow try was charged to the node, and a lighter model fitted
+    to 100 answered 400."""
+    found = _length_field(body)
+    return found[1] if found is not None and _plausible(found[1]) else None
 
 
 def route_of(
@@ -235,6 +242,14 @@ class RequestReader:
         # Routing reads the prompt its endpoint reads (for the blocks, the size in tokens, the
         # affinity key and the class): the one place the endpoint decides, not each reader.
         read = _as_read(body, _endpoint(path))
+        found = _length_field(read)
+        if found is not None:
+            key, asked = found
+            limit = self.checks.token_limit(body["model"])
+            # A length no context holds only ties a node up until the try times out. Only the
+            # field the node reads: the other, ignored, refused a request it would answer.
+            if asked > limit:
+                raise BadRequest(f"`{key}` is {asked}; at most {limit} for this model", param=key)
         prompt_class = asked_class or (self.classify(read) if self.classify is not None else "")
         keys = self.keys
         session_key = keys(read, keys.header_value(headers)) if keys is not None else None
@@ -244,11 +259,17 @@ class RequestReader:
 
 def _as_read(body: dict[str, Any], chat: bool | None) -> dict[str, Any]:
     """``body`` as its endpoint reads it: without the other endpoint's prompt field when it
-    carries it (rare: a copy then only)."""
-    other = "prompt" if chat else "messages" if chat is False else None
-    if other is None or other not in body:
+    carries it, nor a completion's ``max_completion_tokens`` (a chat field its endpoint
+    ignores: read, it excused a node 50 times the time asked). Rare: a copy then only."""
+    if chat:
+        other: tuple[str, ...] = ("prompt",)
+    elif chat is False:
+        other = ("messages", "max_completion_tokens")
+    else:
         return body
-    return {k: v for k, v in body.items() if k != other}
+    if not any(key in body for key in other):
+        return body
+    return {k: v for k, v in body.items() if k not in other}
 
 
 def _endpoint(path: str) -> bool | None:
@@ -307,12 +328,6 @@ def _parse(raw: bytes, checks: RequestsConfig) -> dict[str, Any]:
         # A node may take "true" for true and stream, where routing and the cache took the
         # request as not streaming.
         raise BadRequest("`stream` must be true or false", param="stream")
-    limit = checks.token_limit(model)
-    for key in ("max_tokens", "max_completion_tokens"):
-        asked = body.get(key)
-        # A length no context holds only ties a node up until the try times out.
-        if isinstance(asked, int) and not isinstance(asked, bool) and asked > limit:
-            raise BadRequest(f"`{key}` is {asked}; at most {limit} for this model", param=key)
     depth = checks.max_json_depth
     # The walk visits every value, so it runs only when it can find something: a body with
     # fewer brackets than the depth limit is not too deep, and one without a \ud escape holds

@@ -819,3 +819,5 @@ async def test_a_charset_python_does_not_know_is_a_400_not_a_crash(
 def test_an_explicit_null_max_tokens_does_not_hide_max_completion_tokens() -> None:
     assert _asked_tokens({"max_tokens": None, "max_completion_tokens": 5}) == 5
     assert _asked_tokens({"max_tokens": 7, "max_completion_tokens": 5}) == 5  # as vLLM reads
+    # A completion has max_tokens alone: vLLM ignores the other there.
+    assert _asked_tokens({"max_tokens": 7, "max_completion_tokens": 5}, chat=False) == 7

@@ -12,7 +12,10 @@ import httpx
 import pytest
 from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
-from promptlb.middleware._request import route_of
+from promptlb.middleware._config import load_config
+from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._request import RequestReader, route_of
+from promptlb.middleware._shedding import Admission
 
 from tests.conftest import Serve
 from tests.middleware.conftest import chat_node
@@ -71,6 +74,11 @@ NESTED = b'{"model": "m", "x": ' + b"[" * 100 + b"]" * 100 + b"}"
         (chat(max_tokens=1_000_000_000_000), "max_tokens", "at most 10000000"),  # the probe
         (chat(max_completion_tokens=10_000_001), "max_completion_tokens", "at most 10000000"),
         (json.dumps({"model": "small", "max_tokens": 5000}).encode(), "max_tokens", "4096"),
+        (
+            json.dumps({"model": "small", "max_tokens": 9, "max_completion_tokens": 5000}).encode(),
+            "max_completion_tokens",
+            "4096",
+        ),
         (NESTED, None, "nests deeper than 64 levels"),
         (b"[" * 1000, None, "not valid JSON"),  # the probe: 2 KB of brackets, once a 500
         (b"[" * 100_000 + b"]" * 100_000, None, "not valid JSON"),  # a RecursionError
@@ -119,6 +127,8 @@ async def test_what_is_well_formed_passes(upstream: tuple[str, Seen]) -> None:
         chat(r"a backslash, then ud800: \ud800".replace("\\", "\\\\")),
         chat(max_tokens=10_000_000),
         json.dumps({"model": "small", "max_tokens": 4096}).encode(),
+        # The node reads max_completion_tokens: the other, ignored, refused it all the same.
+        json.dumps({"model": "small", "max_tokens": 10**5, "max_completion_tokens": 9}).encode(),
         b'{"model": "m", "x": ' + b"[" * 60 + b"]" * 60 + b"}",
         b"\xef\xbb\xbf" + chat(),  # with a UTF-8 byte-order mark
         json.dumps({"model": "m", "messages": []}).encode("utf-16"),  # UTF-16, as JSON allows
@@ -222,6 +232,13 @@ def test_the_answer_asked_is_read_as_a_node_reads_it() -> None:
     )
     assert route_of({**both, "max_completion_tokens": None}, 10).max_tokens == 100
     assert route_of({"model": "m", "max_tokens": True}, 10).max_tokens is None
+    # A completion has no max_completion_tokens (vLLM ignores it there): read, it excused a
+    # node fifty times the time its answer takes.
+    config = load_config({"nodes": [{"name": "a", "url": "http://a:1"}]})
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    done = {"model": "m", "prompt": "hi", "max_tokens": 100, "max_completion_tokens": 5000}
+    assert reader.build("/v1/completions", done).route.max_tokens == 100
+    assert reader.build("/v1/chat/completions", done).route.max_tokens == 5000
 
 
 @pytest.mark.parametrize("declared", [str(10**12), "9" * 5000])
