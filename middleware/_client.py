@@ -85,12 +85,15 @@ def _text(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
 _BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
 
 
-def _node_error(status: int, body: object, answer: Answer, up: Upstream) -> PromptLBError:
-    """A node's error, with the headers the proxy passes on with it: the node's own answer's
-    all, or, for one made here (an answer that broke off, an error event, a 200 that is no
-    answer), all but those of the node's body (a broken answer's Content-Length of 1,000)."""
+def _node_error(
+    status: int, body: object, answer: Answer, up: Upstream, *, made_here: bool = False
+) -> PromptLBError:
+    """A node's error, with the headers the proxy passes on with it: all of them with the
+    node's own body, or, with a body ``made_here`` (an answer that broke off, a stream's
+    error), all but those of the node's body (a broken answer's Content-Length of 1,000; told
+    by the status, a node's own 502 that broke off kept them)."""
     headers = _text(node_headers(up.response) + answer_headers(answer))
-    if status != up.response.status:
+    if made_here:
         headers = {k: v for k, v in headers.items() if k not in _BODY_HEADERS}
     return PromptLBError(status, body, up.node.name, headers)
 
@@ -236,7 +239,7 @@ def _broke(answer: Answer, up: Upstream, exc: BaseException) -> PromptLBError:
     it, with the headers the proxy had sent before it broke."""
     status, why = up.broke(exc)
     body = error_body(status, f"upstream answer {why}", "upstream_error")
-    return _node_error(status, body, answer, up)
+    return _node_error(status, body, answer, up, made_here=True)
 
 
 async def _chunks(answer: Answer, up: Upstream) -> AsyncIterator[bytes]:
@@ -290,7 +293,7 @@ async def _aevents(
     except PromptLBError as exc:
         up.failed = True
         if not exc.headers:
-            exc.headers = _node_error(exc.status, exc.body, answer, up).headers
+            exc.headers = _node_error(exc.status, exc.body, answer, up, made_here=True).headers
         raise
 
 

@@ -154,6 +154,28 @@ async def test_the_answer_is_held_to_the_total_deadline(
     assert 'outcome="broken"} 2.0' in metrics and 'outcome="aborted"' not in metrics
 
 
+async def test_a_nodes_502_that_breaks_off_does_not_keep_its_body_headers(serve: Serve) -> None:
+    """The error's body is made here: the node's Content-Length of 1,000 went with it (kept
+    when the status matched the node's own)."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=502, headers={"Content-Type": "text/html", "Content-Length": "1000"}
+        )
+        await response.prepare(request)
+        await response.write(b"<html>bad gateway")
+        assert request.transport is not None
+        request.transport.close()  # broken off, 983 bytes short
+        return response
+
+    async with middleware_over(serve, chat, retry={"attempts": 1}) as app:
+        with pytest.raises(PromptLBError) as raised:
+            await app.client.chat(model="m", messages=HI)
+    assert raised.value.status == 502 and raised.value.body["error"]["type"] == "upstream_error"  # type: ignore[index]
+    assert "content-length" not in raised.value.headers
+    assert raised.value.headers["x-promptlb-node"] == "a"
+
+
 async def test_an_event_that_is_not_json_is_a_promptlb_error(serve: Serve) -> None:
     async def chat(request: web.Request) -> web.Response:
         body = b'data: {"choices": []}\n\ndata: {"choi\n\n'
@@ -221,9 +243,10 @@ async def test_a_stream_that_fails_or_stops_short_raises(
         metrics = app.balancer.metrics.render().decode()
     assert len(events) == seen
     assert raised.value.status == 502 and raised.value.node == "a"
-    # The proxy's headers, less those of the node's body (this error's body is not it).
+    # The proxy's headers; less those of the node's body where this error's body is not it
+    # (a stream's error), with them where it is (the node's JSON sent to a stream).
     assert raised.value.headers["x-promptlb-node"] == "a"
-    assert "content-type" not in raised.value.headers
+    assert ("content-type" in raised.value.headers) is (seen == 0)
     if seen:  # a stream's failure is the node's, not the app giving up
         assert 'outcome="aborted"' not in metrics
         assert app.balancer.table.nodes["a"].failures == 1
