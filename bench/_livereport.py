@@ -192,6 +192,9 @@ def live_cache(
             continue
         ttft = {p: run["ttft_ms"][p] for p in ("p50", "p90", "p99")}
         row = {f"ttft_{p}_s": None if v is None else v / 1000 for p, v in ttft.items()}
+        # Failures counted where the run recorded them so (runs before 2026-12-08 did not).
+        p90 = run.get("ttft_with_failures_ms", run["ttft_ms"])["p90"]
+        row["ttft_p90_with_failures_s"] = None if p90 is None else p90 / 1000
         rows.append({"strategy": run["strategy"], **row, "hit_rate": run["hit_rate"]})
     cache_ratios(rows)
     shared = cache_targets(rows, goals, applies, DEFAULT_STRATEGY + SHARED)

@@ -28,11 +28,14 @@ __all__ = [
 DEFAULT_AFFINITY = DEFAULT_STRATEGY + AFFINITY
 # What the cache report compares every strategy with, beside round robin.
 CACHE_BASELINES = (DEFAULT_AFFINITY, ORACLE)
-# Target name -> (row key, baseline, True when the ratio must be at least the target).
+# Target name -> (row key, baseline, True when the ratio must be at least the target). TTFT
+# counts failures as the client's timeout, as the p99 targets do: over successes alone, a
+# default that fails its slowest requests read as meeting every TTFT target.
+_TTFT = "ttft_p90_with_failures_s"
 CACHE_TARGETS: Mapping[str, tuple[str, str, bool]] = {
-    "ttft_p90_vs_round_robin": ("ttft_p90_s", "round_robin", False),
-    "ttft_p90_vs_affinity": ("ttft_p90_s", DEFAULT_AFFINITY, False),
-    "ttft_p90_vs_oracle": ("ttft_p90_s", ORACLE, False),
+    "ttft_p90_vs_round_robin": (_TTFT, "round_robin", False),
+    "ttft_p90_vs_affinity": (_TTFT, DEFAULT_AFFINITY, False),
+    "ttft_p90_vs_oracle": (_TTFT, ORACLE, False),
     "hit_rate_vs_oracle": ("hit_rate", ORACLE, True),
 }
 

@@ -113,4 +113,13 @@ def test_live_cache_ratios_and_hit_rate() -> None:
     runs["oracle"] = run("oracle", 400, 0.9, kind="oracle")
     t = live_cache(runs, {"ttft_p90_vs_oracle": 1.3}, True)["targets"]
     assert t["ttft_p90_vs_oracle"] == pytest.approx(2.0) and t["ttft_p90_vs_oracle_met"] is False
+    # A default that fails its slowest requests: over successes its TTFT p90 met the target;
+    # counted as the client's 60 s (a run that recorded it so), it does not.
+    runs["promptlb predictive"] = {
+        **runs["promptlb predictive"],
+        "ttft_with_failures_ms": {"p50": 400, "p90": 60_000, "p99": 60_000},
+    }
+    t = live_cache(runs, {"ttft_p90_vs_round_robin": 0.25}, True)["targets"]
+    assert t["ttft_p90_vs_round_robin"] == pytest.approx(15.0)
+    assert t["ttft_p90_vs_round_robin_met"] is False
     assert t["hit_rate_vs_oracle"] == pytest.approx(0.8 / 0.9)

@@ -198,6 +198,8 @@ def test_summarize_utilisation_share_and_errors() -> None:
     # every request, the failure as the generator's timeout: a router failing its slowest
     # requests does not read faster than one serving them late
     assert summary["latency_with_failures_ms"]["p99"] > 0.9 * FAILED_AS_S * 1000
+    # and TTFT so too, which the cache targets are judged on
+    assert summary["ttft_with_failures_ms"]["p99"] > 0.9 * FAILED_AS_S * 1000
     # Three successes, all ended by t=10: 3 / 10 s; over the span (to t=10) the same.
     assert summary["throughput_rps"] == pytest.approx(0.3)
     assert summary["goodput_over_span_rps"] == pytest.approx(0.3)
