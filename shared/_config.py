@@ -30,13 +30,18 @@ class ConfigError(ValueError):
         ):
             # A URL's password never reaches an error (the sidecar's --model-url printed one).
             value = redact_url(value)
+        elif not isinstance(value, str | Redacted) and _may_hold_secret(repr(value)):
+            # A list or a table holding such a URL (redis = ["redis://u:pw@h"]) printed it.
+            value = Redacted(value)
         self.key = key
         self.value = value
         self.expected = expected
         super().__init__(f"{key}: got {value!r}, expected {expected}")
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|µs|μs|ms|s|m|h)?\s*$")
+# ASCII digits only: \d took any script's (Arabic-Indic "12s" was 12 s).
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|µs|μs|ms|s|m|h)?\s*$", re.ASCII)
+_MOST_S = 1e10  # some 300 years: past it no duration is meant (10**300 s was taken)
 _UNITS = {
     "us": 1e-6,
     "µs": 1e-6,
@@ -64,7 +69,16 @@ def parse_duration(key: str, value: object) -> float:
         raise ConfigError(key, value, "a duration such as '250ms' or '5s'")
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(key, value, "a non-negative duration")
-    return seconds
+    if seconds > _MOST_S:
+        raise ConfigError(key, value, "a duration of a sensible size")
+    return seconds + 0.0  # (-0.0 is 0)
+
+
+_PASSWORD = re.compile(r"(?i)(password=)[^&#]*")
+
+
+def _may_hold_secret(text: str) -> bool:
+    return "@" in text or "password=" in text.lower()
 
 
 def url_detail(value: str, why: str) -> str:
@@ -80,9 +94,11 @@ def redact_url(value: str) -> str:
     unencoded is what makes such a URL fail its checks, and be printed)."""
     scheme, sep, rest = value.partition("://")
     if not sep:
-        # Not a URL as written (``http:/user:pw@host``, a typo): cut before its last @ all the
-        # same.
-        return "***@" + value.rpartition("@")[2] if "@" in value else value
+        # Not a URL as written (``redis:/user:pw@host``, a typo): cut before its last @ all
+        # the same, and a password= parameter (``redis:/h?password=pw`` printed it).
+        if "@" in value:
+            value = "***@" + value.rpartition("@")[2]
+        return _PASSWORD.sub(r"\1***", value)
     if "@" in rest:
         rest = "***@" + rest.rpartition("@")[2]
     head, q, query = rest.partition("?")

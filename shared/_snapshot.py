@@ -155,7 +155,8 @@ class GpuSample(NamedTuple):
         if kind is cls:
             raw = tuple(raw)  # type: ignore[arg-type]
             kind = tuple
-        if (kind is list or kind is tuple) and 4 <= len(raw) <= 64:  # type: ignore[arg-type]
+        # (Up to a wire array's most: later writers may append, and readers ignore the rest.)
+        if (kind is list or kind is tuple) and 4 <= len(raw) <= 256:  # type: ignore[arg-type]
             if len(raw) == 6:  # type: ignore[arg-type]
                 i, util, used, total, temp, power = raw  # type: ignore[misc]
             else:
@@ -292,6 +293,8 @@ class Snapshot:
             raise _bad("gpus", gpus, f"a list of at most {_MAX_GPUS} GPUs")
         if gpus:
             put(self, "gpus", tuple([GpuSample.checked(g) for g in gpus]))
+        elif type(gpus) is list:  # ([]: a mutable list in a frozen snapshot, unhashable)
+            put(self, "gpus", ())
         if self.engine is not None and type(self.engine) is not EngineSample:
             put(self, "engine", EngineSample.checked(self.engine))
         # The common, valid case in one expression; only a failure pays for finding which field.

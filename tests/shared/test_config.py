@@ -148,6 +148,14 @@ def test_a_urls_password_never_reaches_a_config_error() -> None:
     assert "10.0.0.1:99999" in str(error)
     error = ConfigError("backend", "redis://h:6379/0?password=s3cret&db=1", "a URL")
     assert "s3cret" not in str(error) and "db=1" in str(error)
+    # In a list or a table (index_share.redis = [...]), and with one slash typed (no URL to
+    # split): both printed it.
+    for held in (["redis://u:s3cret@h:6379/0"], {"url": "redis://u:s3cret@h"}):
+        assert "s3cret" not in str(ConfigError("redis", held, "a URL"))
+    for typed in ("redis:/h:6379/0?password=s3cret&db=1", "h:6379/0?PASSWORD=s3cret"):
+        error = ConfigError("redis", typed, "a URL")
+        assert "s3cret" not in str(error) and "6379" in str(error), str(error)
+    assert "[1, 2]" in str(ConfigError("k", [1, 2], "x"))  # nothing secret: shown
 
 
 def test_a_password_with_characters_that_break_the_url_is_redacted_too() -> None:
@@ -161,3 +169,14 @@ def test_a_password_with_characters_that_break_the_url_is_redacted_too() -> None
     ):
         error = ConfigError("url", url, "a URL")
         assert "pa" not in str(error).replace("parse", ""), str(error)
+
+
+@pytest.mark.parametrize("value", ["\u0661\u0662s", "\uff15s", 10**300, "1" + "0" * 300 + "h"])
+def test_a_duration_is_ascii_digits_of_a_sensible_size(value: object) -> None:
+    """\\d took any script's digits, and 10**300 s was a duration (10**400 was not)."""
+    with pytest.raises(ConfigError, match="k"):
+        parse_duration("k", value)
+
+
+def test_a_negative_zero_duration_is_zero() -> None:
+    assert str(parse_duration("k", -0.0)) == "0.0"
