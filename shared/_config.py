@@ -25,14 +25,10 @@ class ConfigError(ValueError):
     """A config value is wrong. ``key`` names it the way the user wrote it."""
 
     def __init__(self, key: str, value: object, expected: str) -> None:
-        if isinstance(value, str) and (
-            (":/" in value and "@" in value) or "password=" in value.lower()
-        ):
-            # A URL's password never reaches an error (the sidecar's --model-url printed one).
-            value = redact_url(value)
-        elif not isinstance(value, str | Redacted) and _may_hold_secret(repr(value)):
-            # A list or a table holding such a URL (redis = ["redis://u:pw@h"]) printed it.
-            value = Redacted(value)
+        # A URL's password never reaches an error (the sidecar's --model-url printed one), nor
+        # one in a list or a table (redis = ["redis://u:pw@h"]), nor in a URL typed without
+        # its slashes (u:pw@h).
+        value = _redacted(value)
         self.key = key
         self.value = value
         self.expected = expected
@@ -77,8 +73,16 @@ def parse_duration(key: str, value: object) -> float:
 _PASSWORD = re.compile(r"(?i)(password=)[^&#]*")
 
 
-def _may_hold_secret(text: str) -> bool:
-    return "@" in text or "password=" in text.lower()
+def _redacted(value: object) -> object:
+    """``value`` with every string in it that may hold a URL's password redacted (the rest
+    shown: a model name such as ``sonnet@20240620`` is only cut before its ``@``)."""
+    if isinstance(value, str):
+        return redact_url(value) if "@" in value or "password=" in value.lower() else value
+    if isinstance(value, list | tuple):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, dict):
+        return {_redacted(k): _redacted(v) for k, v in value.items()}
+    return value
 
 
 def url_detail(value: str, why: str) -> str:
@@ -101,12 +105,5 @@ def redact_url(value: str) -> str:
         return _PASSWORD.sub(r"\1***", value)
     if "@" in rest:
         rest = "***@" + rest.rpartition("@")[2]
-    head, q, query = rest.partition("?")
-    if q:
-        parts = query.split("&")
-        shown = [
-            f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
-            for p in parts
-        ]
-        rest = f"{head}?{'&'.join(shown)}"
-    return f"{scheme}://{rest}"
+    # Wherever it stands (after ?, or after & or # where a ? was forgotten).
+    return scheme + "://" + _PASSWORD.sub(r"\1***", rest)

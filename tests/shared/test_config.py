@@ -156,6 +156,12 @@ def test_a_urls_password_never_reaches_a_config_error() -> None:
         error = ConfigError("redis", typed, "a URL")
         assert "s3cret" not in str(error) and "6379" in str(error), str(error)
     assert "[1, 2]" in str(ConfigError("k", [1, 2], "x"))  # nothing secret: shown
+    # No slash at all, and a password= after & or # where the ? was forgotten.
+    for bare in ("http:u:s3cret@a:1", "u:s3cret@a:1", "redis://h/0&password=s3cret?db=1"):
+        assert "s3cret" not in str(ConfigError("url", bare, "a URL")), bare
+    # The rest of a list or a table is shown: only what may be a password goes.
+    shown = str(ConfigError("context", ["sonnet@20240620", 4096], "x"))
+    assert "4096" in shown and "20240620" in shown
 
 
 def test_a_password_with_characters_that_break_the_url_is_redacted_too() -> None:
