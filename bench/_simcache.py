@@ -84,14 +84,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def cache_lines(rows: Sequence[dict[str, Any]], targets: Mapping[str, Any]) -> list[str]:
     head = (
-        f"{'strategy':<22} {'ttft p50':>8} {'p90':>7} {'p99':>7} {'hit':>6} "
+        f"{'strategy':<22} {'ttft p50':>8} {'p90':>7} {'+fail':>7} {'p99':>7} {'hit':>6} "
         f"{'p90/rr':>7} {'p90/aff':>7} {'p90/orc':>7} {'hit/orc':>7}"
     )
-    lines = ["prefix cache: TTFT in s, hit rate = cached prompt tokens / prompt tokens", head]
+    lines = [
+        "prefix cache: TTFT in s (+fail: p90 with each failure as 60 s, which the ratios"
+        " use), hit rate = cached prompt tokens / prompt tokens",
+        head,
+    ]
     for row in rows:
         lines.append(
             f"{row['strategy']:<22} {_fmt(row['ttft_p50_s'], '.3f'):>8} "
-            f"{_fmt(row['ttft_p90_s'], '.3f'):>7} {_fmt(row['ttft_p99_s'], '.3f'):>7} "
+            f"{_fmt(row['ttft_p90_s'], '.3f'):>7} {_fmt(row.get(_TTFT), '.3f'):>7} "
+            f"{_fmt(row['ttft_p99_s'], '.3f'):>7} "
             f"{_fmt(row['hit_rate'], '.3f'):>6} "
             + " ".join(f"{_fmt(row[name], '.2f'):>7}" for name in CACHE_TARGETS)
         )

@@ -91,13 +91,15 @@ def _asked_tokens(body: dict[str, Any], chat: bool = True) -> int | None:
     return None
 
 
-def _bad_length(body: dict[str, Any], n_in: int, n_out: int, limit: int) -> web.Response | None:
+def _bad_length(
+    body: dict[str, Any], n_in: int, n_out: int, limit: int, chat: bool = True
+) -> web.Response | None:
     """vLLM's 400s for the answer's length: one asked that is no whole number of at least one
     (0 was served 64 tokens), and a prompt and answer past the context, here the KV cache's
     tokens (vLLM's context is never longer than its cache): an answer of 10^9 tokens took its
     scratch out of the cache and emptied every cached prefix."""
-    for key in ("max_tokens", "max_completion_tokens"):
-        asked = body.get(key)
+    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        asked = body.get(key)  # (a completion's max_completion_tokens is ignored, as vLLM)
         if asked is None:
             continue
         if isinstance(asked, bool) or not isinstance(asked, int):
@@ -238,7 +240,7 @@ class _Handlers:
         # prompts and every choice's answer together are bound by its KV cache (200 prompts of
         # 100 tokens, or n = 128 answers of 1,000, each within the context, took the whole
         # cache and emptied it).
-        refused = _bad_length(body, longest, n_out, limit) or _too_big(
+        refused = _bad_length(body, longest, n_out, limit, chat) or _too_big(
             choices, n_in + choices * n_out, limit
         )
         if refused is not None:

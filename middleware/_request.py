@@ -127,6 +127,15 @@ def _length_field(body: Mapping[str, Any]) -> tuple[str, int] | None:
     return None
 
 
+def _length_fields(body: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """Both length fields that hold a count."""
+    return [
+        (key, value)
+        for key in ("max_completion_tokens", "max_tokens")
+        if isinstance(value := body.get(key), int) and not isinstance(value, bool) and value > 0
+    ]
+
+
 def asked_tokens(body: Mapping[str, Any]) -> int | None:
     """The answer's length ``body`` asks, as a node reads it (`_length_field`), when routing
     may believe it. Read the other way round, a request for 5,000 tokens with max_tokens 100
@@ -241,13 +250,15 @@ class RequestReader:
     ) -> Request:
         # Routing reads the prompt its endpoint reads (for the blocks, the size in tokens, the
         # affinity key and the class): the one place the endpoint decides, not each reader.
-        read = _as_read(body, _endpoint(path))
+        chat = _endpoint(path)
+        read = _as_read(body, chat)
+        limit = self.checks.token_limit(body["model"])
+        # A length no context holds only ties a node up until the try times out. On a chat or
+        # completions route only the field its node reads (the other, ignored, refused a
+        # request it would answer); elsewhere, both, as no reading is known.
         found = _length_field(read)
-        if found is not None:
-            key, asked = found
-            limit = self.checks.token_limit(body["model"])
-            # A length no context holds only ties a node up until the try times out. Only the
-            # field the node reads: the other, ignored, refused a request it would answer.
+        checked = [found] if chat is not None and found else _length_fields(read)
+        for key, asked in checked:
             if asked > limit:
                 raise BadRequest(f"`{key}` is {asked}; at most {limit} for this model", param=key)
         prompt_class = asked_class or (self.classify(read) if self.classify is not None else "")

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from promptlb.emulator._app import _asked_tokens
+from promptlb.emulator._app import _asked_tokens, _bad_length
 from promptlb.emulator._prompt import prompt_blocks
 from promptlb.sidecar import parse_engine_metrics
 
@@ -819,5 +819,8 @@ async def test_a_charset_python_does_not_know_is_a_400_not_a_crash(
 def test_an_explicit_null_max_tokens_does_not_hide_max_completion_tokens() -> None:
     assert _asked_tokens({"max_tokens": None, "max_completion_tokens": 5}) == 5
     assert _asked_tokens({"max_tokens": 7, "max_completion_tokens": 5}) == 5  # as vLLM reads
-    # A completion has max_tokens alone: vLLM ignores the other there.
+    # A completion has max_tokens alone: vLLM ignores the other there (and does not refuse
+    # it: a 0 or a string in it was a 400).
     assert _asked_tokens({"max_tokens": 7, "max_completion_tokens": 5}, chat=False) == 7
+    assert _bad_length({"max_completion_tokens": "abc"}, 1, 1, 100, chat=False) is None
+    assert _bad_length({"max_completion_tokens": 0}, 1, 1, 100) is not None

@@ -14,6 +14,7 @@ from aiohttp import web
 from promptlb.middleware import PromptLBMiddleware
 from promptlb.middleware._config import load_config
 from promptlb.middleware._nodes import NodeTable
+from promptlb.middleware._refusals import BadRequest
 from promptlb.middleware._request import RequestReader, route_of
 from promptlb.middleware._shedding import Admission
 
@@ -239,6 +240,15 @@ def test_the_answer_asked_is_read_as_a_node_reads_it() -> None:
     done = {"model": "m", "prompt": "hi", "max_tokens": 100, "max_completion_tokens": 5000}
     assert reader.build("/v1/completions", done).route.max_tokens == 100
     assert reader.build("/v1/chat/completions", done).route.max_tokens == 5000
+    # Another route (embeddings) reads neither: both held to the context, as before.
+    config = load_config(
+        {"nodes": [{"name": "a", "url": "http://a:1"}], "requests": {"context": {"m": 4096}}}
+    )
+    reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
+    for first, second in ((9, 5000), (5000, 9)):
+        body = {"model": "m", "input": "x", "max_tokens": first, "max_completion_tokens": second}
+        with pytest.raises(BadRequest):
+            reader.build("/v1/embeddings", body)
 
 
 @pytest.mark.parametrize("declared", [str(10**12), "9" * 5000])
