@@ -446,7 +446,11 @@ async def test_unknown_model_is_an_openai_style_404(shared_emulator: Emulator) -
         ("/v1/completions", b'{"prompt": ["a", ""]}'),
         ("/v1/completions", b'{"prompt": [-1]}'),
         ("/v1/completions", b'{"prompt": [[1], [1099511627776]]}'),
-        ("/v1/completions", b'{"prompt": "x", "max_completion_tokens": true}'),
+        # (A chat's field: a completion's is ignored, as vLLM ignores it there.)
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"content": "x"}], "max_completion_tokens": true}',
+        ),
         # Past the context (here the KV cache's tokens): 10^9 tokens emptied the cache.
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}'),
         # Each of these was a plain-text 500, which a gateway charges to the node: an integer
