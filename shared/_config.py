@@ -70,19 +70,31 @@ def parse_duration(key: str, value: object) -> float:
     return seconds + 0.0  # (-0.0 is 0)
 
 
-_PASSWORD = re.compile(r"(?i)(password=)[^&#]*")
+# To the next parameter: a password holding an unencoded # is what fails a URL's checks.
+_PASSWORD = re.compile(r"(?i)(password=)[^&]*")
 
 
 def _redacted(value: object) -> object:
     """``value`` with every string in it that may hold a URL's password redacted (the rest
-    shown: a model name such as ``sonnet@20240620`` is only cut before its ``@``)."""
+    shown: a model name such as ``sonnet@20240620`` is only cut before its ``@``); a value of
+    another kind that may hold one is not shown at all."""
+    try:
+        return _redact(value)
+    except RecursionError:  # a list holding itself, or nested past reason
+        return Redacted(value)
+
+
+def _redact(value: object) -> object:
     if isinstance(value, str):
         return redact_url(value) if "@" in value or "password=" in value.lower() else value
-    if isinstance(value, list | tuple):
-        return type(value)(_redacted(v) for v in value)
-    if isinstance(value, dict):
-        return {_redacted(k): _redacted(v) for k, v in value.items()}
-    return value
+    if type(value) is list:  # exactly: a named tuple is no sequence to rebuild
+        return [_redact(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_redact(v) for v in value)
+    if type(value) is dict:
+        return {_redact(k): _redact(v) for k, v in value.items()}
+    shown = repr(value)
+    return Redacted(value) if "@" in shown or "password=" in shown.lower() else value
 
 
 def url_detail(value: str, why: str) -> str:

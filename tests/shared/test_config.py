@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import example, given, settings
@@ -159,6 +160,15 @@ def test_a_urls_password_never_reaches_a_config_error() -> None:
     # No slash at all, and a password= after & or # where the ? was forgotten.
     for bare in ("http:u:s3cret@a:1", "u:s3cret@a:1", "redis://h/0&password=s3cret?db=1"):
         assert "s3cret" not in str(ConfigError("url", bare, "a URL")), bare
+    # A password holding an unencoded # (what makes the URL fail its checks), other kinds
+    # of value that may hold one, a named tuple and a list holding itself.
+    assert "s3cret" not in str(ConfigError("redis", "redis://h/0?password=ab#s3cret", "x"))
+    for other in ({"redis://u:s3cret@h"}, b"redis://u:s3cret@h"):
+        assert "s3cret" not in str(ConfigError("redis", other, "x"))
+    assert "s3cret" not in str(ConfigError("url", urlsplit("redis://u:s3cret@h/0"), "x"))
+    loop: list[object] = ["a"]
+    loop.append(loop)
+    assert str(ConfigError("k", loop, "x"))
     # The rest of a list or a table is shown: only what may be a password goes.
     shown = str(ConfigError("context", ["sonnet@20240620", 4096], "x"))
     assert "4096" in shown and "20240620" in shown
