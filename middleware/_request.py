@@ -252,15 +252,17 @@ class RequestReader:
         # affinity key and the class): the one place the endpoint decides, not each reader.
         chat = _endpoint(path)
         read = _as_read(body, chat)
-        limit = self.checks.token_limit(body["model"])
         # A length no context holds only ties a node up until the try times out. On a chat or
         # completions route only the field its node reads (the other, ignored, refused a
-        # request it would answer); elsewhere, both, as no reading is known.
+        # request it would answer); on embeddings neither, which its node ignores; elsewhere
+        # both, as no reading is known.
         found = _length_field(read)
-        checked = [found] if chat is not None and found else _length_fields(read)
-        for key, asked in checked:
-            if asked > limit:
-                raise BadRequest(f"`{key}` is {asked}; at most {limit} for this model", param=key)
+        if found is not None and not path.endswith("/embeddings"):
+            limit = self.checks.token_limit(body["model"])
+            for key, asked in (found,) if chat is not None else _length_fields(read):
+                if asked > limit:
+                    message = f"`{key}` is {asked}; at most {limit} for this model"
+                    raise BadRequest(message, param=key)
         prompt_class = asked_class or (self.classify(read) if self.classify is not None else "")
         keys = self.keys
         session_key = keys(read, keys.header_value(headers)) if keys is not None else None

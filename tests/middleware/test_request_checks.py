@@ -240,15 +240,17 @@ def test_the_answer_asked_is_read_as_a_node_reads_it() -> None:
     done = {"model": "m", "prompt": "hi", "max_tokens": 100, "max_completion_tokens": 5000}
     assert reader.build("/v1/completions", done).route.max_tokens == 100
     assert reader.build("/v1/chat/completions", done).route.max_tokens == 5000
-    # Another route (embeddings) reads neither: both held to the context, as before.
+    # Embeddings read neither (not refused for a field the node ignores); a route of no
+    # known reading has both held to the context.
     config = load_config(
         {"nodes": [{"name": "a", "url": "http://a:1"}], "requests": {"context": {"m": 4096}}}
     )
     reader = RequestReader(config, Admission(config.shedding, NodeTable(config)))
     for first, second in ((9, 5000), (5000, 9)):
         body = {"model": "m", "input": "x", "max_tokens": first, "max_completion_tokens": second}
+        reader.build("/v1/embeddings", body)
         with pytest.raises(BadRequest):
-            reader.build("/v1/embeddings", body)
+            reader.build("/v1/responses", body)
 
 
 @pytest.mark.parametrize("declared", [str(10**12), "9" * 5000])
