@@ -397,16 +397,12 @@ async def test_headers_past_their_size_limit_are_refused_and_kept_by_no_one(
     small = head.replace(b"y" * 60_000, b"y")
 
     def split(cut: int) -> bytes:
-        heard = b""
         with socket.create_connection(("127.0.0.1", gateway.port), timeout=1) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(small[: len(small) - cut])
             time.sleep(0.1)
             conn.sendall(small[len(small) - cut :] + body)
-            with contextlib.suppress(OSError):  # kept alive: until the timeout
-                while chunk := conn.recv(65536):
-                    heard += chunk
-        return heard
+            return _drain(conn)  # kept alive: until the timeout
 
     # (0: the head whole, its body of 100 KB in the reads after: a version that counted a
     # body's last read as the next head's refused the next request that never came.)
@@ -450,12 +446,17 @@ async def test_what_follows_a_head_refused_behind_an_answer_is_dropped_not_kept(
 
 def _raw(port: int, sent: bytes, wait: float = 3.0) -> bytes:
     """``sent`` on a raw connection; all the server answers until it closes or ``wait``."""
-    heard = b""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as conn:
         conn.sendall(sent)
-        with contextlib.suppress(OSError):
-            while chunk := conn.recv(65536):
-                heard += chunk
+        return _drain(conn)
+
+
+def _drain(conn: socket.socket) -> bytes:
+    """All the server sends on ``conn`` until it closes or the socket's timeout passes."""
+    heard = b""
+    with contextlib.suppress(OSError):
+        while chunk := conn.recv(65536):
+            heard += chunk
     return heard
 
 
@@ -504,7 +505,6 @@ async def test_requests_pipelined_after_a_chunked_bodys_end_are_no_trailer(
     gets = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-F: " + b"y" * 600 + b"\r\n\r\n"
 
     def send() -> bytes:
-        heard = b""
         with socket.create_connection(("127.0.0.1", gateway.port), timeout=2) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(start)
@@ -513,10 +513,7 @@ async def test_requests_pipelined_after_a_chunked_bodys_end_are_no_trailer(
             conn.sendall(b"0\r\n\r\n" + gets * 110 + last)
             time.sleep(0.2)
             conn.sendall(body)
-            with contextlib.suppress(OSError):
-                while chunk := conn.recv(65536):
-                    heard += chunk
-        return heard
+            return _drain(conn)
 
     heard = await asyncio.to_thread(send)
     assert heard.count(b"HTTP/1.1 200") == 112, heard[-300:]
@@ -531,15 +528,12 @@ async def test_a_trailer_too_long_after_its_answer_gets_no_second_answer(
     start = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
 
     def send() -> bytes:
-        heard = b""
         with socket.create_connection(("127.0.0.1", gateway.port), timeout=2) as conn:
             conn.sendall(start)
             time.sleep(0.3)  # answered meanwhile
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # (closed on us part way: the answer stands)
                 conn.sendall(b"0\r\nX-T: " + b"y" * 100_000 + b"\r\n\r\n")
-                while chunk := conn.recv(65536):
-                    heard += chunk
-        return heard
+            return _drain(conn)
 
     heard = await asyncio.to_thread(send)
     assert heard.startswith(b"HTTP/1.1 404") and b"431" not in heard, heard[-300:]
@@ -577,10 +571,7 @@ async def test_bare_newlines_between_requests_do_not_hold_a_connection(
                     break  # closed on us
             took = time.monotonic() - started
             conn.settimeout(1)
-            rest = b""
-            with contextlib.suppress(OSError):
-                while chunk := conn.recv(65536):  # the models body, then the 408
-                    rest += chunk
+            rest = _drain(conn)  # the models body, then the 408
             assert b"HTTP/1.1 408" in rest, rest
             return took
 
@@ -654,11 +645,7 @@ async def test_the_request_after_an_unread_body_gets_its_own_header_deadline(
             time.sleep(0.3)
             conn.sendall(b"G")  # the next request's first byte, and no more
             conn.settimeout(1.5)  # three header timeouts, under the body's four
-            heard = b""
-            with contextlib.suppress(OSError):
-                while chunk := conn.recv(65536):  # the 404's body, if it came apart, and the 408
-                    heard += chunk
-            return heard
+            return _drain(conn)  # the 404's body, if it came apart, and the 408
 
     heard = await asyncio.to_thread(next_request)
     assert b"HTTP/1.1 408" in heard, heard[:200]
