@@ -107,33 +107,34 @@ def _tokens(raw: bytes) -> int:
     return len(raw) // 4
 
 
+def _count(value: object) -> TypeGuard[int]:
+    """A token count: a positive integer, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _plausible(max_tokens: object) -> TypeGuard[int]:
     """A ``max_tokens`` routing may believe (the node still gets the body as sent)."""
-    return (
-        isinstance(max_tokens, int)
-        and not isinstance(max_tokens, bool)
-        and 0 < max_tokens <= _MAX_TOKENS
-    )
+    return _count(max_tokens) and max_tokens <= _MAX_TOKENS
+
+
+# The answer's length fields, in the order a node reads them: vLLM and SGLang take
+# ``max_completion_tokens or max_tokens`` (a completions body, read as its endpoint reads it,
+# has no ``max_completion_tokens``: `_as_read`).
+_LENGTH_KEYS = ("max_completion_tokens", "max_tokens")
 
 
 def _length_field(body: Mapping[str, Any]) -> tuple[str, int] | None:
-    """The field a node takes the answer's length from, and its value: vLLM and SGLang take
-    ``max_completion_tokens or max_tokens`` (a completions body, read as its endpoint reads
-    it, has no ``max_completion_tokens``: `_as_read`)."""
-    for key in ("max_completion_tokens", "max_tokens"):
+    """The field a node takes the answer's length from, and its value."""
+    for key in _LENGTH_KEYS:
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if _count(value):
             return key, value
     return None
 
 
 def _length_fields(body: Mapping[str, Any]) -> list[tuple[str, int]]:
     """Both length fields that hold a count."""
-    return [
-        (key, value)
-        for key in ("max_completion_tokens", "max_tokens")
-        if isinstance(value := body.get(key), int) and not isinstance(value, bool) and value > 0
-    ]
+    return [(key, value) for key in _LENGTH_KEYS if _count(value := body.get(key))]
 
 
 def asked_tokens(body: Mapping[str, Any]) -> int | None:
