@@ -31,7 +31,6 @@ _MiB = 1024 * 1024
 _TEMP_C = (-100, 200)  # what a snapshot may carry (`shared._snapshot`)
 _NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED, an NVMLError's `value`
 _POWER_W = (0, 100_000)
-_UNOPENED = "left out, cannot be opened"
 RETRY_S = 30.0
 CLOSE_WAIT_S = 2.0  # close waits this long for a sample under way
 
@@ -71,7 +70,8 @@ class GpuCollector:
         self._devices = devices
         self._clock = clock
         self._handles: list[tuple[int, Any]] = []  # (NVML index, handle)
-        self._unopened = 0  # cards the last listing could not open
+        self._unopened = 0  # cards the last listing could not open (or read the UUID of)
+        self._cannot_open: set[int] = set()  # whose problem is that: cleared once they open
         self._open = False
         self._closed = False
         self._retry_at = 0.0
@@ -124,13 +124,14 @@ class GpuCollector:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
             except Exception as exc:
-                self._problem(i).report(f"{_UNOPENED}: {exc}")
+                self._problem(i).report(f"left out, cannot be opened: {exc}")
+                self._cannot_open.add(i)
                 unopened += 1
                 continue
             opened += 1
-            problem = self._problem(i)
-            if problem.current.startswith(_UNOPENED):  # (another problem: a sample clears it)
-                problem.clear()
+            if i in self._cannot_open:  # (another problem of its own: a sample clears that)
+                self._cannot_open.discard(i)
+                self._problem(i).clear()
             chosen = self._chosen(i, handle) if devices else True
             if chosen is None:
                 unopened += 1  # its UUID unreadable: perhaps the one named
